@@ -1,0 +1,228 @@
+"""Load an ONNX model (path, bytes or ModelProto) into carrack's IR.
+
+Checks what can be checked before anything runs: the protobuf parses, the graph is there, opsets are known,
+initializers decode, names are defined before use. Model-local functions are expanded here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import AttributeProto, ModelProto, TypeProto
+
+from carrack.errors import InvalidModel, UnsupportedModel
+from carrack.ir.dims import Sym
+from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
+from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
+from carrack.onnx.functions import Function, inline_functions
+from carrack.onnx.tensors import tensor_to_array
+
+ModelSource = str | os.PathLike | bytes | ModelProto
+
+
+def load_model(source: ModelSource) -> Model:
+    """Parse and import a model from a file path, serialized bytes, or a ModelProto."""
+    proto, base_dir, what = _parse(source)
+    return import_model(proto, base_dir, what)
+
+
+def _parse(source: ModelSource) -> tuple[ModelProto, str | None, str]:
+    if isinstance(source, ModelProto):
+        return source, None, "model"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data, base_dir, what = bytes(source), None, "model bytes"
+    elif isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise InvalidModel(f"model file '{path}' does not exist")
+        with open(path, "rb") as f:
+            data = f.read()
+        base_dir, what = os.path.dirname(os.path.abspath(path)), f"model file '{path}'"
+    else:
+        raise TypeError(f"expected a model path, bytes or onnx.ModelProto, got {type(source).__name__}")
+    if not data:
+        raise InvalidModel(f"{what} is empty")
+    proto = ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+    return proto, base_dir, what
+
+
+def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "model") -> Model:
+    if not proto.HasField("graph"):
+        raise InvalidModel(f"{what} has no graph (not an ONNX model, or truncated)")
+    opsets = _opsets(proto, what)
+    functions = {(canonical_domain(f.domain), f.name): _import_function(f, base_dir) for f in proto.functions}
+    graph = import_graph(proto.graph, base_dir)
+    if functions:
+        graph = inline_functions(graph, functions, opsets)
+    return Model(graph=graph, opsets=opsets, ir_version=proto.ir_version, producer=proto.producer_name,
+                 metadata={p.key: p.value for p in proto.metadata_props}, doc_string=proto.doc_string)
+
+
+def _opsets(proto: ModelProto, what: str) -> dict[str, int]:
+    opsets: dict[str, int] = {}
+    for imp in proto.opset_import:
+        opsets[canonical_domain(imp.domain)] = imp.version
+    if not proto.opset_import and proto.ir_version < 3:
+        opsets[""] = 1
+    newest = onnx.defs.onnx_opset_version()
+    ver = opsets.get("", 0)
+    if ver > newest:
+        raise UnsupportedModel(f"{what} uses ai.onnx opset {ver}; carrack supports opsets 1 to {newest}")
+    return opsets
+
+
+def import_graph(g: onnx.GraphProto, base_dir: str | None) -> Graph:
+    inits = {}
+    for t in g.initializer:
+        if not t.name:
+            raise InvalidModel(f"graph '{g.name}' has an initializer without a name")
+        inits[t.name] = tensor_to_array(t, base_dir)
+    for st in g.sparse_initializer:
+        inits[st.values.name] = _sparse_to_dense(st, base_dir)
+    graph = Graph(
+        name=g.name,
+        inputs=[_value_info(v) for v in g.input],
+        outputs=[_value_info(v) for v in g.output],
+        nodes=[_import_node(n, base_dir) for n in g.node],
+        initializers=inits,
+        value_info={v.name: _value_info(v) for v in g.value_info},
+    )
+    return graph
+
+
+def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
+    import numpy as np
+
+    values = tensor_to_array(st.values, base_dir)
+    indices = tensor_to_array(st.indices, base_dir).astype(np.int64)
+    dims = tuple(st.dims)
+    dense = np.zeros(dims, dtype=values.dtype)
+    size = int(np.prod(dims, dtype=np.int64))
+    if indices.ndim == 2:
+        flat = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(0)
+    else:
+        flat = indices
+    if flat.size and (flat.min() < 0 or flat.max() >= size):
+        raise InvalidModel(f"sparse initializer '{st.values.name}' has indices outside dims {list(dims)}")
+    dense.reshape(-1)[flat] = values.reshape(-1)
+    return dense
+
+
+def _import_node(n: onnx.NodeProto, base_dir: str | None) -> Node:
+    attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    return Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output), attrs=attrs,
+                domain=canonical_domain(n.domain), name=n.name)
+
+
+class AttrRef:
+    """An attribute inside a function body that refers to the caller's attribute `name`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"AttrRef({self.name!r})"
+
+
+def _attr_value(a: AttributeProto, base_dir: str | None) -> Any:
+    if a.ref_attr_name:
+        return AttrRef(a.ref_attr_name)
+    t = a.type
+    A = AttributeProto
+    if t == A.FLOAT:
+        return float(a.f)
+    if t == A.INT:
+        return int(a.i)
+    if t == A.STRING:
+        return _decode(a.s)
+    if t == A.TENSOR:
+        return tensor_to_array(a.t, base_dir)
+    if t == A.GRAPH:
+        return import_graph(a.g, base_dir)
+    if t == A.SPARSE_TENSOR:
+        return _sparse_to_dense(a.sparse_tensor, base_dir)
+    if t == A.TYPE_PROTO:
+        return import_type(a.tp)
+    if t == A.FLOATS:
+        return [float(x) for x in a.floats]
+    if t == A.INTS:
+        return [int(x) for x in a.ints]
+    if t == A.STRINGS:
+        return [_decode(s) for s in a.strings]
+    if t == A.TENSORS:
+        return [tensor_to_array(x, base_dir) for x in a.tensors]
+    if t == A.GRAPHS:
+        return [import_graph(x, base_dir) for x in a.graphs]
+    if t == A.SPARSE_TENSORS:
+        return [_sparse_to_dense(x, base_dir) for x in a.sparse_tensors]
+    if t == A.TYPE_PROTOS:
+        return [import_type(x) for x in a.type_protos]
+    if t == A.UNDEFINED:
+        # old models sometimes omit the type; infer it from which field is set
+        for field, conv in (("f", float), ("i", int), ("s", _decode)):
+            if a.HasField(field):
+                return conv(getattr(a, field))
+        if a.HasField("t"):
+            return tensor_to_array(a.t, base_dir)
+        if a.HasField("g"):
+            return import_graph(a.g, base_dir)
+        for field in ("floats", "ints", "strings"):
+            if len(getattr(a, field)):
+                return [(_decode(x) if field == "strings" else x) for x in getattr(a, field)]
+    raise InvalidModel(f"attribute '{a.name}' has unsupported type {t}")
+
+
+def _decode(s: bytes) -> str | bytes:
+    try:
+        return s.decode("utf-8")
+    except UnicodeDecodeError:
+        return s
+
+
+def import_type(tp: TypeProto) -> ValueType | None:
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type" or kind == "sparse_tensor_type":
+        tt = getattr(tp, kind)
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(_dim(d) for d in tt.shape.dim)
+        return TensorType(tt.elem_type, shape)
+    if kind == "sequence_type":
+        return SequenceType(import_type(tp.sequence_type.elem_type) if tp.sequence_type.HasField("elem_type")
+                            else None)
+    if kind == "optional_type":
+        return OptionalType(import_type(tp.optional_type.elem_type) if tp.optional_type.HasField("elem_type")
+                            else None)
+    if kind == "map_type":
+        return MapType(tp.map_type.key_type, import_type(tp.map_type.value_type))
+    return None
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension):
+    kind = d.WhichOneof("value")
+    if kind == "dim_value":
+        return int(d.dim_value) if d.dim_value >= 0 else None
+    if kind == "dim_param" and d.dim_param:
+        return Sym(d.dim_param)
+    return None
+
+
+def _value_info(v: onnx.ValueInfoProto) -> ValueInfo:
+    return ValueInfo(v.name, import_type(v.type) if v.HasField("type") else None)
+
+
+def _import_function(f: onnx.FunctionProto, base_dir: str | None) -> Function:
+    nodes = [_import_node(n, base_dir) for n in f.node]
+    defaults = {a.name: _attr_value(a, base_dir) for a in f.attribute_proto}
+    for name in f.attribute:
+        defaults.setdefault(name, None)
+    opsets = {canonical_domain(o.domain): o.version for o in f.opset_import}
+    return Function(name=f.name, domain=canonical_domain(f.domain), inputs=list(f.input), outputs=list(f.output),
+                    attr_defaults=defaults, nodes=nodes, opsets=opsets)

@@ -1,0 +1,3 @@
+"""activations kernels."""
+
+from __future__ import annotations

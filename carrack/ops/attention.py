@@ -1,0 +1,3 @@
+"""attention kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""cast kernels."""
+
+from __future__ import annotations

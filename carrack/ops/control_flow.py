@@ -1,0 +1,3 @@
+"""control_flow kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""conv kernels."""
+
+from __future__ import annotations

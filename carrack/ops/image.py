@@ -1,0 +1,3 @@
+"""image kernels."""
+
+from __future__ import annotations

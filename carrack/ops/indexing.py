@@ -1,0 +1,3 @@
+"""indexing kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""linalg kernels."""
+
+from __future__ import annotations

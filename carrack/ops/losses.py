@@ -1,0 +1,3 @@
+"""losses kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""ml kernels."""
+
+from __future__ import annotations

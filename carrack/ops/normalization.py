@@ -1,0 +1,3 @@
+"""normalization kernels."""
+
+from __future__ import annotations

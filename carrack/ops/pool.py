@@ -1,0 +1,3 @@
+"""pool kernels."""
+
+from __future__ import annotations

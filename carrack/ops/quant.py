@@ -1,0 +1,3 @@
+"""quant kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""random kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""reduce kernels."""
+
+from __future__ import annotations

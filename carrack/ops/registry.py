@@ -1,0 +1,132 @@
+"""The operator registry: kernels by (domain, op_type), each valid from an opset version on.
+
+A kernel class handles one operator from the schema version given as ``since`` until the next registered class
+for the same operator. At build time a node's opset resolves to the schema version in force (the ONNX rule: the
+newest schema version not above the model's opset), and that version picks the kernel and is passed to it, so
+one class can still branch on ``self.version`` for small differences.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from carrack.errors import InvalidModel
+from carrack.ir.graph import Node, canonical_domain
+
+if TYPE_CHECKING:
+    from carrack.runtime.program import BuildContext
+
+_REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
+
+
+class Kernel:
+    """One operator instance: parses its attributes once (``setup``), then runs many times (``run``).
+
+    ``run(*inputs)`` receives numpy arrays (``None`` for omitted optional inputs; lists for sequences) and returns
+    one array, or a tuple when the node has several outputs (or its single output is a sequence/optional).
+    Kernels never modify their inputs; session state is immutable, so one kernel may run in several threads.
+    """
+
+    op_type: str = ""
+    domain: str = ""
+    since: int = 1
+
+    def __init__(self, node: Node, version: int, ctx: BuildContext | None = None):
+        self.node = node
+        self.version = version
+        self.ctx = ctx
+        self.setup()
+
+    def setup(self) -> None:
+        """Read attributes; raise InvalidModel (via `self.fail`) for bad ones."""
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.node.attrs.get(name, default)
+
+    def required_attr(self, name: str) -> Any:
+        if name not in self.node.attrs:
+            self.fail(f"attribute '{name}' is required")
+        return self.node.attrs[name]
+
+    def fail(self, message: str) -> None:
+        raise InvalidModel(f"{self.node.label()}: {message}")
+
+    def run(self, *inputs: Any) -> Any:
+        raise NotImplementedError
+
+    def execute(self, inputs: Sequence[Any], scope: Mapping[str, Any]) -> Any:
+        """What the executor calls; control-flow kernels override it to see outer-scope values."""
+        return self.run(*inputs)
+
+
+def register(op_type: str | Sequence[str], since: int = 1, domain: str = "") -> Callable[[type], type]:
+    """Class decorator: ``@register("Relu", since=6)``; several op types may share one class."""
+    names = [op_type] if isinstance(op_type, str) else list(op_type)
+
+    def wrap(cls: type[Kernel]) -> type[Kernel]:
+        for name in names:
+            entries = _REGISTRY.setdefault((canonical_domain(domain), name), [])
+            entries[:] = [e for e in entries if e[0] != since] + [(since, cls)]
+            entries.sort(key=lambda e: e[0])
+        if not cls.op_type:
+            cls.op_type = names[0]
+        cls.domain = canonical_domain(domain)
+        cls.since = since
+        return cls
+
+    return wrap
+
+
+@functools.lru_cache(maxsize=4096)
+def schema_version(domain: str, op_type: str, opset: int) -> int | None:
+    """The since_version of the schema in force at `opset`, or None if ONNX knows no such schema."""
+    try:
+        return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain=domain).since_version
+    except onnx.defs.SchemaError:
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain=domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+def default_opset(domain: str) -> int:
+    """Newest opset of a domain that the installed onnx knows (1 for custom domains)."""
+    return onnx.defs.onnx_opset_version() if domain == "" else _domain_max().get(domain, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _domain_max() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in onnx.defs.get_all_schemas_with_history():
+        d = canonical_domain(s.domain)
+        out[d] = max(out.get(d, 1), s.since_version)
+    return out
+
+
+def resolve(domain: str, op_type: str, opset: int) -> tuple[type[Kernel] | None, int]:
+    """The kernel class for an op at a model opset, and the schema version it runs as."""
+    entries = _REGISTRY.get((domain, op_type))
+    version = schema_version(domain, op_type, opset) if domain in ("", "ai.onnx.ml", "ai.onnx.preview.training",
+                                                                    "ai.onnx.preview") else None
+    if version is None:
+        version = opset
+    if not entries:
+        return None, version
+    chosen = None
+    for since, cls in entries:
+        if since <= version:
+            chosen = cls
+    return chosen, version
+
+
+def registered_ops() -> list[tuple[str, str, int]]:
+    return sorted((d, op, since) for (d, op), es in _REGISTRY.items() for since, _ in es)

@@ -1,0 +1,3 @@
+"""resize kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""rnn kernels."""
+
+from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Running models: sessions, options, compiled programs."""

@@ -1,0 +1,195 @@
+"""A graph compiled for execution: kernels bound to integer value slots, with liveness-based release.
+
+A `Program` is immutable once built; each `run` works in its own slot list, so one program may run in several
+threads at once. Subgraphs (If/Loop/Scan bodies) are Programs too; the values they read from enclosing scopes
+are their *captures*, passed in by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from carrack.errors import CarrackError, InvalidModel, NotImplementedOps, RunFailure
+from carrack.ir.graph import Graph, Node
+from carrack.ops import registry
+
+
+@dataclass
+class BuildContext:
+    """What kernels may use while being built; collects every unsupported op before failing once."""
+
+    opsets: dict[str, int]
+    options: Any = None
+    missing: list[tuple[str, str, int, str]] = field(default_factory=list)
+    scope: frozenset[str] = frozenset()  # names visible to the node being built (for its subgraphs)
+
+    def opset_of(self, node: Node) -> int:
+        if node.opset is not None:
+            return node.opset
+        return self.opsets.get(node.domain) or registry.default_opset(node.domain)
+
+    def compile(self, graph: Graph) -> Program:
+        """Compile a subgraph of the node being built; it may read any name visible to that node."""
+        return Program(graph, self, self.scope)
+
+
+@dataclass(frozen=True)
+class Step:
+    kernel: registry.Kernel
+    node: Node
+    ins: tuple[int, ...]  # -1: omitted optional input
+    outs: tuple[int, ...]  # -1: output not used
+    captures: tuple[tuple[str, int], ...]
+    release: tuple[int, ...]  # slots whose value dies after this step
+
+
+class Program:
+    def __init__(self, graph: Graph, ctx: BuildContext, outer: frozenset[str] = frozenset()):
+        self.graph = graph
+        self.slot_of: dict[str, int] = {}
+        self.input_names = [v.name for v in graph.inputs]
+        self.input_slots = [self._slot(n) for n in self.input_names]
+        self.constants = {self._slot(k): v for k, v in graph.initializers.items()}
+        free = sorted(graph.free_names())
+        unknown = [n for n in free if n not in outer]
+        if unknown:
+            what = f"graph '{graph.name}'" if graph.name else "the graph"
+            raise InvalidModel(f"{what} reads values that nothing defines: {', '.join(map(repr, unknown[:10]))}")
+        self.capture_slots = [(n, self._slot(n)) for n in free]
+        nodes = _expand_function_ops(_toposort(graph), ctx)
+        visible = frozenset(outer | graph.defined_names() | {o for n in nodes for o in n.outputs})
+        self.steps = self._build_steps(nodes, ctx, visible)
+        self.output_slots = [self.slot_of[o.name] if o.name in self.slot_of else self._slot(o.name)
+                             for o in graph.outputs]
+        self.n_slots = len(self.slot_of)
+        self._assign_release()
+
+    def _slot(self, name: str) -> int:
+        if name not in self.slot_of:
+            self.slot_of[name] = len(self.slot_of)
+        return self.slot_of[name]
+
+    def _build_steps(self, nodes: list[Node], ctx: BuildContext, visible: frozenset[str]) -> list[Step]:
+        steps = []
+        for node in nodes:
+            opset = ctx.opset_of(node)
+            cls, version = registry.resolve(node.domain, node.op_type, opset)
+            if cls is None:
+                ctx.missing.append((node.op_type, node.domain, version, node.name or f"output {node.outputs[:1]}"))
+                continue
+            ins = tuple(self._slot(i) if i else -1 for i in node.inputs)
+            outer_scope, ctx.scope = ctx.scope, visible
+            try:
+                kernel = cls(node, version, ctx)
+            except CarrackError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a kernel rejecting its attributes
+                raise InvalidModel(f"{node.label()}: {type(e).__name__}: {e}") from e
+            finally:
+                ctx.scope = outer_scope
+            captures = tuple((n, self._slot(n)) for g in node.subgraphs() for n in sorted(g.free_names()))
+            outs = tuple(self._slot(o) if o else -1 for o in node.outputs)
+            steps.append(Step(kernel, node, ins, outs, captures, ()))
+        return steps
+
+    def _assign_release(self) -> None:
+        keep = set(self.output_slots) | set(self.constants)
+        last_use: dict[int, int] = {}
+        for i, st in enumerate(self.steps):
+            for s in st.ins + tuple(s for _, s in st.captures) + st.outs:
+                if s >= 0:
+                    last_use[s] = i
+        release: dict[int, list[int]] = {}
+        for s, i in last_use.items():
+            if s not in keep:
+                release.setdefault(i, []).append(s)
+        self.steps = [Step(st.kernel, st.node, st.ins, st.outs, st.captures, tuple(release.get(i, ())))
+                      for i, st in enumerate(self.steps)]
+
+    def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None) -> list[Any]:
+        env: list[Any] = [None] * self.n_slots
+        for s, v in self.constants.items():
+            env[s] = v
+        for s, v in zip(self.input_slots, inputs):
+            if v is not None or env[s] is None:
+                env[s] = v
+        for name, s in self.capture_slots:
+            env[s] = outer[name]  # type: ignore[index]
+        for st in self.steps:
+            args = [env[s] if s >= 0 else None for s in st.ins]
+            scope = {n: env[s] for n, s in st.captures} if st.captures else _EMPTY
+            try:
+                result = st.kernel.execute(args, scope)
+            except CarrackError:
+                raise
+            except Exception as e:  # noqa: BLE001 - name the node that failed
+                raise RunFailure(f"{st.node.label()} failed: {type(e).__name__}: {e}") from e
+            outs = result if type(result) is tuple else (result,)
+            for s, v in zip(st.outs, outs):
+                if s >= 0:
+                    env[s] = np.asarray(v) if isinstance(v, np.generic) else v
+            for s in st.release:
+                env[s] = None
+        return [env[s] for s in self.output_slots]
+
+
+_EMPTY: Mapping[str, Any] = {}
+
+
+def _toposort(graph: Graph) -> list[Node]:
+    """Nodes in an order where every input is produced first (ONNX requires it; some exporters forget)."""
+    available = {v.name for v in graph.inputs} | set(graph.initializers) | graph.free_names() | {""}
+    ordered, pending = [], list(graph.nodes)
+    while pending:
+        rest = []
+        for n in pending:
+            needs = set(n.inputs) | {x for g in n.subgraphs() for x in g.free_names()}
+            if needs <= available:
+                ordered.append(n)
+                available.update(n.outputs)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            n = rest[0]
+            missing = sorted((set(n.inputs) | {x for g in n.subgraphs() for x in g.free_names()}) - available)
+            raise InvalidModel(f"{n.label()} reads {', '.join(map(repr, missing))}, which no node, input or "
+                               "initializer defines (or the graph has a cycle)")
+        pending = rest
+    return ordered
+
+
+def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:
+    """Ops without a kernel whose ONNX schema defines a function body are replaced by that body."""
+    from carrack.onnx.functions import Function, expand_call
+    from carrack.onnx.importer import _import_function
+
+    out: list[Node] = []
+    for node in nodes:
+        opset = ctx.opset_of(node)
+        cls, version = registry.resolve(node.domain, node.op_type, opset)
+        sch = registry.schema(node.domain, node.op_type, opset) if cls is None else None
+        body = _function_body(sch, opset) if sch is not None and depth < 8 else None
+        if body is None:
+            out.append(node)
+            continue
+        fn: Function = _import_function(body, None)
+        fn.opsets.setdefault(node.domain, opset)
+        out.extend(_expand_function_ops(expand_call(node, fn, ctx.opsets), ctx, depth + 1))
+    return out
+
+
+def _function_body(sch, opset: int) -> onnx.FunctionProto | None:
+    """The schema's function body for a model opset, if it has a context-free one."""
+    if not sch.has_function:
+        return None
+    versions = [v for v in sch.function_opset_versions if v <= opset]
+    if not versions:
+        return None
+    fp = onnx.FunctionProto()
+    fp.ParseFromString(sch.get_function_with_opset_version(max(versions)))
+    return fp

@@ -1,0 +1,145 @@
+"""InferenceSession: onnxruntime's Python API over carrack's loader, optimizer and executor."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from carrack.errors import InvalidArgument, NotImplementedOps
+from carrack.ir.dims import Sym, dim_label
+from carrack.ir.graph import Model, ValueInfo
+from carrack.ir.types import OptionalType, SequenceType, TensorType
+from carrack.onnx.importer import ModelSource, load_model
+from carrack.runtime.feeds import check_feed
+from carrack.runtime.options import RunOptions, SessionOptions
+from carrack.runtime.program import BuildContext, Program
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """A graph input or output as onnxruntime describes it."""
+
+    name: str
+    type: str
+    shape: list[int | str | None] | None
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape!r})"
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    producer_name: str
+    graph_name: str
+    domain: str
+    description: str
+    graph_description: str
+    version: int
+    custom_metadata_map: dict[str, str]
+
+
+def _node_arg(v: ValueInfo) -> NodeArg:
+    t = v.type
+    if isinstance(t, TensorType):
+        shape = None if t.shape is None else [dim_label(d) for d in t.shape]
+        return NodeArg(v.name, t.ort_name(), shape)
+    if t is None:
+        return NodeArg(v.name, "tensor(undefined)", None)
+    return NodeArg(v.name, t.ort_name(), None)
+
+
+class InferenceSession:
+    """Load a model once, run it many times (from several threads at once if you like).
+
+    ``InferenceSession(path_or_bytes_or_ModelProto, sess_options=None, providers=None)``; ``providers`` is accepted
+    for compatibility with onnxruntime and ignored (carrack runs on the CPU).
+    """
+
+    def __init__(self, path_or_bytes: ModelSource, sess_options: SessionOptions | None = None,
+                 providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
+                 **kwargs: Any):
+        self._options = sess_options or SessionOptions()
+        self._model: Model = load_model(path_or_bytes)
+        graph = self._model.graph
+        ctx = BuildContext(opsets=self._model.opsets, options=self._options)
+        self._program = Program(graph, ctx)
+        if ctx.missing:
+            raise NotImplementedOps(ctx.missing)
+        initialized = set(graph.initializers)
+        self._inputs = [v for v in graph.inputs if v.name not in initialized]
+        self._overridable = [v for v in graph.inputs if v.name in initialized]
+        self._outputs = list(graph.outputs)
+        self._input_index = {v.name: i for i, v in enumerate(graph.inputs)}
+        self._output_index = {v.name: i for i, v in enumerate(graph.outputs)}
+        self._lock = threading.Lock()
+
+    # -- onnxruntime API -------------------------------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return [_node_arg(v) for v in self._inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        return [_node_arg(v) for v in self._outputs]
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        return [_node_arg(v) for v in self._overridable]
+
+    def get_providers(self) -> list[str]:
+        return ["CPUExecutionProvider"]
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        return {"CPUExecutionProvider": {}}
+
+    def get_session_options(self) -> SessionOptions:
+        return self._options
+
+    def get_modelmeta(self) -> ModelMetadata:
+        m = self._model
+        return ModelMetadata(m.producer, m.graph.name, "", m.doc_string, "", 0, dict(m.metadata))
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: RunOptions | None = None) -> list[Any]:
+        """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
+        wanted = self._output_positions(output_names)
+        inputs = self._bind_inputs(input_feed)
+        results = self._program.run(inputs)
+        return [results[i] for i in wanted]
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _output_positions(self, output_names: Sequence[str] | None) -> list[int]:
+        if output_names is None or len(output_names) == 0:
+            return list(range(len(self._outputs)))
+        if isinstance(output_names, str):
+            raise InvalidArgument("output_names must be a list of names, not a string")
+        unknown = [n for n in output_names if n not in self._output_index]
+        if unknown:
+            raise InvalidArgument(f"unknown output name(s) {unknown}; the model's outputs are "
+                                  f"{[v.name for v in self._outputs]}")
+        return [self._output_index[n] for n in output_names]
+
+    def _bind_inputs(self, feed: Mapping[str, Any]) -> list[Any]:
+        if not isinstance(feed, Mapping):
+            raise InvalidArgument(f"input_feed must be a dict of input name -> array, got {type(feed).__name__}")
+        unknown = [k for k in feed if k not in self._input_index]
+        if unknown:
+            raise InvalidArgument(f"unknown input name(s) {unknown}; the model's inputs are "
+                                  f"{[v.name for v in self._inputs]}")
+        missing = [v.name for v in self._inputs if v.name not in feed and not _may_omit(v)]
+        if missing:
+            raise InvalidArgument(f"missing input(s) {missing}: every model input needs a value")
+        bound: list[Any] = [None] * len(self._model.graph.inputs)
+        symbols: dict[Sym, tuple[int, str]] = {}
+        for name, value in feed.items():
+            info = self._model.graph.inputs[self._input_index[name]]
+            bound[self._input_index[name]] = check_feed(info, value, symbols)
+        return bound
+
+
+def _may_omit(v: ValueInfo) -> bool:
+    return isinstance(v.type, OptionalType)
+
+
+__all__ = ["InferenceSession", "ModelMetadata", "NodeArg", "SequenceType", "np"]
