@@ -95,7 +95,7 @@ def tensor_to_array(t: TensorProto, base_dir: str | None = None) -> np.ndarray:
     if t.data_location == TensorProto.EXTERNAL:
         raw = _external_bytes(t, base_dir)
         return _from_raw(t, bytes(raw) if dtype.itemsize == 0 or _packed(dtype) else raw, dtype, shape, count)
-    if t.HasField("raw_data") and dtype != object:
+    if t.HasField("raw_data") and dtype.kind != "O":
         return _from_raw(t, t.raw_data, dtype, shape, count)
     try:
         arr = numpy_helper.to_array(t)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from carrack.errors import CarrackError, InvalidModel, NotImplementedOps, RunFailure
+from carrack.errors import CarrackError, InvalidModel, RunFailure
 from carrack.ir.graph import Graph, Node
 from carrack.ops import registry
 

@@ -43,6 +43,24 @@ def node_cases() -> dict[str, Case]:
     return {c.name: Case(c.name, c.rtol, c.atol, model=c.model, data_sets=list(c.data_sets)) for c in cases}
 
 
+def case_ops(case_id: str) -> set[str]:
+    """The op types a node case is about: its graph's top-level ops, and those of its unexpanded twin."""
+    cases = node_cases()
+    ops = {n.op_type for n in cases[case_id].model.graph.node}
+    if "_expanded" in case_id:
+        twin = cases.get(case_id.split("_expanded")[0])
+        if twin is not None:
+            ops |= {n.op_type for n in twin.model.graph.node}
+    return ops
+
+
+def selected_node_case_ids() -> list[str]:
+    """All node case ids; ``CARRACK_OPS=Relu,Add`` narrows them to cases about those ops (for kernel work)."""
+    wanted = {o.strip() for o in os.environ.get("CARRACK_OPS", "").split(",") if o.strip()}
+    ids = list(node_cases())
+    return [c for c in ids if not wanted or case_ops(c) & wanted]
+
+
 def folder_case_ids() -> list[str]:
     ids = []
     for group in MODEL_GROUPS:
