@@ -1,0 +1,5 @@
+import sys
+
+from carrack.cli import main
+
+sys.exit(main())

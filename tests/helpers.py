@@ -1,0 +1,27 @@
+"""Small builders for test models."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+
+def tensor_info(name: str, elem_type: int = TensorProto.FLOAT, shape=None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def single_op_model(op_type: str, inputs: list[onnx.ValueInfoProto], outputs: list[onnx.ValueInfoProto],
+                    opset: int = 17, initializers=(), domain: str = "", **attrs) -> onnx.ModelProto:
+    node = helper.make_node(op_type, [v.name for v in inputs] + [t.name for t in initializers],
+                            [v.name for v in outputs], domain=domain, **attrs)
+    graph = helper.make_graph([node], "g", inputs, outputs, initializer=list(initializers))
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feed)
