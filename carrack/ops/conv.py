@@ -29,7 +29,8 @@ def pad_spatial(x: np.ndarray, pads: Sequence[int], value: float = 0) -> np.ndar
         widths = [(0, 0)] * (x.ndim - nd) + [(max(b, 0), max(e, 0)) for b, e in zip(begins, ends)]
         x = np.pad(x, widths, constant_values=value)
     if any(p < 0 for p in begins + ends):
-        crop = tuple(slice(-min(b, 0), x.shape[x.ndim - nd + i] + min(e, 0)) for i, (b, e) in enumerate(zip(begins, ends)))
+        spatial = x.shape[x.ndim - nd:]
+        crop = tuple(slice(-min(b, 0), size + min(e, 0)) for size, b, e in zip(spatial, begins, ends))
         x = x[(Ellipsis,) + crop]
     return x
 
@@ -91,3 +92,240 @@ def _depthwise(x: np.ndarray, w: np.ndarray, strides: Sequence[int], dilations: 
     for i, offset in enumerate(np.ndindex(*kernel)):
         out += win[(Ellipsis,) + offset] * taps[:, i].reshape(channel_shape)
     return out
+
+
+def col2im(cols: np.ndarray, image_shape: Sequence[int], strides: Sequence[int],
+           dilations: Sequence[int]) -> np.ndarray:
+    """Scatter-adds cols[N, C, *kernel, *blocks] into an image[N, C, *image_shape] (before any cropping of pads).
+
+    Block b's kernel tap k lands at b * stride + k * dilation; one strided slice-add per kernel offset.
+    """
+    nd = len(image_shape)
+    kernel = cols.shape[2:2 + nd]
+    blocks = cols.shape[2 + nd:]
+    image = np.zeros(cols.shape[:2] + tuple(image_shape), dtype=cols.dtype)
+    for offset in np.ndindex(*kernel):
+        target = tuple(slice(k * d, k * d + (b - 1) * s + 1, s)
+                       for k, d, b, s in zip(offset, dilations, blocks, strides))
+        image[(Ellipsis,) + target] += cols[(slice(None), slice(None)) + offset]
+    return image
+
+
+def same_pads(in_shape: Sequence[int], out_shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+              dilations: Sequence[int], upper: bool) -> list[int]:
+    """ONNX pads that make a window of this kernel produce `out_shape` outputs (odd extra at end if upper)."""
+    begins, ends = [], []
+    for i, o, k, s, d in zip(in_shape, out_shape, kernel, strides, dilations):
+        total = max(0, (o - 1) * s + (k - 1) * d + 1 - i)
+        small, large = total // 2, total - total // 2
+        begins.append(small if upper else large)
+        ends.append(large if upper else small)
+    return begins + ends
+
+
+def conv_pads(auto_pad: str, pads: Sequence[int] | None, in_shape: Sequence[int], kernel: Sequence[int],
+              strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """Explicit pads for Conv-like ops under every auto_pad mode."""
+    nd = len(kernel)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out_shape = [-(-i // s) for i, s in zip(in_shape, strides)]
+        return same_pads(in_shape, out_shape, kernel, strides, dilations, auto_pad == "SAME_UPPER")
+    if auto_pad == "VALID" or pads is None:
+        return [0] * (2 * nd)
+    return list(pads)
+
+
+class _ConvBase(Kernel):
+    """Attributes shared by the convolution family."""
+
+    def setup(self):
+        self.auto_pad = self.attr("auto_pad", "NOTSET")
+        if isinstance(self.auto_pad, bytes):
+            self.auto_pad = self.auto_pad.decode()
+        if self.auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
+            self.fail(f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}")
+        self.group = int(self.attr("group", 1))
+        if self.group < 1:
+            self.fail(f"group must be positive, got {self.group}")
+        self.pads = self.attr("pads")
+        self.strides = self.attr("strides")
+        self.dilations = self.attr("dilations")
+
+    def geometry(self, nd: int) -> tuple[list[int], list[int]]:
+        strides = list(self.strides) if self.strides else [1] * nd
+        dilations = list(self.dilations) if self.dilations else [1] * nd
+        return strides, dilations
+
+
+def _add_bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    if b is None:
+        return y
+    return y + b.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
+
+
+@register("Conv", since=1)
+class Conv(_ConvBase):
+    def run(self, x, w, b=None):
+        nd = x.ndim - 2
+        strides, dilations = self.geometry(nd)
+        pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
+        y = convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group)
+        return _add_bias(y, b)
+
+
+@register("ConvTranspose", since=1)
+class ConvTranspose(_ConvBase):
+    def setup(self):
+        super().setup()
+        self.output_padding = self.attr("output_padding")
+        self.output_shape = self.attr("output_shape")
+
+    def run(self, x, w, b=None):
+        nd = x.ndim - 2
+        strides, dilations = self.geometry(nd)
+        in_shape = x.shape[2:]
+        kernel = w.shape[2:]
+        out_pad = list(self.output_padding) if self.output_padding else [0] * nd
+        full = [(i - 1) * s + (k - 1) * d + 1 for i, s, k, d in zip(in_shape, strides, kernel, dilations)]
+        pads = self._pads(in_shape, full, out_pad, strides, nd)
+        out_shape = [f + p - b - e for f, p, b, e in zip(full, out_pad, pads[:nd], pads[nd:])]
+
+        out_dtype = np.result_type(x, w)
+        dtype = _compute_dtype(out_dtype)
+        n, c = x.shape[:2]
+        g = self.group
+        mg = w.shape[1]
+        # cols[n, group, Mg*K, pixels] = W_g^T @ X_g, then scatter-add every kernel tap into the output.
+        wg = w.astype(dtype, copy=False).reshape(g, c // g, -1).transpose(0, 2, 1)
+        xg = x.astype(dtype, copy=False).reshape(n, g, c // g, -1)
+        cols = np.matmul(wg, xg).reshape((n, g * mg) + tuple(kernel) + tuple(in_shape))
+        image = col2im(cols, full, strides, dilations)
+        # Crop the pads off the full result (negative pads) and extend by output_padding (positive pads).
+        crop = [-p for p in pads[:nd]] + [o + p - f for o, p, f in zip(out_shape, pads[:nd], full)]
+        y = pad_spatial(image, crop).astype(out_dtype, copy=False)
+        return _add_bias(y, b)
+
+    def _pads(self, in_shape, full, out_pad, strides, nd) -> list[int]:
+        target = None
+        if self.output_shape:
+            target = list(self.output_shape)[-nd:]
+        elif self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            target = [i * s for i, s in zip(in_shape, strides)]
+        if target is None:
+            if self.auto_pad == "VALID" or not self.pads:
+                return [0] * (2 * nd)
+            return list(self.pads)
+        begins, ends = [], []
+        for f, p, o in zip(full, out_pad, target):
+            total = f + p - o
+            small, large = total // 2, total - total // 2
+            upper = self.auto_pad == "SAME_UPPER"
+            begins.append(small if upper else large)
+            ends.append(large if upper else small)
+        return begins + ends
+
+
+@register("Col2Im", since=18)
+class Col2Im(Kernel):
+    def setup(self):
+        self.pads = self.attr("pads")
+        self.strides = self.attr("strides")
+        self.dilations = self.attr("dilations")
+
+    def run(self, x, image_shape, block_shape):
+        image_shape = [int(v) for v in image_shape]
+        block_shape = [int(v) for v in block_shape]
+        nd = len(image_shape)
+        strides = list(self.strides) if self.strides else [1] * nd
+        dilations = list(self.dilations) if self.dilations else [1] * nd
+        pads = list(self.pads) if self.pads else [0] * (2 * nd)
+        padded = [i + b + e for i, b, e in zip(image_shape, pads[:nd], pads[nd:])]
+        blocks = [(p - (k - 1) * d - 1) // s + 1 for p, k, d, s in zip(padded, block_shape, dilations, strides)]
+        n = x.shape[0]
+        cols = x.reshape((n, -1) + tuple(block_shape) + tuple(blocks))
+        image = col2im(cols, padded, strides, dilations)
+        return pad_spatial(image, [-p for p in pads])
+
+
+@register("DeformConv", since=19)
+class DeformConv(_ConvBase):
+    def setup(self):
+        super().setup()
+        self.offset_group = int(self.attr("offset_group", 1))
+
+    def run(self, x, w, offset, b=None, mask=None):
+        nd = x.ndim - 2
+        strides, dilations = self.geometry(nd)
+        pads = list(self.pads) if self.pads else [0] * (2 * nd)
+        kernel = w.shape[2:]
+        out_spatial = tuple(offset.shape[2:])
+        n, c = x.shape[:2]
+        og = self.offset_group
+        k_count = int(np.prod(kernel))
+        p_count = int(np.prod(out_spatial))
+
+        out_dtype = np.result_type(x, w)
+        dtype = _compute_dtype(out_dtype)
+        # Sampling positions: base grid (output position * stride - pad + tap * dilation) plus the learned offsets.
+        base = np.stack(np.meshgrid(*[np.arange(o) * s - p for o, s, p in zip(out_spatial, strides, pads[:nd])],
+                                    indexing="ij"), axis=0).reshape(nd, 1, p_count)
+        taps = np.stack(np.meshgrid(*[np.arange(k) * d for k, d in zip(kernel, dilations)], indexing="ij"),
+                        axis=0).reshape(nd, k_count, 1)
+        delta = offset.astype(dtype, copy=False).reshape(n, og, k_count, nd, p_count).transpose(0, 1, 3, 2, 4)
+        positions = delta + (base + taps).astype(dtype)  # N, og, nd, K, P
+        samples = _multilinear_sample(x.astype(dtype, copy=False).reshape((n, og, c // og) + x.shape[2:]), positions)
+        if mask is not None:
+            samples = samples * mask.astype(dtype, copy=False).reshape(n, og, 1, k_count, p_count)
+        cols = samples.reshape(n, self.group, -1, p_count)  # channel-major then tap: matches W's layout
+        g = self.group
+        y = np.matmul(w.astype(dtype, copy=False).reshape(g, w.shape[0] // g, -1), cols)
+        y = y.reshape((n, w.shape[0]) + out_spatial).astype(out_dtype, copy=False)
+        return _add_bias(y, b)
+
+
+def _multilinear_sample(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Samples x[N, G, Cg, *spatial] at positions[N, G, nd, K, P] (zero outside); returns [N, G, Cg, K, P]."""
+    n, g, cg = x.shape[:3]
+    spatial = x.shape[3:]
+    nd = len(spatial)
+    flat = x.reshape(n, g, cg, -1).transpose(0, 1, 3, 2)  # N, G, S, Cg
+    lows = np.floor(positions)
+    fracs = positions - lows
+    lows = lows.astype(np.int64)
+    out = np.zeros(positions.shape[:2] + positions.shape[3:] + (cg,), dtype=x.dtype)
+    n_idx = np.arange(n).reshape(n, 1, 1, 1)
+    g_idx = np.arange(g).reshape(1, g, 1, 1)
+    for corner in np.ndindex(*([2] * nd)):
+        weight = np.ones(positions.shape[:2] + positions.shape[3:], dtype=x.dtype)
+        linear = np.zeros(weight.shape, dtype=np.int64)
+        inside = np.ones(weight.shape, dtype=bool)
+        for axis, bit in enumerate(corner):
+            idx = lows[:, :, axis] + bit
+            frac = fracs[:, :, axis]
+            weight = weight * (frac if bit else 1 - frac)
+            inside &= (idx >= 0) & (idx < spatial[axis])
+            linear = linear * spatial[axis] + np.clip(idx, 0, spatial[axis] - 1)
+        values = flat[n_idx, g_idx, linear]  # N, G, K, P, Cg
+        out += values * (weight * inside)[..., None]
+    return out.transpose(0, 1, 4, 2, 3)
+
+
+@register("CausalConvWithState", since=27)
+class CausalConvWithState(Kernel):
+    def setup(self):
+        activation = self.attr("activation", "none")
+        self.activation = activation.decode() if isinstance(activation, bytes) else activation
+        if self.activation not in ("none", "silu", "swish"):
+            self.fail(f"activation must be 'silu', 'swish' or 'none', got {self.activation!r}")
+
+    def run(self, x, w, b=None, past_state=None):
+        k = w.shape[-1]
+        if past_state is None:
+            past_state = np.zeros(x.shape[:2] + (k - 1,), dtype=x.dtype)
+        sequence = np.concatenate([past_state.astype(x.dtype, copy=False), x], axis=2)
+        y = convolve(sequence, w, strides=[1], pads=[0, 0], dilations=[1], group=x.shape[1]).astype(x.dtype)
+        y = _add_bias(y, b)
+        if self.activation != "none":
+            y = y / (1 + np.exp(-y))
+        present = sequence[:, :, sequence.shape[2] - (k - 1):]
+        return y.astype(x.dtype, copy=False), present

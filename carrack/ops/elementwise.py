@@ -1,3 +1,332 @@
-"""elementwise kernels."""
+"""Elementwise kernels: arithmetic, comparison, logic, bitwise and math functions (numpy-style broadcasting).
+
+Half-precision inputs (float16, bfloat16) are computed in float32 and rounded back once, as onnxruntime does.
+Opset < 7 binary ops used "legacy" broadcasting (`broadcast=1`, optional `axis`), handled by `_align_legacy`.
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+from numpy.polynomial import chebyshev
+
+from carrack.ops.registry import Kernel, register
+
+_NARROW_FLOATS = frozenset(
+    np.dtype(getattr(ml_dtypes, name))
+    for name in ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                 "float8_e8m0fnu", "float4_e2m1fn")
+    if hasattr(ml_dtypes, name)
+) | {np.dtype(np.float16)}
+
+
+def widen(x: np.ndarray) -> np.ndarray:
+    """Half and narrower floats (float16, bfloat16, float8, ...) as float32; other arrays unchanged."""
+    return x.astype(np.float32) if x.dtype in _NARROW_FLOATS else x
+
+
+def _align_legacy(a: np.ndarray, b: np.ndarray, axis: int | None) -> np.ndarray:
+    """Opset < 7 broadcasting: B's shape matches a contiguous run of A's dims starting at `axis`."""
+    if axis is None or b.ndim == 0:
+        return b
+    if axis < 0:
+        axis += a.ndim
+    trailing = a.ndim - axis - b.ndim
+    return b.reshape(b.shape + (1,) * trailing) if trailing > 0 else b
+
+
+class _Binary(Kernel):
+    """Two-input elementwise op; subclasses implement `compute(a, b)`."""
+
+    def setup(self) -> None:
+        legacy = self.version < 7 and self.attr("broadcast", 0)
+        self.legacy_axis = self.attr("axis") if legacy else None
+
+    def run(self, a, b):
+        if self.legacy_axis is not None:
+            b = _align_legacy(a, b, self.legacy_axis)
+        return self.compute(a, b)
+
+    def compute(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
+
+
+@register(["Add", "Sub", "Mul"], since=1)
+class Arithmetic(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        self.fn = _ARITHMETIC[self.node.op_type]
+
+    def compute(self, a, b):
+        return self.fn(a, b).astype(a.dtype, copy=False)
+
+
+def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Integer division rounding toward zero (C semantics); division by zero gives 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.floor_divide(a, b)
+        if a.dtype.kind == "i":
+            inexact = np.not_equal(np.multiply(q, b), a)
+            q = q + (inexact & ((a < 0) != (b < 0)))
+    return q.astype(a.dtype, copy=False)
+
+
+@register("Div", since=1)
+class Div(_Binary):
+    def compute(self, a, b):
+        if a.dtype.kind in "iu":
+            return truncating_divide(a, b)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.divide(widen(a), widen(b)).astype(a.dtype, copy=False)
+
+
+@register("Mod", since=10)
+class Mod(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        fmod = self.attr("fmod", 0)
+        if fmod not in (0, 1):
+            self.fail(f"fmod must be 0 or 1, got {fmod}")
+        # fmod=1: remainder has the dividend's sign (C fmod); fmod=0: the divisor's sign (Python %).
+        self.fn = np.fmod if fmod else np.mod
+
+    def compute(self, a, b):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.fn(widen(a), widen(b)).astype(a.dtype, copy=False)
+
+
+@register("Pow", since=1)
+class Pow(_Binary):
+    """The output has the base's type, whatever the exponent's type."""
+
+    def compute(self, x, y):
+        with np.errstate(all="ignore"):
+            if x.dtype.kind in "iu" and y.dtype.kind in "iu" and not np.any(y < 0):
+                return np.power(x, y.astype(x.dtype, copy=False))
+            work = np.float64 if x.dtype.kind in "iu" or np.float64 in (x.dtype, y.dtype) else np.float32
+            return np.power(x.astype(work, copy=False), y.astype(work, copy=False)).astype(x.dtype)
+
+
+_COMPARISONS = {"Equal": np.equal, "Greater": np.greater, "Less": np.less,
+                "GreaterOrEqual": np.greater_equal, "LessOrEqual": np.less_equal}
+
+
+@register(["Equal", "Greater", "Less"], since=1)
+@register(["GreaterOrEqual", "LessOrEqual"], since=12)
+class Comparison(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        self.fn = _COMPARISONS[self.node.op_type]
+
+    def compute(self, a, b):
+        return np.asarray(self.fn(a, b), dtype=np.bool_)
+
+
+_LOGICAL = {"And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor}
+
+
+@register(["And", "Or", "Xor"], since=1)
+class Logical(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        self.fn = _LOGICAL[self.node.op_type]
+
+    def compute(self, a, b):
+        return self.fn(a, b)
+
+
+@register("Not", since=1)
+class Not(Kernel):
+    def run(self, x):
+        return np.logical_not(x)
+
+
+_BITWISE = {"BitwiseAnd": np.bitwise_and, "BitwiseOr": np.bitwise_or, "BitwiseXor": np.bitwise_xor}
+
+
+@register(["BitwiseAnd", "BitwiseOr", "BitwiseXor"], since=18)
+class Bitwise(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        self.fn = _BITWISE[self.node.op_type]
+
+    def compute(self, a, b):
+        return self.fn(a, b)
+
+
+@register("BitwiseNot", since=18)
+class BitwiseNot(Kernel):
+    def run(self, x):
+        return np.invert(x)
+
+
+@register("BitShift", since=11)
+class BitShift(_Binary):
+    """Shifts by a negative amount or by the bit width or more give only the sign fill (0, or -1 right-shifting
+    a negative signed value), instead of C's undefined behaviour."""
+
+    def setup(self) -> None:
+        super().setup()
+        direction = self.required_attr("direction")
+        if direction not in ("LEFT", "RIGHT"):
+            self.fail(f"direction must be 'LEFT' or 'RIGHT', got {direction!r}")
+        self.left = direction == "LEFT"
+
+    def compute(self, x, y):
+        y = y.astype(x.dtype, copy=False)
+        in_range = (y >= 0) & (y < x.dtype.itemsize * 8)
+        amount = np.where(in_range, y, 0).astype(x.dtype, copy=False)
+        shifted = np.left_shift(x, amount) if self.left else np.right_shift(x, amount)
+        fill = np.where(x < 0, -1, 0).astype(x.dtype) if not self.left and x.dtype.kind == "i" else x.dtype.type(0)
+        return np.where(in_range, shifted, fill).astype(x.dtype, copy=False)
+
+
+class _Unary(Kernel):
+    """One numpy function applied elementwise, computed in float32 for half-precision inputs."""
+
+    fn: Callable[[np.ndarray], np.ndarray]
+
+    def run(self, x):
+        with np.errstate(all="ignore"):
+            return self.fn(widen(x)).astype(x.dtype, copy=False)
+
+
+_UNARY: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
+    "Abs": (1, np.abs), "Neg": (1, np.negative), "Ceil": (1, np.ceil), "Floor": (1, np.floor),
+    "Sqrt": (1, np.sqrt), "Exp": (1, np.exp), "Log": (1, np.log), "Reciprocal": (1, np.reciprocal),
+    "Round": (11, np.rint),  # np.rint rounds halves to even, as ONNX requires
+    "Sign": (9, np.sign),
+    "Sin": (7, np.sin), "Cos": (7, np.cos), "Tan": (7, np.tan),
+    "Asin": (7, np.arcsin), "Acos": (7, np.arccos), "Atan": (7, np.arctan),
+    "Sinh": (9, np.sinh), "Cosh": (9, np.cosh),
+    "Asinh": (9, np.arcsinh), "Acosh": (9, np.arccosh), "Atanh": (9, np.arctanh),
+}
+
+
+def _make_unary(op_type: str, since: int, fn: Callable[[np.ndarray], np.ndarray]) -> type[Kernel]:
+    cls = type(op_type, (_Unary,), {"fn": staticmethod(fn), "__doc__": f"{op_type}: numpy.{fn.__name__}."})
+    return register(op_type, since=since)(cls)
+
+
+for _op, (_since, _fn) in _UNARY.items():
+    globals()[_op] = _make_unary(_op, _since, _fn)
+
+
+# Chebyshev series fitted (to 40-digit references) for erf(x)/x in u = x*x on [0, 1], and for
+# exp(x*x) * erfc(x) in t = 1/x on [1/6, 1]; both are accurate to a few float64 ulps.
+_ERF_SMALL = (
+    0.9754769393826545, -0.14226120510371362, 0.010035582187599782, -0.0005768764699766781,
+    2.7419931252221024e-05, -1.104317550694442e-06, 3.8488755454355765e-08, -1.180858181358956e-09,
+    3.2334232879340276e-11, -7.990593045356403e-13, 1.801681096339632e-14, -3.0224279829662674e-16,
+    1.5700924586837757e-17,
+)
+_ERFC_SCALED = (
+    0.27477468589795295, 0.16699329119310397, -0.014778434908201306, 0.00046076600437352215,
+    0.00017657967835411158, -5.026984064245638e-05, 7.42701335562282e-06, -3.5188112194749215e-07,
+    -1.7150112887073786e-07, 6.706623052712589e-08, -1.431658930280131e-08, 1.7595567878344333e-09,
+    7.4521226898767e-11, -1.1543784205930177e-10, 3.8873460894775955e-11, -8.504860742878419e-12,
+    1.1272382023583207e-12, 4.3256047236738024e-14, -8.421190902150432e-14, 3.2022035694855606e-14,
+    -8.148779860568798e-15, 1.4798121423094588e-15, -5.4953236053932167e-17, -5.3726601320585464e-17,
+    3.1401849173675526e-17,
+)
+_ERF_SATURATES = 6.0  # erf(6) = 1 - 2e-17: exactly 1 in float64
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """Vectorised error function, computed in float64 (a few ulps) and returned as float64."""
+    x = np.asarray(x, dtype=np.float64)
+    ax = np.minimum(np.abs(x), _ERF_SATURATES)  # NaN stays NaN
+    out = np.empty_like(x)
+    small = ax <= 1.0
+    xs = x[small]
+    out[small] = xs * chebyshev.chebval(2.0 * xs * xs - 1.0, _ERF_SMALL)
+    large = ~small
+    al = ax[large]
+    t = 1.0 / al
+    erfc = np.exp(-al * al) * chebyshev.chebval((2.0 * t - 7.0 / 6.0) * 1.2, _ERFC_SCALED)
+    out[large] = np.copysign(1.0 - erfc, x[large])
+    return out
+
+
+@register("Erf", since=9)
+class Erf(Kernel):
+    def run(self, x):
+        with np.errstate(all="ignore"):
+            return erf(x).astype(x.dtype)
+
+
+@register("IsNaN", since=9)
+class IsNaN(Kernel):
+    def run(self, x):
+        return np.isnan(widen(x))
+
+
+@register("IsInf", since=10)
+class IsInf(Kernel):
+    def setup(self) -> None:
+        self.negative = bool(self.attr("detect_negative", 1))
+        self.positive = bool(self.attr("detect_positive", 1))
+
+    def run(self, x):
+        x = widen(x)
+        if self.negative and self.positive:
+            return np.isinf(x)
+        if self.positive:
+            return np.isposinf(x)
+        if self.negative:
+            return np.isneginf(x)
+        return np.zeros(x.shape, dtype=np.bool_)
+
+
+@register("Clip", since=1)
+class Clip(Kernel):
+    """Bounds are attributes before opset 11 and optional inputs from 11 on; min > max gives max everywhere."""
+
+    def setup(self) -> None:
+        self.attr_bounds = (self.attr("min"), self.attr("max")) if self.version < 11 else None
+
+    def run(self, x, lo=None, hi=None):
+        if self.attr_bounds is not None:
+            lo, hi = self.attr_bounds
+        if lo is not None and np.size(lo) == 0:
+            lo = None
+        if hi is not None and np.size(hi) == 0:
+            hi = None
+        out = x
+        if lo is not None:
+            out = np.maximum(out, np.asarray(lo).astype(x.dtype).reshape(()))
+        if hi is not None:
+            out = np.minimum(out, np.asarray(hi).astype(x.dtype).reshape(()))
+        return out
+
+
+_VARIADIC = {"Max": np.maximum, "Min": np.minimum, "Sum": np.add, "Mean": np.add}
+
+
+@register(["Max", "Min", "Sum", "Mean"], since=1)
+class Variadic(Kernel):
+    """Max, Min, Sum, Mean of any number of broadcastable inputs (half floats accumulate in float32)."""
+
+    def setup(self) -> None:
+        self.fn = _VARIADIC[self.node.op_type]
+        self.mean = self.node.op_type == "Mean"
+
+    def run(self, *inputs):
+        first = inputs[0]
+        with np.errstate(all="ignore"):
+            out = functools.reduce(self.fn, [widen(x) for x in inputs])
+            if self.mean:
+                out = out / len(inputs)
+        return np.asarray(out).astype(first.dtype, copy=False)
+
+
+@register("Where", since=9)
+class Where(Kernel):
+    def run(self, condition, x, y):
+        return np.where(condition, x, y)
