@@ -163,7 +163,31 @@ def floordiv(a: DimLike, b: DimLike) -> DimLike:
         e = lift(a)
         if b > 0 and all(c % b == 0 for c in e.terms.values()):
             return lower(Expr({m: c // b for m, c in e.terms.items()}))
+    else:
+        exact = _divide_by_monomial(lift(a), lift(b))
+        if exact is not None:
+            return exact
     return lower(Expr.atom(OpAtom("floordiv", (a, b))))
+
+
+def _divide_by_monomial(a: Expr, b: Expr) -> DimLike | None:
+    """a / b when b is one positive term that divides every term of a exactly (B*S*768 / (B*S*12) = 64)."""
+    if len(b.terms) != 1:
+        return None
+    (mono_b, c_b), = b.terms.items()
+    if c_b <= 0:
+        return None
+    out: dict[Monomial, int] = {}
+    for mono, c in a.terms.items():
+        rest = list(mono)
+        for atom in mono_b:
+            if atom not in rest:
+                return None
+            rest.remove(atom)
+        if c % c_b:
+            return None
+        out[tuple(rest)] = out.get(tuple(rest), 0) + c // c_b
+    return lower(Expr(out))
 
 
 def mod(a: DimLike, b: DimLike) -> DimLike:
@@ -306,4 +330,4 @@ def _parse_atom(t: list[str]) -> tuple[DimLike, list[str]]:
 
 
 def _fmt(d: DimLike) -> str:
-    return str(d)
+    return f"({d})" if isinstance(d, Expr) and len(d.terms) > 1 else str(d)

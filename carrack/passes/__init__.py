@@ -1,0 +1,1 @@
+"""Graph passes: shape inference, folding, fusions, memory planning."""
