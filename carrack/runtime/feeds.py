@@ -6,6 +6,7 @@ only what kernels cannot take as is (a non-native byte order, Python lists, str 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,10 @@ from carrack.ir.dims import Sym, format_shape
 from carrack.ir.dtypes import to_numpy, type_name
 from carrack.ir.graph import ValueInfo
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
+
+
+#: names onnx's shape inference invents for dims it could not name: hints, not constraints
+_PLACEHOLDER = re.compile(r"unk__\d+")
 
 
 def check_feed(info: ValueInfo, value: Any, symbols: dict[Sym, tuple[int, str]]) -> Any:
@@ -83,7 +88,7 @@ def _check_shape(name: str, t: TensorType, arr: np.ndarray, symbols: dict[Sym, t
         if isinstance(want, int) and want != got:
             raise InvalidArgument(f"input '{name}' has the wrong size on axis {axis}: expected {want} "
                                   f"(shape {format_shape(t.shape)}), got {got} (shape {tuple(arr.shape)})")
-        if isinstance(want, Sym):
+        if isinstance(want, Sym) and not _PLACEHOLDER.fullmatch(want.name):
             seen = symbols.setdefault(want, (got, f"'{name}' axis {axis}"))
             if seen[0] != got:
                 raise InvalidArgument(f"input '{name}' axis {axis} is dim '{want}' = {got}, but {seen[1]} "

@@ -144,3 +144,12 @@ def test_session_options_are_accepted():
     sess = carrack.InferenceSession(_mlp_model().SerializeToString(), sess_options=opts,
                                     providers=["CPUExecutionProvider"])
     assert sess.get_session_options() is opts
+
+
+def test_placeholder_dims_are_hints_not_constraints():
+    nodes = [helper.make_node("Relu", ["a"], ["y"]), helper.make_node("Relu", ["b"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [tensor_info("a", shape=["unk__1"]), tensor_info("b", shape=["unk__1"])],
+                              [tensor_info("y"), tensor_info("z")])
+    sess = carrack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    y, z = sess.run(None, {"a": np.ones(3, np.float32), "b": np.ones(5, np.float32)})
+    assert y.shape == (3,) and z.shape == (5,)

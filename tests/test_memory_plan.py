@@ -1,0 +1,57 @@
+"""The static memory plan: liveness-based reuse, in-place ops, symbolic dims bound per signature."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from carrack.onnx.importer import load_model
+from carrack.passes.memory_plan import ALIGNMENT, plan_memory
+
+
+def _chain_model(layers: int, width: int):
+    nodes, inits, prev = [], [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array(np.eye(width, dtype=np.float32), f"w{i}"))
+        nodes.append(helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        prev = f"r{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])
+    graph = helper.make_graph(nodes, "chain", [x], [y], initializer=inits)
+    return load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_chain_reuses_two_buffers():
+    model = _chain_model(50, 256)
+    plan = plan_memory(model.graph, model.opsets, {"batch": 8})
+    act = 8 * 256 * 4
+    assert plan.intermediate_bytes >= 50 * act  # MatMul outputs, Relu in place
+    assert plan.arena_bytes <= 3 * act  # a live activation, the next one, the output
+    assert plan.weight_bytes == 50 * 256 * 256 * 4
+    assert not plan.unknown
+    assert all(b.offset % ALIGNMENT == 0 for b in plan.blocks.values())
+
+
+def test_plan_scales_with_bound_dims():
+    model = _chain_model(4, 64)
+    small = plan_memory(model.graph, model.opsets, {"batch": 1})
+    big = plan_memory(model.graph, model.opsets, {"batch": 100})
+    assert big.arena_bytes >= 90 * small.arena_bytes // 2
+
+
+def test_unbound_dims_are_reported_not_guessed():
+    model = _chain_model(2, 16)
+    plan = plan_memory(model.graph, model.opsets)
+    assert plan.unknown and plan.arena_bytes == 0
+
+
+def test_overlapping_lifetimes_never_share_bytes():
+    model = _chain_model(10, 32)
+    plan = plan_memory(model.graph, model.opsets, {"batch": 3})
+    blocks = list(plan.blocks.values())
+    for i, a in enumerate(blocks):
+        for b in blocks[i + 1:]:
+            if a.start <= b.end and b.start <= a.end:
+                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
