@@ -161,6 +161,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"nodes: {len(g.nodes)}")
     for op, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"  {op:32s} {c}")
+    if args.memory:
+        dims = _parse_dims(args.dim)
+        print(f"memory plan ({', '.join(f'{k}={v}' for k, v in dims.items()) or 'declared dims'}):")
+        for line in sess.memory_plan(dims).summary().splitlines():
+            print(f"  {line}")
     return 0
 
 
@@ -181,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
     i = sub.add_parser("info", help="inputs, outputs, opsets and node counts of a model")
     i.add_argument("model")
+    i.add_argument("--memory", action="store_true", help="show the static memory plan")
+    i.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="size for a symbolic dim")
     i.set_defaults(func=cmd_info)
     return p
 

@@ -26,6 +26,8 @@ def test_info_and_run(tmp_path, capsys):
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     assert "x: tensor(float) ['n', 3]" in out and "Relu" in out
+    assert main(["info", str(path), "--memory", "--dim", "n=1000"]) == 0
+    assert "expected peak" in capsys.readouterr().out
     np.save(tmp_path / "x.npy", np.array([[-1, 2, -3]], np.float32))
     assert main(["run", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--save", str(tmp_path / "out.npz")]) == 0
     np.testing.assert_array_equal(np.load(tmp_path / "out.npz")["y"], [[0, 2, 0]])

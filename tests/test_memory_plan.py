@@ -55,3 +55,25 @@ def test_overlapping_lifetimes_never_share_bytes():
         for b in blocks[i + 1:]:
             if a.start <= b.end and b.start <= a.end:
                 assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset
+
+
+def test_session_memory_plan_and_limit():
+    import pytest
+
+    import carrack
+    from carrack.errors import MemoryLimitExceeded
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1024])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1024])
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    sess = carrack.InferenceSession(model)
+    plan = sess.memory_plan({"n": 16})
+    assert plan.input_bytes == 16 * 1024 * 4 and plan.arena_bytes >= 2 * 16 * 1024 * 4
+    opts = carrack.SessionOptions()
+    opts.memory_limit_bytes = plan.peak_bytes
+    limited = carrack.InferenceSession(model, opts)
+    limited.run(None, {"x": np.ones((16, 1024), np.float32)})
+    with pytest.raises(MemoryLimitExceeded, match="memory_limit_bytes"):
+        limited.run(None, {"x": np.ones((64, 1024), np.float32)})

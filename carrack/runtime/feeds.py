@@ -17,7 +17,6 @@ from carrack.ir.dtypes import to_numpy, type_name
 from carrack.ir.graph import ValueInfo
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 
-
 #: names onnx's shape inference invents for dims it could not name: hints, not constraints
 _PLACEHOLDER = re.compile(r"unk__\d+")
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from carrack.errors import InvalidArgument, NotImplementedOps
+from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedOps
 from carrack.ir.dims import Sym, dim_label
 from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.importer import ModelSource, load_model
+from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import RunOptions, SessionOptions
 from carrack.runtime.program import BuildContext, Program
@@ -76,6 +77,9 @@ class InferenceSession:
         self._input_index = {v.name: i for i, v in enumerate(graph.inputs)}
         self._output_index = {v.name: i for i, v in enumerate(graph.outputs)}
         self._lock = threading.Lock()
+        self._plans: dict[tuple[tuple[str, int], ...], MemoryPlan] = {}
+        if self._options.memory_limit_bytes:
+            self._check_memory(self.memory_plan(), "creating the session")
 
     # -- onnxruntime API -------------------------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -105,8 +109,41 @@ class InferenceSession:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
         inputs = self._bind_inputs(input_feed)
+        if self._options.memory_limit_bytes:
+            self._check_memory(self.memory_plan(self._dim_bindings(inputs)), "this run")
         results = self._program.run(inputs)
         return [results[i] for i in wanted]
+
+    # -- carrack extensions -----------------------------------------------------------------------------------------
+    def memory_plan(self, dims: Mapping[str, int] | None = None) -> MemoryPlan:
+        """The static memory plan for inputs whose symbolic dims take the given sizes (computed once per set)."""
+        key = tuple(sorted((dims or {}).items()))
+        with self._lock:
+            plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_memory(self._model.graph, self._model.opsets, dict(key))
+            with self._lock:
+                self._plans.setdefault(key, plan)
+        return plan
+
+    def _check_memory(self, plan: MemoryPlan, what: str) -> None:
+        limit = self._options.memory_limit_bytes
+        needed = plan.peak_bytes if not plan.unknown else plan.weight_bytes + plan.input_bytes
+        if needed > limit:
+            raise MemoryLimitExceeded(
+                f"{what} needs {needed:,} bytes (weights {plan.weight_bytes:,} + inputs {plan.input_bytes:,} + "
+                f"working arena {plan.arena_bytes:,}), more than SessionOptions.memory_limit_bytes = {limit:,}")
+
+    def _dim_bindings(self, inputs: list[Any]) -> dict[str, int]:
+        """Symbol name -> size from this run's inputs (anonymous dims are named 'input:axis')."""
+        bindings: dict[str, int] = {}
+        for info, value in zip(self._model.graph.inputs, inputs):
+            if not isinstance(info.type, TensorType) or info.type.shape is None or not isinstance(value, np.ndarray):
+                continue
+            for axis, (d, size) in enumerate(zip(info.type.shape, value.shape)):
+                if not isinstance(d, int):
+                    bindings[d.name if isinstance(d, Sym) else f"{info.name}:{axis}"] = int(size)
+        return bindings
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _output_positions(self, output_names: Sequence[str] | None) -> list[int]:
