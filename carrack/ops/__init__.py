@@ -12,6 +12,7 @@ from carrack.ops import (  # noqa: F401
     conv,
     detection,
     elementwise,
+    fused,
     image,
     indexing,
     linalg,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +14,10 @@ from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedO
 from carrack.ir.dims import Sym, dim_label
 from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
+from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
+from carrack.passes.optimizer import optimize, specialize
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import RunOptions, SessionOptions
 from carrack.runtime.program import BuildContext, Program
@@ -64,12 +67,15 @@ class InferenceSession:
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
         self._options = sess_options or SessionOptions()
-        self._model: Model = load_model(path_or_bytes)
+        self._source_model: Model = load_model(path_or_bytes)
+        self._level = int(self._options.graph_optimization_level)
+        self._model, self.optimizer_stats = optimize(self._source_model, self._level)
         graph = self._model.graph
-        ctx = BuildContext(opsets=self._model.opsets, options=self._options)
-        self._program = Program(graph, ctx)
-        if ctx.missing:
-            raise NotImplementedOps(ctx.missing)
+        self._program = self._compile(graph)
+        if self._options.optimized_model_filepath:
+            save_model(self._model, self._options.optimized_model_filepath)
+        self._dynamic = self._level > 0 and _has_symbolic_inputs(graph)
+        self._specialized: OrderedDict[tuple, Program] = OrderedDict()
         initialized = set(graph.initializers)
         self._inputs = [v for v in graph.inputs if v.name not in initialized]
         self._overridable = [v for v in graph.inputs if v.name in initialized]
@@ -111,7 +117,7 @@ class InferenceSession:
         inputs = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(inputs)), "this run")
-        results = self._program.run(inputs)
+        results = self._program_for(inputs).run(inputs)
         return [results[i] for i in wanted]
 
     # -- carrack extensions -----------------------------------------------------------------------------------------
@@ -125,6 +131,33 @@ class InferenceSession:
             with self._lock:
                 self._plans.setdefault(key, plan)
         return plan
+
+    def _compile(self, graph) -> Program:
+        ctx = BuildContext(opsets=self._model.opsets, options=self._options)
+        program = Program(graph, ctx)
+        if ctx.missing:
+            raise NotImplementedOps(ctx.missing)
+        return program
+
+    def _program_for(self, inputs: list[Any]) -> Program:
+        """The program specialised to these input shapes (shape arithmetic folded), cached per signature."""
+        if not self._dynamic:
+            return self._program
+        signature = tuple(v.shape if isinstance(v, np.ndarray) else None for v in inputs)
+        with self._lock:
+            program = self._specialized.get(signature)
+            if program is not None:
+                self._specialized.move_to_end(signature)
+                return program
+        try:
+            program = self._compile(specialize(self._model, self._dim_bindings(inputs), self._level))
+        except Exception:  # noqa: BLE001 - the generic program handles every shape; specialising is an extra
+            program = self._program
+        with self._lock:
+            self._specialized[signature] = program
+            while len(self._specialized) > _MAX_SPECIALIZED:
+                self._specialized.popitem(last=False)
+        return program
 
     def _check_memory(self, plan: MemoryPlan, what: str) -> None:
         limit = self._options.memory_limit_bytes
@@ -173,6 +206,14 @@ class InferenceSession:
             info = self._model.graph.inputs[self._input_index[name]]
             bound[self._input_index[name]] = check_feed(info, value, symbols)
         return bound
+
+
+_MAX_SPECIALIZED = 16
+
+
+def _has_symbolic_inputs(graph) -> bool:
+    shapes = [v.type.shape for v in graph.inputs if isinstance(v.type, TensorType) and v.name not in graph.initializers]
+    return any(s is None or any(not isinstance(d, int) for d in s) for s in shapes)
 
 
 def _may_omit(v: ValueInfo) -> bool:

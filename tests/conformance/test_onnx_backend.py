@@ -24,8 +24,10 @@ def _param(case_id: str):
     return pytest.param(case_id, marks=marks, id=case_id)
 
 
-def _run_case(case, source) -> None:
-    sess = carrack.InferenceSession(source)
+def _run_case(case, source, level=carrack.GraphOptimizationLevel.ORT_ENABLE_ALL) -> None:
+    opts = carrack.SessionOptions()
+    opts.graph_optimization_level = level
+    sess = carrack.InferenceSession(source, opts)
     inits = {t.name for t in case.model.graph.initializer}
     names = [v.name for v in case.model.graph.input if v.name not in inits]
     with np.errstate(all="ignore"):
@@ -40,13 +42,19 @@ def test_node(case_id: str) -> None:
     _run_case(case, case.model.SerializeToString())
 
 
+LEVELS = [pytest.param(carrack.GraphOptimizationLevel.ORT_DISABLE_ALL, id="unoptimized"),
+          pytest.param(carrack.GraphOptimizationLevel.ORT_ENABLE_ALL, id="optimized")]
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("case_id", [_param(c) for c in folder_case_ids()])
-def test_model_folder(case_id: str) -> None:
+def test_model_folder(case_id: str, level) -> None:
     case = folder_case(case_id)
-    _run_case(case, case.model_path)
+    _run_case(case, case.model_path, level)
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("case_id", [_param(c) for c in light_case_ids()])
-def test_light_model(case_id: str) -> None:
+def test_light_model(case_id: str, level) -> None:
     case = light_case(case_id)
-    _run_case(case, case.model_path)
+    _run_case(case, case.model_path, level)

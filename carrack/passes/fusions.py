@@ -1,0 +1,189 @@
+"""Fusion rules: BatchNormalization folding, bias and activation fusion, MatMul+Add -> Gemm, Transpose pairs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from carrack.ir.graph import Node
+from carrack.passes.graph_view import GraphView
+from carrack.passes.optimizer import EXTENDED, Context, rewrite
+
+MS = "com.microsoft"
+
+
+def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] | None:
+    """BatchNormalization (inference form) as y = x * scale + shift per channel, if all its parameters are constant."""
+    if len(bn.outputs) > 1 and any(view.n_uses(o) for o in bn.outputs[1:] if o):
+        return None
+    if bn.attrs.get("training_mode", 0):
+        return None
+    params = [view.const(i) for i in bn.inputs[1:5]]
+    if any(p is None for p in params) or len(params) != 4:
+        return None
+    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
+    scale = gamma / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
+    return scale, beta - mean * scale
+
+
+@rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
+def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
+    """Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization becomes one layer with adjusted weights and bias."""
+    if bn.domain or ctx.version(bn) < 7 and bn.attrs.get("spatial", 1) == 0:
+        return False
+    prev = view.producer.get(bn.inputs[0])
+    if prev is None or prev.domain or view.single_consumer(bn.inputs[0]) is not bn:
+        return False
+    folded = _bn_scale_shift(bn, view)
+    if folded is None:
+        return False
+    scale, shift = folded
+    w = view.const(prev.inputs[1]) if len(prev.inputs) > 1 else None
+    if w is None or w.dtype.kind != "f":
+        return False
+    bias = view.const(prev.inputs[2]) if len(prev.inputs) > 2 and prev.inputs[2] else None
+    if len(prev.inputs) > 2 and prev.inputs[2] and bias is None:
+        return False
+    if prev.op_type == "Conv":
+        new_w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+    elif prev.op_type == "ConvTranspose":
+        group = prev.attrs.get("group", 1)
+        per_group = w.shape[1]
+        cw = w.reshape((group, w.shape[0] // group, per_group) + w.shape[2:])
+        new_w = (cw * scale.reshape(group, 1, per_group, *(1,) * (w.ndim - 2))).reshape(w.shape)
+    elif prev.op_type == "Gemm" and not prev.attrs.get("transB", 0) and w.ndim == 2 and scale.size == w.shape[1]:
+        new_w = w * scale
+    elif prev.op_type == "Gemm" and prev.attrs.get("transB", 0) and w.ndim == 2 and scale.size == w.shape[0]:
+        new_w = w * scale[:, None]
+    elif prev.op_type == "MatMul" and w.ndim == 2 and scale.size == w.shape[1]:
+        new_w = w * scale
+    else:
+        return False
+    if prev.op_type == "Gemm":
+        alpha, beta = prev.attrs.get("alpha", 1.0), prev.attrs.get("beta", 1.0)
+        b = np.zeros(scale.size) if bias is None else np.broadcast_to(bias * beta, (scale.size,)) / alpha
+        new_b = (b * scale + shift / alpha)
+    else:
+        b = np.zeros(scale.size) if bias is None else bias.astype(np.float64)
+        if b.size != scale.size:
+            return False
+        new_b = b * scale + shift
+    w_name = view.add_initializer(prev.inputs[1], new_w.astype(w.dtype))
+    b_name = view.add_initializer((prev.inputs[2] if bias is not None else prev.outputs[0]) + "_bias",
+                                  new_b.astype(w.dtype).reshape(-1))
+    if prev.op_type == "MatMul":
+        fused = [Node("MatMul", [prev.inputs[0], w_name], [prev.outputs[0]], name=prev.name),
+                 Node("Add", [prev.outputs[0], b_name], [bn.outputs[0]], name=bn.name)]
+    else:
+        attrs = dict(prev.attrs)
+        if prev.op_type == "Gemm":
+            attrs["beta"] = 1.0
+        fused = [Node(prev.op_type, [prev.inputs[0], w_name, b_name], [bn.outputs[0]], attrs, name=prev.name)]
+    view.replace([prev, bn], fused)
+    return True
+
+
+@rewrite("conv_bias_fusion", "Add", level=EXTENDED)
+def fuse_conv_bias(add: Node, view: GraphView, ctx: Context) -> bool:
+    """Conv (without bias) -> Add(constant of shape [C,1,1] or [1,C,1,1]) becomes Conv with a bias."""
+    for i in (0, 1):
+        prev = view.producer.get(add.inputs[i])
+        bias = view.const(add.inputs[1 - i])
+        if prev is None or prev.op_type != "Conv" or prev.domain or len(prev.inputs) > 2 and prev.inputs[2]:
+            continue
+        if bias is None or view.single_consumer(add.inputs[i]) is not add:
+            continue
+        w = view.const(prev.inputs[1])
+        if w is None or bias.dtype != w.dtype:
+            continue
+        channels, spatial = w.shape[0], (1,) * (w.ndim - 2)
+        if bias.shape not in ((channels, *spatial), (1, channels, *spatial)):
+            continue
+        squeezed = bias.reshape(-1)
+        b_name = view.add_initializer(add.inputs[1 - i] + "_bias", squeezed)
+        fused = Node("Conv", [prev.inputs[0], prev.inputs[1], b_name], [add.outputs[0]], dict(prev.attrs),
+                     name=prev.name)
+        view.replace([prev, add], [fused])
+        return True
+    return False
+
+
+@rewrite("matmul_add_to_gemm", "Add", level=EXTENDED)
+def fuse_matmul_add(add: Node, view: GraphView, ctx: Context) -> bool:
+    """MatMul(A[M,K], B[K,N]) + C becomes Gemm when A is known to be 2-D and C broadcasts to [M,N]."""
+    if ctx.facts is None:
+        return False
+    for i in (0, 1):
+        mm = view.producer.get(add.inputs[i])
+        if mm is None or mm.op_type != "MatMul" or mm.domain or view.single_consumer(add.inputs[i]) is not add:
+            continue
+        a, b = (ctx.facts.get(n) for n in mm.inputs)
+        c = view.const(add.inputs[1 - i])
+        if a is None or b is None or c is None or a.rank != 2 or b.rank != 2 or c.ndim > 2:
+            continue
+        if c.ndim == 2 and c.shape[0] != 1:
+            continue
+        fused = Node("Gemm", [mm.inputs[0], mm.inputs[1], add.inputs[1 - i]], [add.outputs[0]], name=mm.name)
+        view.replace([mm, add], [fused])
+        return True
+    return False
+
+
+#: activations onnxruntime's FusedConv/FusedGemm accept, with their parameter attributes
+_FUSABLE = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": (("alpha", 0.01),),
+            "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+
+
+@rewrite("activation_fusion", *_FUSABLE, "Clip", level=EXTENDED)
+def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
+    """Conv/Gemm -> activation becomes com.microsoft FusedConv/FusedGemm (onnxruntime understands both)."""
+    if act.domain:
+        return False
+    prev = view.producer.get(act.inputs[0])
+    if prev is None or prev.domain or prev.op_type not in ("Conv", "Gemm"):
+        return False
+    if view.single_consumer(act.inputs[0]) is not act:
+        return False
+    if act.op_type == "Clip":
+        params = _clip_params(act, view, ctx)
+        if params is None:
+            return False
+    else:
+        params = [float(act.attrs.get(k, d)) for k, d in _FUSABLE[act.op_type]]
+    attrs = dict(prev.attrs, activation=act.op_type)
+    if params:
+        attrs["activation_params"] = params
+    fused = Node(f"Fused{prev.op_type}", list(prev.inputs), [act.outputs[0]], attrs, domain=MS, name=prev.name)
+    view.replace([prev, act], [fused])
+    return True
+
+
+def _clip_params(act: Node, view: GraphView, ctx: Context) -> list[float] | None:
+    if ctx.version(act) < 11:
+        return [float(act.attrs.get("min", -3.4028234663852886e38)), float(act.attrs.get("max", 3.4028234663852886e38))]
+    bounds = []
+    for i, default in ((1, -np.inf), (2, np.inf)):
+        if len(act.inputs) > i and act.inputs[i]:
+            v = view.const(act.inputs[i])
+            if v is None:
+                return None
+            bounds.append(float(v))
+        else:
+            bounds.append(float(np.finfo(np.float32).max) * (1 if default > 0 else -1))
+    return bounds
+
+
+@rewrite("transpose_cancellation", "Transpose", level=EXTENDED)
+def merge_transposes(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Transpose(Transpose(x, p), q) is one Transpose (or nothing when the permutations cancel)."""
+    prev = view.producer.get(node.inputs[0])
+    if prev is None or prev.op_type != "Transpose" or prev.domain or node.domain:
+        return False
+    p, q = prev.attrs.get("perm"), node.attrs.get("perm")
+    if p is None or q is None:
+        return False
+    combined = [p[i] for i in q]
+    if combined == list(range(len(combined))):
+        return view.bypass(node, prev.inputs[0], node.outputs[0])
+    merged = Node("Transpose", [prev.inputs[0]], [node.outputs[0]], {"perm": combined}, name=node.name)
+    view.replace([node], [merged])
+    return True
