@@ -98,9 +98,9 @@ class _Recurrent(Kernel):
 
     # --- helpers used by the subclasses' step functions ---
 
-    def _apply(self, k: int, x: np.ndarray) -> np.ndarray:
+    def _apply(self, k: int, x: np.ndarray, clip: bool = True) -> np.ndarray:
         """Activation number k (f, g, h, ...) of each direction, on x of shape [directions, batch, hidden]."""
-        if self.clip is not None:
+        if clip and self.clip is not None:
             x = np.clip(x, -self.clip, self.clip)
         fns = [acts[k] for acts in self.activations]
         if self.same_activations:
@@ -110,7 +110,7 @@ class _Recurrent(Kernel):
     # --- shared plumbing ---
 
     def _prepare(self, x, w, r, b, sequence_lens, initial_states):
-        """Time-major, per-direction inputs: X projections [D, T, N, G*H], R^T [D, H, G*H], biases, masks."""
+        """Per-direction inputs in processing order: X @ W^T + Wb [D, T, N, G*H], R^T [D, H, G*H], Rb, states, masks."""
         dtype = x.dtype
         compute = np.float32 if dtype.itemsize < 4 else dtype
         if self.layout == 1:
@@ -130,9 +130,11 @@ class _Recurrent(Kernel):
         if b is None:
             b = np.zeros((n_dirs, 2 * gh), dtype=compute)
         b = b.astype(compute, copy=False)
-        projected = np.matmul(xd, w.astype(compute, copy=False).transpose(0, 2, 1)[:, None])
+        # contiguous operands keep numpy's stacked matmul on BLAS
+        w_t = np.ascontiguousarray(w.astype(compute, copy=False).transpose(0, 2, 1))
+        projected = np.matmul(xd.reshape(n_dirs, seq_len * batch, -1), w_t).reshape(n_dirs, seq_len, batch, gh)
         projected += b[:, None, None, :gh]
-        r_t = r.astype(compute, copy=False).transpose(0, 2, 1)
+        r_t = np.ascontiguousarray(r.astype(compute, copy=False).transpose(0, 2, 1))
         states = [np.zeros((n_dirs, batch, hidden), dtype=compute) if s is None else s.astype(compute)
                   for s in initial_states]
         active = None if lens is None else (np.arange(seq_len)[:, None] < lens[None, :])[:, None, :, None]
@@ -150,13 +152,16 @@ class _Recurrent(Kernel):
 
     def _finish(self, ys: list[np.ndarray], finals: Sequence[np.ndarray], order, active, dtype):
         """Y back in source time order and layout, plus the final states, as the node's outputs."""
-        y = np.stack(ys, axis=1)  # [T, D, N, H]
+        y = np.stack(ys) if ys else np.zeros((0, *finals[0].shape), dtype=finals[0].dtype)  # [T, D, N, H]
         if active is not None:
             y = np.where(active, y, 0)
         batch = y.shape[2]
         if any(idx is not None for idx in order):
             y = np.stack([y[:, d] if idx is None else y[idx, d, np.arange(batch)] for d, idx in enumerate(order)],
                          axis=1)
+        if active is not None:
+            # a sequence of length 0 has no final state: onnxruntime reports zeros, not the initial state
+            finals = [np.where(active.any(axis=0), f, 0) for f in finals]
         finals = [f.astype(dtype, copy=False) for f in finals]
         y = y.astype(dtype, copy=False)
         if self.layout == 1:
@@ -245,7 +250,8 @@ class LSTM(_Recurrent):
             c_new = gate_f * c + gate_i * self._apply(1, pre_c)
             if p is not None:
                 pre_o = pre_o + p_o * c_new
-            h_new = self._apply(0, pre_o) * self._apply(2, c_new)
+            # clip bounds the gates' inputs, not the cell state (as onnxruntime does)
+            h_new = self._apply(0, pre_o) * self._apply(2, c_new, clip=False)
             h = self._keep(active, t, h_new, h)
             c = self._keep(active, t, c_new, c)
             ys.append(h_new)

@@ -126,7 +126,8 @@ class Split(Kernel):
 
     def run(self, x, split=None):
         axis = normalize_axis(self.axis, x.ndim)
-        lengths = self.split_attr if split is None else int_list(split)
+        # an empty `split` input means "not given", as in onnxruntime
+        lengths = self.split_attr if split is None or split.size == 0 else int_list(split)
         sizes = split_sizes(x.shape[axis], len(self.node.outputs), lengths, self.num_outputs)
         bounds = np.cumsum(sizes)[:-1]
         return tuple(np.split(x, bounds, axis=axis))
@@ -180,7 +181,7 @@ class Squeeze(Kernel):
 
     def run(self, data, axes=None):
         axes = self.axes_attr if self.version < 13 else (None if axes is None else int_list(axes))
-        if axes is None:
+        if axes is None or len(axes) == 0:  # onnxruntime reads empty axes as "all size-1 axes"
             return data.reshape([d for d in data.shape if d != 1])
         axes = normalize_axes(axes, data.ndim)
         bad = [a for a in axes if data.shape[a] != 1]
@@ -269,22 +270,25 @@ class Pad(Kernel):
 
 
 def pad_array(data: np.ndarray, begin: list[int], end: list[int], mode: str, value) -> np.ndarray:
-    """np.pad with ONNX's conventions: negative pads crop (after padding), the constant cast to the data type."""
+    """np.pad with ONNX's conventions: negative pads crop first (as onnxruntime does), the constant takes the data
+    type."""
+    crop = tuple(slice(-min(b, 0), d + min(e, 0)) for d, b, e in zip(data.shape, begin, end))
+    if any(s.start > s.stop for s in crop):
+        raise ValueError(f"negative pads {begin}/{end} remove more than shape {list(data.shape)}")
+    data = data[crop]
     widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if all(w == (0, 0) for w in widths):
+        return data
     if mode == "constant":
         if value is None:
             value = "" if data.dtype == object else 0
-        out = np.pad(data, widths, mode="constant", constant_values=np.asarray(value).astype(data.dtype))
-    elif any(w != (0, 0) for w in widths):
-        if any(d == 0 and w != (0, 0) for d, w in zip(data.shape, widths)):
-            raise ValueError(f"Pad mode '{mode}' cannot pad an empty axis (shape {list(data.shape)})")
-        out = np.pad(data, widths, mode=_PAD_MODES[mode])
-    else:
-        out = data
-    crop = tuple(slice(-min(b, 0), out.shape[i] + min(e, 0)) for i, (b, e) in enumerate(zip(begin, end)))
-    if any(s.start > s.stop for s in crop):
-        raise ValueError(f"negative pads {begin}/{end} remove more than shape {list(data.shape)}")
-    return out[crop]
+        return np.pad(data, widths, mode="constant", constant_values=np.asarray(value).astype(data.dtype))
+    if any(d == 0 and w != (0, 0) for d, w in zip(data.shape, widths)):
+        raise ValueError(f"Pad mode '{mode}' cannot pad an empty axis (shape {list(data.shape)})")
+    if mode == "reflect" and any(max(w) >= d for d, w in zip(data.shape, widths) if w != (0, 0)):
+        raise ValueError(f"Pad mode 'reflect' needs pads smaller than each padded axis, got {widths} for shape "
+                         f"{list(data.shape)}")
+    return np.pad(data, widths, mode=_PAD_MODES[mode])
 
 
 @register("Shape", since=1)
