@@ -8,6 +8,7 @@ from carrack.ops import (  # noqa: F401
     activations,
     attention,
     cast,
+    contrib,
     control_flow,
     conv,
     detection,

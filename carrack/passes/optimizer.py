@@ -246,3 +246,4 @@ def specialize(model: Model, bindings: Mapping[str, int], level: int = ALL) -> G
     remove_dead_nodes(view, fired)
     optimize_graph(graph, Context(model.opsets, infer(graph, model.opsets, input_facts(graph, bindings))), level, fired)
     return graph
+from carrack.passes import transformer_fusions as _transformer_fusions  # noqa: E402, F401

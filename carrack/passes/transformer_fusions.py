@@ -1,0 +1,3 @@
+"""Transformer-block fusions: LayerNormalization, GELU, SkipLayerNorm and attention from their exported forms."""
+
+from __future__ import annotations
