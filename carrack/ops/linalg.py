@@ -1,3 +1,78 @@
-"""linalg kernels."""
+"""Linear algebra: MatMul, Gemm, Einsum, Det. Narrow floats (float16, bfloat16) are computed in float32."""
 
 from __future__ import annotations
+
+import numpy as np
+
+from carrack.ops.reduce import compute_dtype
+from carrack.ops.registry import Kernel, register
+
+
+def _widen(x: np.ndarray) -> np.ndarray:
+    return x.astype(compute_dtype(x.dtype), copy=False)
+
+
+@register("MatMul", since=1)
+class MatMul(Kernel):
+    def run(self, a, b):
+        return np.matmul(_widen(a), _widen(b)).astype(a.dtype, copy=False)
+
+
+@register("Gemm", since=1)
+class Gemm(Kernel):
+    """Y = alpha * A' @ B' + beta * C, C broadcast to Y (the opset < 7 `broadcast` flag is implied)."""
+
+    def setup(self):
+        self.alpha = float(self.attr("alpha", 1.0))
+        self.beta = float(self.attr("beta", 1.0))
+        self.trans_a = bool(self.attr("transA", 0))
+        self.trans_b = bool(self.attr("transB", 0))
+
+    def run(self, a, b, c=None):
+        wa, wb = _widen(a), _widen(b)
+        if self.trans_a:
+            wa = wa.T
+        if self.trans_b:
+            wb = wb.T
+        y = wa @ wb
+        if self.alpha != 1.0:
+            y = _scaled(y, self.alpha)
+        if c is not None and self.beta != 0.0:
+            wc = _widen(c)
+            y = y + (_scaled(wc, self.beta) if self.beta != 1.0 else wc)
+        return y.astype(a.dtype, copy=False)
+
+
+def _scaled(x: np.ndarray, factor: float) -> np.ndarray:
+    """x * factor, keeping x's dtype (integers are scaled in float64 and truncated)."""
+    if x.dtype.kind in "iu":
+        return (x * factor).astype(x.dtype)
+    return x * x.dtype.type(factor)
+
+
+@register("Einsum", since=12)
+class Einsum(Kernel):
+    def setup(self):
+        equation = self.required_attr("equation")
+        if isinstance(equation, bytes):
+            equation = equation.decode()
+        self.equation = explicit_equation(equation.replace(" ", ""))
+
+    def run(self, *inputs):
+        out = np.einsum(self.equation, *[_widen(x) for x in inputs], optimize=True)
+        return np.asarray(out).astype(inputs[0].dtype, copy=False)
+
+
+def explicit_equation(equation: str) -> str:
+    """Adds the implicit output term: ellipsis first, then labels seen once, in ASCII order."""
+    if "->" in equation:
+        return equation
+    labels = equation.replace("...", "").replace(",", "")
+    once = sorted(c for c in set(labels) if labels.count(c) == 1)
+    return equation + "->" + ("..." if "..." in equation else "") + "".join(once)
+
+
+@register("Det", since=11)
+class Det(Kernel):
+    def run(self, x):
+        return np.asarray(np.linalg.det(_widen(x))).astype(x.dtype, copy=False)
