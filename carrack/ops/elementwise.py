@@ -1,6 +1,6 @@
 """Elementwise kernels: arithmetic, comparison, logic, bitwise and math functions (numpy-style broadcasting).
 
-Half-precision inputs (float16, bfloat16) are computed in float32 and rounded back once, as onnxruntime does.
+Half-precision inputs (float16, bfloat16, float8) are computed in float32 and rounded back once.
 Opset < 7 binary ops used "legacy" broadcasting (`broadcast=1`, optional `axis`), handled by `_align_legacy`.
 """
 
@@ -187,46 +187,40 @@ class BitShift(_Binary):
         return np.where(in_range, shifted, fill).astype(x.dtype, copy=False)
 
 
-class _Unary(Kernel):
+_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "Abs": np.abs, "Neg": np.negative, "Ceil": np.ceil, "Floor": np.floor, "Sqrt": np.sqrt, "Exp": np.exp,
+    "Log": np.log, "Reciprocal": np.reciprocal, "Sign": np.sign,
+    "Round": np.rint,  # rounds halves to even, as ONNX requires
+    "Sin": np.sin, "Cos": np.cos, "Tan": np.tan, "Asin": np.arcsin, "Acos": np.arccos, "Atan": np.arctan,
+    "Sinh": np.sinh, "Cosh": np.cosh, "Asinh": np.arcsinh, "Acosh": np.arccosh, "Atanh": np.arctanh,
+}
+
+
+@register(["Abs", "Neg", "Ceil", "Floor", "Sqrt", "Exp", "Log", "Reciprocal"], since=1)
+@register(["Sin", "Cos", "Tan", "Asin", "Acos", "Atan"], since=7)
+@register(["Sign", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh"], since=9)
+@register("Round", since=11)
+class UnaryMath(Kernel):
     """One numpy function applied elementwise, computed in float32 for half-precision inputs."""
 
-    fn: Callable[[np.ndarray], np.ndarray]
+    def setup(self) -> None:
+        self.fn = _UNARY[self.node.op_type]
 
     def run(self, x):
         with np.errstate(all="ignore"):
             return self.fn(widen(x)).astype(x.dtype, copy=False)
 
 
-_UNARY: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
-    "Abs": (1, np.abs), "Neg": (1, np.negative), "Ceil": (1, np.ceil), "Floor": (1, np.floor),
-    "Sqrt": (1, np.sqrt), "Exp": (1, np.exp), "Log": (1, np.log), "Reciprocal": (1, np.reciprocal),
-    "Round": (11, np.rint),  # np.rint rounds halves to even, as ONNX requires
-    "Sign": (9, np.sign),
-    "Sin": (7, np.sin), "Cos": (7, np.cos), "Tan": (7, np.tan),
-    "Asin": (7, np.arcsin), "Acos": (7, np.arccos), "Atan": (7, np.arctan),
-    "Sinh": (9, np.sinh), "Cosh": (9, np.cosh),
-    "Asinh": (9, np.arcsinh), "Acosh": (9, np.arccosh), "Atanh": (9, np.arctanh),
-}
-
-
-def _make_unary(op_type: str, since: int, fn: Callable[[np.ndarray], np.ndarray]) -> type[Kernel]:
-    cls = type(op_type, (_Unary,), {"fn": staticmethod(fn), "__doc__": f"{op_type}: numpy.{fn.__name__}."})
-    return register(op_type, since=since)(cls)
-
-
-for _op, (_since, _fn) in _UNARY.items():
-    globals()[_op] = _make_unary(_op, _since, _fn)
-
-
-# Chebyshev series fitted (to 40-digit references) for erf(x)/x in u = x*x on [0, 1], and for
-# exp(x*x) * erfc(x) in t = 1/x on [1/6, 1]; both are accurate to a few float64 ulps.
+# Chebyshev series fitted (to 40-digit references) for erf(x)/x in u = x*x on [0, 1], for the scaled
+# complement exp(x*x) * erfc(x) in t = 1/x on [1/6, 1], and for x * exp(x*x) * erfc(x) in s = 1/x**2 on
+# [0, 1/36]; all are accurate to a few float64 ulps.
 _ERF_SMALL = (
     0.9754769393826545, -0.14226120510371362, 0.010035582187599782, -0.0005768764699766781,
     2.7419931252221024e-05, -1.104317550694442e-06, 3.8488755454355765e-08, -1.180858181358956e-09,
     3.2334232879340276e-11, -7.990593045356403e-13, 1.801681096339632e-14, -3.0224279829662674e-16,
     1.5700924586837757e-17,
 )
-_ERFC_SCALED = (
+_ERFC_MIDDLE = (
     0.27477468589795295, 0.16699329119310397, -0.014778434908201306, 0.00046076600437352215,
     0.00017657967835411158, -5.026984064245638e-05, 7.42701335562282e-06, -3.5188112194749215e-07,
     -1.7150112887073786e-07, 6.706623052712589e-08, -1.431658930280131e-08, 1.7595567878344333e-09,
@@ -235,22 +229,47 @@ _ERFC_SCALED = (
     -8.148779860568798e-15, 1.4798121423094588e-15, -5.4953236053932167e-17, -5.3726601320585464e-17,
     3.1401849173675526e-17,
 )
-_ERF_SATURATES = 6.0  # erf(6) = 1 - 2e-17: exactly 1 in float64
+_ERFC_TAIL = (
+    0.5603874949378892, -0.0037644967870190484, 3.6987298044747394e-05, -5.912293529425133e-07,
+    1.2927848547224909e-08, -3.554450530847313e-10, 1.169121692277523e-11, -4.451823873583812e-13,
+    1.9150905578861813e-14, -9.317855912900776e-16, 3.1248143653732916e-17,
+)
+
+
+def _erf_near_zero(x: np.ndarray) -> np.ndarray:
+    """erf(x) for |x| <= 1."""
+    return x * chebyshev.chebval(2.0 * x * x - 1.0, _ERF_SMALL)
+
+
+def _erfc_positive(a: np.ndarray) -> np.ndarray:
+    """erfc(a) for a >= 1, without cancellation (underflows to 0 past a ~ 27)."""
+    with np.errstate(all="ignore"):
+        t = 1.0 / a
+        middle = chebyshev.chebval((2.0 * t - 7.0 / 6.0) * 1.2, _ERFC_MIDDLE)
+        tail = chebyshev.chebval(72.0 * t * t - 1.0, _ERFC_TAIL) * t
+        return np.exp(-a * a) * np.where(a <= 6.0, middle, tail)
 
 
 def erf(x: np.ndarray) -> np.ndarray:
-    """Vectorised error function, computed in float64 (a few ulps) and returned as float64."""
+    """Vectorised error function, computed and returned in float64 (a few ulps)."""
     x = np.asarray(x, dtype=np.float64)
-    ax = np.minimum(np.abs(x), _ERF_SATURATES)  # NaN stays NaN
     out = np.empty_like(x)
-    small = ax <= 1.0
-    xs = x[small]
-    out[small] = xs * chebyshev.chebval(2.0 * xs * xs - 1.0, _ERF_SMALL)
+    small = np.abs(x) <= 1.0  # False for NaN, which the other branch passes through
+    out[small] = _erf_near_zero(x[small])
     large = ~small
-    al = ax[large]
-    t = 1.0 / al
-    erfc = np.exp(-al * al) * chebyshev.chebval((2.0 * t - 7.0 / 6.0) * 1.2, _ERFC_SCALED)
-    out[large] = np.copysign(1.0 - erfc, x[large])
+    out[large] = np.copysign(1.0 - _erfc_positive(np.abs(x[large])), x[large])
+    return out
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """Vectorised 1 - erf(x) in float64, accurate in the tail where 1 - erf(x) would cancel."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    small = np.abs(x) <= 1.0
+    out[small] = 1.0 - _erf_near_zero(x[small])
+    large = ~small
+    tail = _erfc_positive(np.abs(x[large]))
+    out[large] = np.where(x[large] > 0, tail, 2.0 - tail)
     return out
 
 
@@ -299,10 +318,11 @@ class Clip(Kernel):
         if hi is not None and np.size(hi) == 0:
             hi = None
         out = x
-        if lo is not None:
-            out = np.maximum(out, np.asarray(lo).astype(x.dtype).reshape(()))
-        if hi is not None:
-            out = np.minimum(out, np.asarray(hi).astype(x.dtype).reshape(()))
+        with np.errstate(over="ignore"):  # float16 clamps the float32 attribute defaults to +-inf
+            if lo is not None:
+                out = np.maximum(out, np.asarray(lo).astype(x.dtype).reshape(()))
+            if hi is not None:
+                out = np.minimum(out, np.asarray(hi).astype(x.dtype).reshape(()))
         return out
 
 
