@@ -7,6 +7,7 @@ are their *captures*, passed in by name.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,7 +112,7 @@ class Program:
         self.steps = [Step(st.kernel, st.node, st.ins, st.outs, st.captures, tuple(release.get(i, ())))
                       for i, st in enumerate(self.steps)]
 
-    def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None) -> list[Any]:
+    def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None) -> list[Any]:
         env: list[Any] = [None] * self.n_slots
         for s, v in self.constants.items():
             env[s] = v
@@ -124,7 +125,12 @@ class Program:
             args = [env[s] if s >= 0 else None for s in st.ins]
             scope = {n: env[s] for n, s in st.captures} if st.captures else _EMPTY
             try:
-                result = st.kernel.execute(args, scope)
+                if profiler is None:
+                    result = st.kernel.execute(args, scope)
+                else:
+                    t0 = time.perf_counter_ns()
+                    result = st.kernel.execute(args, scope)
+                    profiler.record(st.node.name or st.node.outputs[0], st.node.op_type, t0, time.perf_counter_ns())
             except CarrackError:
                 raise
             except Exception as e:  # noqa: BLE001 - name the node that failed

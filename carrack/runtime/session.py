@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize, specialize
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import RunOptions, SessionOptions
+from carrack.runtime.profiler import Profiler
 from carrack.runtime.program import BuildContext, Program
 
 
@@ -76,6 +78,7 @@ class InferenceSession:
             save_model(self._model, self._options.optimized_model_filepath)
         self._dynamic = self._level > 0 and _has_symbolic_inputs(graph)
         self._specialized: OrderedDict[tuple, Program] = OrderedDict()
+        self._profiler = Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
         initialized = set(graph.initializers)
         self._inputs = [v for v in graph.inputs if v.name not in initialized]
         self._overridable = [v for v in graph.inputs if v.name in initialized]
@@ -117,8 +120,25 @@ class InferenceSession:
         inputs = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(inputs)), "this run")
-        results = self._program_for(inputs).run(inputs)
+        if self._profiler is None:
+            results = self._program_for(inputs).run(inputs)
+        else:
+            t0 = time.perf_counter_ns()
+            results = self._program_for(inputs).run(inputs, profiler=self._profiler)
+            self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [results[i] for i in wanted]
+
+    def end_profiling(self) -> str:
+        """Write the Chrome trace collected since the session started; returns its path ('' when not profiling)."""
+        if self._profiler is None:
+            return ""
+        path = self._profiler.write()
+        self._profiler = Profiler(self._options.profile_file_prefix)
+        return path
+
+    @property
+    def profiler(self) -> Profiler | None:
+        return self._profiler
 
     # -- carrack extensions -----------------------------------------------------------------------------------------
     def memory_plan(self, dims: Mapping[str, int] | None = None) -> MemoryPlan:

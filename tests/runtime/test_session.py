@@ -153,3 +153,20 @@ def test_placeholder_dims_are_hints_not_constraints():
     sess = carrack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     y, z = sess.run(None, {"a": np.ones(3, np.float32), "b": np.ones(5, np.float32)})
     assert y.shape == (3,) and z.shape == (5,)
+
+
+def test_profiling_writes_a_chrome_trace(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    opts = carrack.SessionOptions()
+    opts.enable_profiling = True
+    sess = carrack.InferenceSession(_mlp_model(), opts)
+    for _ in range(3):
+        sess.run(None, {"x": np.ones((2, 8), np.float32)})
+    table = sess.profiler.table()
+    assert "MatMul" in table and "slowest nodes" in table
+    path = sess.end_profiling()
+    events = json.load(open(path))
+    assert {e["args"]["op_name"] for e in events} >= {"MatMul", "Relu", "run"}
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
