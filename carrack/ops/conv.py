@@ -68,10 +68,24 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
     else:
         win = windows(x, kernel, strides, dilations)  # N, C, *O, *K
         out_spatial = win.shape[2:2 + nd]
-        order = (0, 1) + tuple(range(2 + nd, 2 + 2 * nd)) + tuple(range(2, 2 + nd))
-        cols = win.transpose(order).reshape(n, group, cg * int(np.prod(kernel)), -1)
-        out = np.matmul(w.reshape(group, m // group, -1), cols).reshape((n, m) + out_spatial)
+        # Bound the column matrix's memory: im2col a few images at a time.
+        per_image = int(np.prod(win.shape[1:])) * win.itemsize
+        chunk = max(1, _COLUMN_BYTES // max(per_image, 1))
+        weights = w.reshape(group, m // group, -1)
+        parts = [_im2col_matmul(win[i:i + chunk], weights, group) for i in range(0, n, chunk)]
+        out = (np.concatenate(parts) if parts else np.zeros((0,), dtype)).reshape((n, m) + out_spatial)
     return out.astype(out_dtype, copy=False)
+
+
+_COLUMN_BYTES = 256 << 20
+
+
+def _im2col_matmul(win: np.ndarray, weights: np.ndarray, group: int) -> np.ndarray:
+    """win[N, C, *O, *K] -> columns [N, group, C/group * K, O], times weights [group, M/group, C/group * K]."""
+    nd = (win.ndim - 2) // 2
+    order = (0, 1) + tuple(range(2 + nd, 2 + 2 * nd)) + tuple(range(2, 2 + nd))
+    cols = win.transpose(order).reshape(win.shape[0], group, weights.shape[2], -1)
+    return np.matmul(weights, cols)
 
 
 def _pointwise(x: np.ndarray, w: np.ndarray, group: int) -> np.ndarray:
@@ -218,6 +232,8 @@ class ConvTranspose(_ConvBase):
         begins, ends = [], []
         for f, p, o in zip(full, out_pad, target):
             total = f + p - o
+            if not self.output_shape:
+                total = max(total, 0)  # like onnxruntime: SAME never pads the output out past the full result
             small, large = total // 2, total - total // 2
             upper = self.auto_pad == "SAME_UPPER"
             begins.append(small if upper else large)
