@@ -1,3 +1,321 @@
-"""quant kernels."""
+"""Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, QLinearMatMul,
+ConvInteger, QLinearConv.
+
+Integer products are accumulated exactly: the zero-point-shifted operands go to float64 and through BLAS; every
+partial sum of 8/16-bit products is an integer below 2**53, so float64 holds it exactly in any summation order.
+The accumulator then wraps to int32 as the spec allows ("accumulation may overflow if and only if in 32 bits").
+"""
 
 from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from carrack.ops.cast import cast_array, is_ml_float, onnx_dtype
+from carrack.ops.registry import Kernel, register
+
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+# -- shared helpers ----------------------------------------------------------------------------------------------------
+def as_float64(a: np.ndarray) -> np.ndarray:
+    """Exact float64 copy of a numeric array (narrow floats go through float32, which holds them exactly)."""
+    a = np.asarray(a)
+    if is_ml_float(a.dtype):
+        a = a.astype(np.float32)
+    return a.astype(np.float64)
+
+
+_SUB_BYTE_INT_NAMES = ("int4", "uint4", "int2", "uint2")
+
+
+def integer_range(dtype: np.dtype) -> tuple[int, int]:
+    info = ml_dtypes.iinfo(dtype) if dtype.name in _SUB_BYTE_INT_NAMES else np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def is_integer_type(dtype: np.dtype) -> bool:
+    return dtype.kind in "iu" or dtype.name in _SUB_BYTE_INT_NAMES
+
+
+def saturate_to(values: np.ndarray, dtype: np.dtype, *, saturate: bool = True, fnuz_inf_is_nan: bool = False
+                ) -> np.ndarray:
+    """Already-rounded integral values (float64) clamped into an integer `dtype`; float targets use Cast rules."""
+    if is_integer_type(dtype):
+        lo, hi = integer_range(dtype)
+        with np.errstate(invalid="ignore"):
+            return np.clip(values, lo, hi).astype(np.int64).astype(dtype)
+    return cast_array(values, dtype, saturate=saturate, fnuz_inf_is_nan=fnuz_inf_is_nan)
+
+
+def wrap_int32(acc: np.ndarray) -> np.ndarray:
+    """Exact integer accumulations held in float64 -> int32, wrapping on overflow like a 32-bit accumulator."""
+    return np.rint(acc).astype(np.int64).astype(np.int32)
+
+
+def _normal_axis(axis: int, rank: int, where: str) -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise ValueError(f"{where}: axis {axis} is out of range for rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def expand_qparam(p: np.ndarray, x_shape: tuple[int, ...], axis: int, block_size: int, where: str) -> np.ndarray:
+    """A scale/zero-point made broadcastable against x: per-tensor, per-axis, or blocked along `axis`."""
+    p = np.asarray(p)
+    if p.size == 1 and (block_size == 0 or p.ndim != len(x_shape)):
+        return p.reshape(())
+    rank = len(x_shape)
+    axis = _normal_axis(axis, rank, where)
+    if block_size > 0:
+        if p.ndim != rank:
+            raise ValueError(f"{where}: blocked quantization needs a rank-{rank} scale, got shape {p.shape}")
+        blocks = -(-x_shape[axis] // block_size)
+        if p.shape[axis] != blocks or any(p.shape[i] != x_shape[i] for i in range(rank) if i != axis):
+            raise ValueError(f"{where}: scale shape {p.shape} does not fit input shape {x_shape} with block_size "
+                             f"{block_size} along axis {axis} (expected {blocks} blocks there)")
+        return np.repeat(p, block_size, axis=axis)[(slice(None),) * axis + (slice(0, x_shape[axis]),)]
+    if p.ndim != 1 or p.shape[0] != x_shape[axis]:
+        raise ValueError(f"{where}: per-axis scale must be 1-D of length {x_shape[axis]} (axis {axis}), "
+                         f"got shape {p.shape}")
+    shape = [1] * rank
+    shape[axis] = p.shape[0]
+    return p.reshape(shape)
+
+
+def _decoded(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# -- QuantizeLinear / DequantizeLinear ------------------------------------------------------------------------------
+@register("QuantizeLinear", since=10)
+class QuantizeLinear(Kernel):
+    """y = saturate(round_half_even(x / y_scale) + y_zero_point)."""
+
+    def setup(self):
+        self.axis = self.attr("axis", 1)
+        self.block_size = self.attr("block_size", 0)
+        if self.block_size < 0:
+            self.fail(f"block_size must be >= 0, got {self.block_size}")
+        self.saturate = bool(self.attr("saturate", 1))
+        self.output_dtype = self._dtype_attr("output_dtype")
+        self.precision = self._dtype_attr("precision")
+
+    def _dtype_attr(self, name: str) -> np.dtype | None:
+        code = self.attr(name, 0)
+        if not code:
+            return None
+        try:
+            return onnx_dtype(code)
+        except ValueError as e:
+            self.fail(f"{name}: {e}")
+
+    def run(self, x, y_scale, y_zero_point=None):
+        out_dtype = self._output_dtype(y_zero_point)
+        where = self.node.label()
+        scale = expand_qparam(y_scale, x.shape, self.axis, self.block_size, where)
+        precision = self.precision or _division_precision(x.dtype, y_scale.dtype)
+        quotient = _divide(cast_array(x, precision), cast_array(scale, precision))
+        zero_point = 0.0 if y_zero_point is None else as_float64(
+            expand_qparam(y_zero_point, x.shape, self.axis, self.block_size, where))
+        if is_integer_type(out_dtype):
+            return saturate_to(as_float64(np.rint(quotient)) + zero_point, out_dtype)
+        return cast_array(as_float64(quotient) + zero_point, out_dtype, saturate=self.saturate,
+                          fnuz_inf_is_nan=self.version < 24)
+
+    def _output_dtype(self, zero_point) -> np.dtype:
+        if zero_point is None:
+            return self.output_dtype or np.dtype(np.uint8)
+        if self.output_dtype is not None and self.output_dtype != zero_point.dtype:
+            raise ValueError(f"{self.node.label()}: output_dtype {self.output_dtype} differs from the zero point's "
+                             f"type {zero_point.dtype}")
+        return zero_point.dtype
+
+
+def _divide(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """x / scale rounded to their (common) float type, returned in float64 (exactly) or in that native type."""
+    if x.dtype in (np.float16, np.float32, np.float64):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return x / scale  # IEEE division, correctly rounded (numpy's float16 goes via float32: still exact)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return as_float64(cast_array(as_float64(x) / as_float64(scale), x.dtype))
+
+
+def _narrow_integer(dtype: np.dtype) -> bool:
+    return dtype.name in _SUB_BYTE_INT_NAMES or (dtype.kind in "iu" and dtype.itemsize <= 2)
+
+
+def _division_precision(x_dtype: np.dtype, scale_dtype: np.dtype) -> np.dtype:
+    """The division runs in the scale's float type; an e8m0 or integer scale leaves it to x (or float32)."""
+    for dt in (scale_dtype, x_dtype):
+        if dt != _E8M0 and (dt.kind == "f" or dt == np.dtype(ml_dtypes.bfloat16)):
+            return dt
+    return np.dtype(np.float32)
+
+
+@register("DequantizeLinear", since=10)
+class DequantizeLinear(Kernel):
+    """y = (x - x_zero_point) * x_scale, rounded once to the output type."""
+
+    def setup(self):
+        self.axis = self.attr("axis", 1)
+        self.block_size = self.attr("block_size", 0)
+        if self.block_size < 0:
+            self.fail(f"block_size must be >= 0, got {self.block_size}")
+        code = self.attr("output_dtype", 0)
+        try:
+            self.output_dtype = onnx_dtype(code) if code else None
+        except ValueError as e:
+            self.fail(f"output_dtype: {e}")
+
+    def run(self, x, x_scale, x_zero_point=None):
+        where = self.node.label()
+        out_dtype = self.output_dtype or (x_scale.dtype if x_scale.dtype != _E8M0 else np.dtype(np.float32))
+        # (x - zero_point) of 8/16-bit integers is exact in float32, so for a float32 output one float32 multiply
+        # rounds correctly; otherwise the product is formed in float64 and rounded once to the output type.
+        compute = np.float32 if out_dtype == np.float32 and _narrow_integer(x.dtype) else np.float64
+        scale = expand_qparam(x_scale, x.shape, self.axis, self.block_size, where)
+        shifted = x.astype(compute) if compute == np.float32 else as_float64(x)
+        if x_zero_point is not None:
+            zero_point = expand_qparam(x_zero_point, x.shape, self.axis, self.block_size, where)
+            shifted = shifted - as_float64(zero_point).astype(compute)
+        return cast_array(shifted * as_float64(scale).astype(compute), out_dtype)
+
+
+@register("DynamicQuantizeLinear", since=11)
+class DynamicQuantizeLinear(Kernel):
+    """uint8 quantization with a scale and zero point chosen from the data range (widened to include 0)."""
+
+    def run(self, x):
+        x = np.asarray(x, dtype=np.float32)
+        low = np.minimum(np.float32(0), x.min()) if x.size else np.float32(0)
+        high = np.maximum(np.float32(0), x.max()) if x.size else np.float32(0)
+        scale = np.float32((high - low) / np.float32(255))
+        if scale == 0:  # all zeros: any scale works; onnxruntime reports 1 (and zero point 0)
+            return np.zeros(x.shape, np.uint8), np.asarray(1, np.float32), np.asarray(0, np.uint8)
+        zero_point = np.clip(np.rint(np.float32(0) - low / scale), 0, 255)
+        y = np.clip(np.rint(x / scale) + zero_point, 0, 255)
+        return y.astype(np.uint8), np.asarray(scale, np.float32), np.asarray(zero_point.astype(np.uint8))
+
+
+# -- integer matmul ------------------------------------------------------------------------------------------------
+def _row_param(p: np.ndarray | None, a: np.ndarray) -> np.ndarray | float:
+    """A per-row (or per-tensor) parameter of the left matmul operand, shaped to broadcast against a[..., M, K]."""
+    if p is None:
+        return 0.0
+    p = np.asarray(p)
+    if p.size == 1:
+        return as_float64(p.reshape(()))
+    if p.ndim == 1 or p.ndim == a.ndim - 1:
+        return as_float64(p)[..., None]
+    return as_float64(p)
+
+
+def _column_param(p: np.ndarray | None, b: np.ndarray) -> np.ndarray | float:
+    """A per-column (or per-tensor) parameter of the right matmul operand, broadcastable against b[..., K, N]."""
+    if p is None:
+        return 0.0
+    p = np.asarray(p)
+    if p.size == 1:
+        return as_float64(p.reshape(()))
+    if p.ndim == b.ndim - 1 and p.ndim > 1:
+        return as_float64(p)[..., None, :]
+    return as_float64(p)
+
+
+def integer_matmul(a: np.ndarray, a_zero_point, b: np.ndarray, b_zero_point) -> np.ndarray:
+    """(a - a_zero_point) @ (b - b_zero_point) as exact integers held in float64."""
+    left = as_float64(a) - _row_param(a_zero_point, a)
+    right = as_float64(b) - _column_param(b_zero_point, b)
+    return np.matmul(left, right)
+
+
+@register("MatMulInteger", since=10)
+class MatMulInteger(Kernel):
+    def run(self, a, b, a_zero_point=None, b_zero_point=None):
+        return wrap_int32(integer_matmul(a, a_zero_point, b, b_zero_point))
+
+
+@register("QLinearMatMul", since=10)
+class QLinearMatMul(Kernel):
+    """Integer matmul, then requantization by a_scale * b_scale / y_scale (float32, as onnxruntime does)."""
+
+    def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
+        acc = integer_matmul(a, a_zero_point, b, b_zero_point)
+        multiplier = (np.asarray(_row_param(a_scale, a), np.float32) * np.asarray(_column_param(b_scale, b), np.float32)
+                      / _scalar(y_scale).astype(np.float32))
+        return _requantize(acc, multiplier, y_zero_point)
+
+
+def _scalar(p: np.ndarray) -> np.ndarray:
+    if np.size(p) != 1:
+        raise ValueError(f"expected a per-tensor (one-element) parameter, got shape {np.shape(p)}")
+    return as_float64(np.asarray(p).reshape(()))
+
+
+def _requantize(acc: np.ndarray, multiplier: np.ndarray, y_zero_point: np.ndarray) -> np.ndarray:
+    """saturate(round_half_even(float32(acc) * multiplier) + y_zero_point)."""
+    scaled = as_float64(acc.astype(np.float32) * multiplier)
+    zero_point = _scalar(y_zero_point)
+    if is_integer_type(y_zero_point.dtype):
+        return saturate_to(np.rint(scaled) + zero_point, y_zero_point.dtype)
+    return cast_array(scaled + zero_point, y_zero_point.dtype)
+
+
+# -- integer convolution ---------------------------------------------------------------------------------------------
+class _IntegerConv(Kernel):
+    def setup(self):
+        self.group = int(self.attr("group", 1))
+        self.auto_pad = _decoded(self.attr("auto_pad", "NOTSET"))
+        if self.auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
+            self.fail(f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}")
+        self.pads = self.attr("pads")
+        self.strides = self.attr("strides")
+        self.dilations = self.attr("dilations")
+        self.kernel_shape = self.attr("kernel_shape")
+
+    def accumulate(self, x, x_zero_point, w, w_zero_point) -> np.ndarray:
+        """conv(x - x_zero_point, w - w_zero_point[m]) as exact integers held in float64."""
+        from carrack.ops.conv import conv_pads, convolve
+
+        kernel = list(w.shape[2:])
+        if self.kernel_shape is not None and list(self.kernel_shape) != kernel:
+            raise ValueError(f"{self.node.label()}: kernel_shape {self.kernel_shape} does not match weights {kernel}")
+        nd = len(kernel)
+        strides = list(self.strides or [1] * nd)
+        dilations = list(self.dilations or [1] * nd)
+        pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], kernel, strides, dilations)
+        shifted_x = as_float64(x)
+        if x_zero_point is not None:
+            shifted_x = shifted_x - as_float64(np.asarray(x_zero_point).reshape(()))
+        shifted_w = as_float64(w)
+        if w_zero_point is not None:
+            shifted_w = shifted_w - _per_channel(w_zero_point, w.shape[0], w.ndim)
+        return convolve(shifted_x, shifted_w, strides=strides, pads=pads, dilations=dilations, group=self.group)
+
+
+def _per_channel(p: np.ndarray, channels: int, rank: int) -> np.ndarray:
+    """A per-tensor or per-output-channel parameter, broadcastable against [N or M, channels, *spatial]."""
+    p = as_float64(p)
+    if p.size == 1:
+        return p.reshape(())
+    if p.size != channels:
+        raise ValueError(f"per-channel parameter has {p.size} values, expected {channels}")
+    return p.reshape((channels,) + (1,) * (rank - 1))
+
+
+@register("ConvInteger", since=10)
+class ConvInteger(_IntegerConv):
+    def run(self, x, w, x_zero_point=None, w_zero_point=None):
+        return wrap_int32(self.accumulate(x, x_zero_point, w, w_zero_point))
+
+
+@register("QLinearConv", since=10)
+class QLinearConv(_IntegerConv):
+    def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B=None):
+        acc = self.accumulate(x, x_zero_point, w, w_zero_point)
+        if B is not None:
+            acc = acc + as_float64(B).reshape((-1,) + (1,) * (acc.ndim - 2))
+        acc = wrap_int32(acc)  # a 32-bit accumulator, bias included
+        multiplier = _scalar(x_scale).astype(np.float32) * _per_channel(w_scale, acc.shape[1], acc.ndim - 1).astype(
+            np.float32) / _scalar(y_scale).astype(np.float32)
+        return _requantize(acc, multiplier, y_zero_point)

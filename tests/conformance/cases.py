@@ -40,7 +40,15 @@ def node_cases() -> dict[str, Case]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cases = collect_testcases(None)
-    return {c.name: Case(c.name, c.rtol, c.atol, model=c.model, data_sets=list(c.data_sets)) for c in cases}
+    return {c.name: Case(c.name, c.rtol, c.atol, model=c.model,
+                         data_sets=[([_as_value(a) for a in ins], [_as_value(o) for o in outs])
+                                    for ins, outs in c.data_sets])
+            for c in cases}
+
+
+def _as_value(v: Any) -> Any:
+    """onnx hands some exotic-typed data over as TensorProto; tests feed and compare numpy arrays."""
+    return numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else v
 
 
 def case_ops(case_id: str) -> set[str]:
