@@ -34,7 +34,8 @@ ONNX_TO_NUMPY: dict[int, np.dtype] = {
     _T.INT4: np.dtype(ml_dtypes.int4),
 }
 for _name, _ml in (("FLOAT4E2M1", "float4_e2m1fn"), ("FLOAT8E8M0", "float8_e8m0fnu"),
-                   ("UINT2", "uint2"), ("INT2", "int2")):
+                   ("UINT2", "uint2"), ("INT2", "int2"), ("FLOAT6E2M3", "float6_e2m3fn"),
+                   ("FLOAT6E3M2", "float6_e3m2fn")):
     if hasattr(_T, _name) and hasattr(ml_dtypes, _ml):
         ONNX_TO_NUMPY[getattr(_T, _name)] = np.dtype(getattr(ml_dtypes, _ml))
 
