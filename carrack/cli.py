@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--memory", action="store_true", help="show the static memory plan")
     i.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="size for a symbolic dim")
     i.set_defaults(func=cmd_info)
+    from carrack.gguf.cli import add_gguf_parser
+
+    add_gguf_parser(sub)
     return p
 
 
