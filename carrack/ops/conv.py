@@ -73,7 +73,8 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
         chunk = max(1, _COLUMN_BYTES // max(per_image, 1))
         weights = w.reshape(group, m // group, -1)
         parts = [_im2col_matmul(win[i:i + chunk], weights, group) for i in range(0, n, chunk)]
-        out = (np.concatenate(parts) if parts else np.zeros((0,), dtype)).reshape((n, m) + out_spatial)
+        joined = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0,), dtype)
+        out = joined.reshape((n, m) + out_spatial)
     return out.astype(out_dtype, copy=False)
 
 

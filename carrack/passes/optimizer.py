@@ -188,6 +188,8 @@ def fold_constants(node: Node, view: GraphView, ctx: Context) -> bool:
         if v is None:
             return False
         values.append(v)
+    if node.op_type == "ConstantOfShape" and not node.domain and values and values[0] is not None:
+        return _fold_uniform(node, view, values[0])
     if ctx.facts is None and _estimated_bytes(node, values) > FOLD_LIMIT_BYTES:
         return False
     opset = node.opset or ctx.opsets.get(node.domain) or registry.default_opset(node.domain)
@@ -207,6 +209,18 @@ def fold_constants(node: Node, view: GraphView, ctx: Context) -> bool:
     for name, value in zip(node.outputs, outs):
         if name:
             view.graph.initializers[name] = np.asarray(value)
+    view.remove([node])
+    return True
+
+
+def _fold_uniform(node: Node, view: GraphView, shape: np.ndarray) -> bool:
+    """ConstantOfShape of a known shape: a read-only broadcast view of one value, so any size costs no memory."""
+    value = node.attrs.get("value")
+    scalar = np.asarray(value).reshape(-1)[:1] if isinstance(value, np.ndarray) else np.zeros(1, np.float32)
+    dims = tuple(int(d) for d in np.asarray(shape).reshape(-1))
+    if any(d < 0 for d in dims) or scalar.size != 1:
+        return False
+    view.graph.initializers[node.outputs[0]] = np.broadcast_to(scalar.reshape(()), dims)
     view.remove([node])
     return True
 
@@ -246,4 +260,5 @@ def specialize(model: Model, bindings: Mapping[str, int], level: int = ALL) -> G
     remove_dead_nodes(view, fired)
     optimize_graph(graph, Context(model.opsets, infer(graph, model.opsets, input_facts(graph, bindings))), level, fired)
     return graph
+from carrack.passes import quant_lowering as _quant_lowering  # noqa: E402, F401
 from carrack.passes import transformer_fusions as _transformer_fusions  # noqa: E402, F401

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
+from carrack.onnx.tensors import align_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize, specialize
 from carrack.runtime.feeds import check_feed
@@ -70,21 +71,25 @@ class InferenceSession:
                  **kwargs: Any):
         self._options = sess_options or SessionOptions()
         self._source_model: Model = load_model(path_or_bytes)
+        source = self._source_model.graph
+        initialized = set(source.initializers)
+        self._inputs = [v for v in source.inputs if v.name not in initialized]
+        self._overridable = [v for v in source.inputs if v.name in initialized]
+        self._outputs = list(source.outputs)
+        self._input_info = {v.name: v for v in source.inputs}
+        self._output_index = {v.name: i for i, v in enumerate(source.outputs)}
         self._level = int(self._options.graph_optimization_level)
-        self._model, self.optimizer_stats = optimize(self._source_model, self._level)
-        graph = self._model.graph
-        self._program = self._compile(graph)
+        # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
+        # the unoptimized source graph instead
+        frozen = replace(self._source_model, graph=replace(source, inputs=self._inputs))
+        self._model, self.optimizer_stats = optimize(frozen, self._level)
+        self._program = self._compile(self._model.graph)
+        self._override_program: Program | None = None
         if self._options.optimized_model_filepath:
             save_model(self._model, self._options.optimized_model_filepath)
-        self._dynamic = self._level > 0 and _has_symbolic_inputs(graph)
+        self._dynamic = self._level > 0 and _has_symbolic_inputs(self._model.graph)
         self._specialized: OrderedDict[tuple, Program] = OrderedDict()
         self._profiler = Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
-        initialized = set(graph.initializers)
-        self._inputs = [v for v in graph.inputs if v.name not in initialized]
-        self._overridable = [v for v in graph.inputs if v.name in initialized]
-        self._outputs = list(graph.outputs)
-        self._input_index = {v.name: i for i, v in enumerate(graph.inputs)}
-        self._output_index = {v.name: i for i, v in enumerate(graph.outputs)}
         self._lock = threading.Lock()
         self._plans: dict[tuple[tuple[str, int], ...], MemoryPlan] = {}
         if self._options.memory_limit_bytes:
@@ -117,14 +122,16 @@ class InferenceSession:
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
-        inputs = self._bind_inputs(input_feed)
+        feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
-            self._check_memory(self.memory_plan(self._dim_bindings(inputs)), "this run")
+            self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
+        program = self._program_for(feed)
+        inputs = [feed.get(name) for name in program.input_names]
         if self._profiler is None:
-            results = self._program_for(inputs).run(inputs)
+            results = program.run(inputs)
         else:
             t0 = time.perf_counter_ns()
-            results = self._program_for(inputs).run(inputs, profiler=self._profiler)
+            results = program.run(inputs, profiler=self._profiler)
             self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [results[i] for i in wanted]
 
@@ -153,24 +160,31 @@ class InferenceSession:
         return plan
 
     def _compile(self, graph) -> Program:
+        align_constants(graph)  # folded constants are wherever numpy put them
         ctx = BuildContext(opsets=self._model.opsets, options=self._options)
         program = Program(graph, ctx)
         if ctx.missing:
             raise NotImplementedOps(ctx.missing)
         return program
 
-    def _program_for(self, inputs: list[Any]) -> Program:
-        """The program specialised to these input shapes (shape arithmetic folded), cached per signature."""
+    def _program_for(self, feed: dict[str, Any]) -> Program:
+        """The program for this run: specialised to its input shapes (shape arithmetic folded), cached per
+        signature; the unoptimized source graph when the run overrides an initializer."""
+        if any(v.name in feed for v in self._overridable):
+            with self._lock:
+                if self._override_program is None:
+                    self._override_program = self._compile(self._source_model.graph)
+                return self._override_program
         if not self._dynamic:
             return self._program
-        signature = tuple(v.shape if isinstance(v, np.ndarray) else None for v in inputs)
+        signature = tuple(getattr(feed.get(v.name), "shape", None) for v in self._inputs)
         with self._lock:
             program = self._specialized.get(signature)
             if program is not None:
                 self._specialized.move_to_end(signature)
                 return program
         try:
-            program = self._compile(specialize(self._model, self._dim_bindings(inputs), self._level))
+            program = self._compile(specialize(self._model, self._dim_bindings(feed), self._level))
         except Exception:  # noqa: BLE001 - the generic program handles every shape; specialising is an extra
             program = self._program
         with self._lock:
@@ -187,10 +201,11 @@ class InferenceSession:
                 f"{what} needs {needed:,} bytes (weights {plan.weight_bytes:,} + inputs {plan.input_bytes:,} + "
                 f"working arena {plan.arena_bytes:,}), more than SessionOptions.memory_limit_bytes = {limit:,}")
 
-    def _dim_bindings(self, inputs: list[Any]) -> dict[str, int]:
+    def _dim_bindings(self, feed: dict[str, Any]) -> dict[str, int]:
         """Symbol name -> size from this run's inputs (anonymous dims are named 'input:axis')."""
         bindings: dict[str, int] = {}
-        for info, value in zip(self._model.graph.inputs, inputs):
+        for info in self._inputs:
+            value = feed.get(info.name)
             if not isinstance(info.type, TensorType) or info.type.shape is None or not isinstance(value, np.ndarray):
                 continue
             for axis, (d, size) in enumerate(zip(info.type.shape, value.shape)):
@@ -210,22 +225,18 @@ class InferenceSession:
                                   f"{[v.name for v in self._outputs]}")
         return [self._output_index[n] for n in output_names]
 
-    def _bind_inputs(self, feed: Mapping[str, Any]) -> list[Any]:
+    def _bind_inputs(self, feed: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(feed, Mapping):
             raise InvalidArgument(f"input_feed must be a dict of input name -> array, got {type(feed).__name__}")
-        unknown = [k for k in feed if k not in self._input_index]
+        unknown = [k for k in feed if k not in self._input_info]
         if unknown:
             raise InvalidArgument(f"unknown input name(s) {unknown}; the model's inputs are "
                                   f"{[v.name for v in self._inputs]}")
         missing = [v.name for v in self._inputs if v.name not in feed and not _may_omit(v)]
         if missing:
             raise InvalidArgument(f"missing input(s) {missing}: every model input needs a value")
-        bound: list[Any] = [None] * len(self._model.graph.inputs)
         symbols: dict[Sym, tuple[int, str]] = {}
-        for name, value in feed.items():
-            info = self._model.graph.inputs[self._input_index[name]]
-            bound[self._input_index[name]] = check_feed(info, value, symbols)
-        return bound
+        return {name: check_feed(self._input_info[name], value, symbols) for name, value in feed.items()}
 
 
 _MAX_SPECIALIZED = 16
