@@ -232,6 +232,26 @@ def squeeze_rule(node, ins, version):
     return [tensor_fact(x.elem_type, dims, value)]
 
 
+@rule("Split")
+def split_rule(node, ins, version):
+    """Split along `axis` by the `split` sizes (attribute before 13, input after) or into equal parts."""
+    x, n = ins[0], len(node.outputs)
+    if x.shape is None:
+        return [tensor_fact(x.elem_type, None)] * n
+    axis = _axis(node.attrs.get("axis", 0), len(x.shape))
+    if version >= 13 and len(ins) > 1 and node.inputs[1]:
+        sizes = [int(s) for s in ins[1].value.reshape(-1)] if ins[1].is_concrete() else None
+    else:
+        sizes = node.attrs.get("split")
+    dim = x.shape[axis]
+    if sizes is None and isinstance(dim, int):
+        part = -(-dim // n) if version >= 18 else dim // n  # 18+: the last part may be smaller
+        sizes = [min(part, dim - i * part) for i in range(n)]
+    if sizes is None or len(sizes) != n:
+        return [tensor_fact(x.elem_type, None)] * n
+    return [tensor_fact(x.elem_type, x.shape[:axis] + (s,) + x.shape[axis + 1:]) for s in sizes]
+
+
 @rule("Reshape")
 def reshape_rule(node, ins, version):
     x = ins[0]
