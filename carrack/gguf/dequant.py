@@ -6,8 +6,9 @@ start at any byte offset; multi-byte fields (f16 scales, u16/u32 bit masks) are 
 before being viewed with an explicit little-endian dtype, which works on any alignment and any host byte order.
 
 Each block type has a function `(blocks, out)` that writes the float32 values of a (n, type_size) block matrix into a
-(n, block_size) float32 array. Most of them build the small integer "code" of every value, look the codes up in a
-float32 table straight into `out` (np.take), then scale `out` in place by the per-block or per-sub-block scales.
+(n, block_size) float32 array. Most of them build the small integer value of every element (bit fields, or an int8
+table lookup for non-linear levels) and write it times its block or sub-block scale into `out` with one mixed
+int8 x float32 multiply; the grid types look float32 grid rows up straight into `out`, then scale them in place.
 The arithmetic follows ggml's reference formulas in the same order (so results equal ggml / gguf-py bit for bit).
 Large tensors are processed in chunks of blocks that stay in the CPU cache.
 """
@@ -195,19 +196,21 @@ def _crumbs(q: np.ndarray) -> np.ndarray:
 
 
 def _bits(q: np.ndarray) -> np.ndarray:
-    """(..., k) bytes -> (..., 8, k): bit b of byte l at [..., b, l]."""
-    return (q[..., None, :] >> _SHIFT_1[:, None]) & 1
+    """(..., k) bytes -> (..., 8, k): bit b of byte l at [..., b, l] (a transposed view)."""
+    return np.unpackbits(q, axis=-1, bitorder="little").reshape(*q.shape, 8).swapaxes(-1, -2)
 
 
 def _lookup(table: np.ndarray, codes: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[...] = table[codes] along axis 0 of `table`, written into `out` reshaped to the result shape."""
     target = out.reshape(codes.shape + table.shape[1:])
-    np.take(table, codes, axis=0, out=target, mode="clip")
+    np.take(table, codes, axis=0, out=target, mode="wrap")  # codes are in range; "wrap" skips the checks
     return target
 
 
-def _arange_table(n: int, offset: int = 0) -> np.ndarray:
-    return (np.arange(n) + offset).astype(np.float32)
+def _lookup_ints(table: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """table[codes] for a small int8 table: the int8 values are then scaled by one mixed int8 x float32 multiply
+    (numpy converts in its inner loop), which is cheaper than a float32 lookup followed by an in-place multiply."""
+    return np.take(table, codes, mode="wrap")
 
 
 def _sign_table() -> np.ndarray:
@@ -218,11 +221,8 @@ def _sign_table() -> np.ndarray:
 
 _SIGNS = _sign_table()
 _KSIGNS = _SIGNS[tables.ksigns()]  # 7 stored sign bits -> 8 multipliers
-_KVALUES_IQ4NL = np.asarray(tables.KVALUES_IQ4NL, dtype=np.float32)
-_KVALUES_MXFP4 = np.asarray(tables.KVALUES_MXFP4, dtype=np.float32)
-_UNSIGNED_4 = _arange_table(16)
-_UNSIGNED_5 = _arange_table(32)
-_UNSIGNED_2 = _arange_table(4)
+_KVALUES_IQ4NL = np.asarray(tables.KVALUES_IQ4NL, dtype=np.int8)
+_KVALUES_MXFP4 = np.asarray(tables.KVALUES_MXFP4, dtype=np.int8)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,18 +232,14 @@ _UNSIGNED_2 = _arange_table(4)
 @_dequantizer(GGMLType.Q4_0)
 def _q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, qs[16]: value j in the low nibble of byte j, value j+16 in its high nibble; y = d * (q - 8)
-    _lookup(_Q4_0_VALUES, _nibbles(blocks[:, 2:18]), out)
-    out *= _f16(blocks, 0)
-
-
-_Q4_0_VALUES = _arange_table(16, -8)
+    values = _nibbles(blocks[:, 2:18]).view(np.int8) - np.int8(8)
+    np.multiply(values.reshape(out.shape), _f16(blocks, 0), out=out)
 
 
 @_dequantizer(GGMLType.Q4_1)
 def _q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, m: f16, qs[16]; y = d * q + m
-    _lookup(_UNSIGNED_4, _nibbles(blocks[:, 4:20]), out)
-    out *= _f16(blocks, 0)
+    np.multiply(_nibbles(blocks[:, 4:20]).reshape(out.shape), _f16(blocks, 0), out=out)
     out += _f16(blocks, 2)
 
 
@@ -258,18 +254,14 @@ def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 @_dequantizer(GGMLType.Q5_0)
 def _q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, qh: u32, qs[16]; y = d * (q - 16)
-    _lookup(_Q5_0_VALUES, _five_bit_codes(blocks[:, 2:6], blocks[:, 6:22]), out)
-    out *= _f16(blocks, 0)
-
-
-_Q5_0_VALUES = _arange_table(32, -16)
+    values = _five_bit_codes(blocks[:, 2:6], blocks[:, 6:22]).view(np.int8) - np.int8(16)
+    np.multiply(values.reshape(out.shape), _f16(blocks, 0), out=out)
 
 
 @_dequantizer(GGMLType.Q5_1)
 def _q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, m: f16, qh: u32, qs[16]; y = d * q + m
-    _lookup(_UNSIGNED_5, _five_bit_codes(blocks[:, 4:8], blocks[:, 8:24]), out)
-    out *= _f16(blocks, 0)
+    np.multiply(_five_bit_codes(blocks[:, 4:8], blocks[:, 8:24]).reshape(out.shape), _f16(blocks, 0), out=out)
     out += _f16(blocks, 2)
 
 
@@ -282,15 +274,15 @@ def _q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
 @_dequantizer(GGMLType.IQ4_NL)
 def _iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, qs[16] as Q4_0, each nibble indexing the non-linear levels kvalues_iq4nl
-    _lookup(_KVALUES_IQ4NL, _nibbles(blocks[:, 2:18]), out)
-    out *= _f16(blocks, 0)
+    values = _lookup_ints(_KVALUES_IQ4NL, _nibbles(blocks[:, 2:18]))
+    np.multiply(values.reshape(out.shape), _f16(blocks, 0), out=out)
 
 
 @_dequantizer(GGMLType.MXFP4)
 def _mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:
     # e: e8m0 exponent, qs[16] as Q4_0 with fp4 (e2m1) nibbles; the doubled fp4 values meet a halved scale
-    _lookup(_KVALUES_MXFP4, _nibbles(blocks[:, 1:17]), out)
-    out *= _e8m0_half(blocks[:, 0:1])
+    values = _lookup_ints(_KVALUES_MXFP4, _nibbles(blocks[:, 1:17]))
+    np.multiply(values.reshape(out.shape), _e8m0_half(blocks[:, 0:1]), out=out)
 
 
 def _e8m0_half(e: np.ndarray) -> np.ndarray:
@@ -316,8 +308,9 @@ def _q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
     # two halves of 128 values; within a half, 2-bit field s of byte l is value s*32 + l; 16 values per scale
     n = len(blocks)
     scales = blocks[:, 0:16]
-    values = _lookup(_UNSIGNED_2, _crumbs(blocks[:, 16:80].reshape(n, 2, 32)), out).reshape(n, 16, 16)
-    values *= (_f16(blocks, 80) * (scales & 0x0F))[:, :, None]
+    values = out.reshape(n, 16, 16)
+    codes = _crumbs(blocks[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
+    np.multiply(codes, (_f16(blocks, 80) * (scales & 0x0F))[:, :, None], out=values)
     values -= (_f16(blocks, 82) * (scales >> 4))[:, :, None]
 
 
@@ -328,11 +321,9 @@ def _q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = len(blocks)
     codes = _crumbs(blocks[:, 32:96].reshape(n, 2, 32)).reshape(n, 8, 32)
     codes |= _bits(blocks[:, 0:32]) << 2
-    values = _lookup(_Q3_K_VALUES, codes, out).reshape(n, 16, 16)
-    values *= (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[:, :, None]
-
-
-_Q3_K_VALUES = _arange_table(8, -4)
+    values = codes.view(np.int8) - np.int8(4)
+    scales = (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]))[:, :, None]
+    np.multiply(values.reshape(n, 16, 16), scales, out=out.reshape(n, 16, 16))
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -351,10 +342,12 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _apply_k_scales(blocks: np.ndarray, values: np.ndarray) -> None:
+def _apply_k_scales(blocks: np.ndarray, codes: np.ndarray, out: np.ndarray) -> None:
     # y = (d * scale) * q - (dmin * min), 32 values per scale
+    n = len(blocks)
     scales, mins = _k_scales(blocks[:, 4:16])
-    values *= (_f16(blocks, 0) * scales)[:, :, None]
+    values = out.reshape(n, 8, 32)
+    np.multiply(codes.reshape(n, 8, 32), (_f16(blocks, 0) * scales)[:, :, None], out=values)
     values -= (_f16(blocks, 2) * mins)[:, :, None]
 
 
@@ -362,8 +355,7 @@ def _apply_k_scales(blocks: np.ndarray, values: np.ndarray) -> None:
 def _q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
     # d: f16, dmin: f16, scales[12], qs[128]: 4 chunks of 32 bytes, low nibbles then high nibbles
     n = len(blocks)
-    values = _lookup(_UNSIGNED_4, _nibbles(blocks[:, 16:144].reshape(n, 4, 32)), out).reshape(n, 8, 32)
-    _apply_k_scales(blocks, values)
+    _apply_k_scales(blocks, _nibbles(blocks[:, 16:144].reshape(n, 4, 32)), out)
 
 
 @_dequantizer(GGMLType.Q5_K)
@@ -372,8 +364,7 @@ def _q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = len(blocks)
     codes = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     codes |= _bits(blocks[:, 16:48]) << 4
-    values = _lookup(_UNSIGNED_5, codes, out).reshape(n, 8, 32)
-    _apply_k_scales(blocks, values)
+    _apply_k_scales(blocks, codes, out)
 
 
 @_dequantizer(GGMLType.Q6_K)
@@ -384,11 +375,9 @@ def _q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     n = len(blocks)
     codes = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 128)
     codes |= _crumbs(blocks[:, 128:192].reshape(n, 2, 32)).reshape(n, 2, 128) << 4
-    values = _lookup(_Q6_K_VALUES, codes, out).reshape(n, 16, 16)
-    values *= (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]
-
-
-_Q6_K_VALUES = _arange_table(64, -32)
+    values = codes.view(np.int8) - np.int8(32)
+    scales = (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]
+    np.multiply(values.reshape(n, 16, 16), scales, out=out.reshape(n, 16, 16))
 
 
 @_dequantizer(GGMLType.IQ4_XS)
@@ -397,8 +386,8 @@ def _iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     n = len(blocks)
     high = (_u16(blocks, 2, 1) >> (2 * np.arange(8, dtype=np.uint16))) & 3
     scales = (_interleaved_nibbles(blocks[:, 4:8]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    values = _lookup(_KVALUES_IQ4NL, _nibbles(blocks[:, 8:136].reshape(n, 8, 16)), out).reshape(n, 8, 32)
-    values *= (_f16(blocks, 0) * scales)[:, :, None]
+    values = _lookup_ints(_KVALUES_IQ4NL, _nibbles(blocks[:, 8:136].reshape(n, 8, 16)))
+    np.multiply(values.reshape(n, 8, 32), (_f16(blocks, 0) * scales)[:, :, None], out=out.reshape(n, 8, 32))
 
 
 @_dequantizer(GGMLType.TQ1_0)
@@ -411,22 +400,18 @@ def _tq1_0(blocks: np.ndarray, out: np.ndarray) -> None:
     np.multiply(blocks[:, None, 0:32], _POW3[:5, None], out=codes[:, 0:160].reshape(n, 5, 32))
     np.multiply(blocks[:, None, 32:48], _POW3[:5, None], out=codes[:, 160:240].reshape(n, 5, 16))
     np.multiply(blocks[:, None, 48:52], _POW3[:4, None], out=codes[:, 240:256].reshape(n, 4, 4))
-    _lookup(_TRITS, codes, out)
-    out *= _f16(blocks, 52)
+    np.multiply(_lookup_ints(_TRITS, codes), _f16(blocks, 52), out=out)
 
 
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
-_TRITS = (((np.arange(256, dtype=np.uint16) * 3) >> 8).astype(np.int16) - 1).astype(np.float32)
+_TRITS = (((np.arange(256, dtype=np.uint16) * 3) >> 8).astype(np.int16) - 1).astype(np.int8)
 
 
 @_dequantizer(GGMLType.TQ2_0)
 def _tq2_0(blocks: np.ndarray, out: np.ndarray) -> None:
     # qs[64] 2-bit values laid out as Q2_K, d: f16; y = d * (q - 1)
-    _lookup(_TQ2_VALUES, _crumbs(blocks[:, 0:64].reshape(-1, 2, 32)), out)
-    out *= _f16(blocks, 64)
-
-
-_TQ2_VALUES = _arange_table(4, -1)
+    values = _crumbs(blocks[:, 0:64].reshape(-1, 2, 32)).view(np.int8) - np.int8(1)
+    np.multiply(values.reshape(out.shape), _f16(blocks, 64), out=out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -530,8 +515,8 @@ def _iq1_m(blocks: np.ndarray, out: np.ndarray) -> None:
 def _nvfp4(blocks: np.ndarray, out: np.ndarray) -> None:
     # 4 ue4m3 scales (one per 16 values), qs[32]: per 16 values 8 bytes, low nibbles first, fp4 (e2m1) values
     n = len(blocks)
-    values = _lookup(_KVALUES_MXFP4, _nibbles(blocks[:, 4:36].reshape(n, 4, 8)), out).reshape(n, 4, 16)
-    values *= _UE4M3_HALF[blocks[:, 0:4]][:, :, None]
+    values = _lookup_ints(_KVALUES_MXFP4, _nibbles(blocks[:, 4:36].reshape(n, 4, 8)))
+    np.multiply(values.reshape(n, 4, 16), _UE4M3_HALF[blocks[:, 0:4]][:, :, None], out=out.reshape(n, 4, 16))
 
 
 def _ue4m3_half_table() -> np.ndarray:
