@@ -140,6 +140,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _op_counts(graph) -> Counter:
+    return Counter(n.op_type if not n.domain else f"{n.domain}:{n.op_type}" for n in graph.nodes)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from carrack.onnx.importer import load_model
 
@@ -157,15 +161,37 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  {a.name}: {a.type} {a.shape}")
     weight_bytes = sum(v.nbytes for v in g.initializers.values() if isinstance(v, np.ndarray))
     print(f"initializers: {len(g.initializers)} ({weight_bytes / 2**20:.2f} MiB)")
-    counts = Counter(n.op_type if not n.domain else f"{n.domain}:{n.op_type}" for n in g.nodes)
-    print(f"nodes: {len(g.nodes)}")
-    for op, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"  {op:32s} {c}")
+    counts = _op_counts(g)
+    if args.optimized:
+        after = _op_counts(sess._model.graph)
+        print(f"nodes: {len(g.nodes)} -> {len(sess._model.graph.nodes)} after optimization")
+        print(f"  {'op type':32s} {'before':>7s} {'after':>7s}")
+        for op in sorted(set(counts) | set(after), key=lambda o: (-counts.get(o, 0), o)):
+            print(f"  {op:32s} {counts.get(op, 0):7d} {after.get(op, 0):7d}")
+        fired = ", ".join(f"{k} x{v}" for k, v in sorted(sess.optimizer_stats.items())) or "none"
+        print(f"rewrites: {fired}")
+    else:
+        print(f"nodes: {len(g.nodes)}")
+        for op, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            print(f"  {op:32s} {c}")
     if args.memory:
         dims = _parse_dims(args.dim)
         print(f"memory plan ({', '.join(f'{k}={v}' for k, v in dims.items()) or 'declared dims'}):")
         for line in sess.memory_plan(dims).summary().splitlines():
             print(f"  {line}")
+    return 0
+
+
+_LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    opts = carrack.SessionOptions()
+    opts.graph_optimization_level = carrack.GraphOptimizationLevel(_LEVELS[args.level])
+    opts.optimized_model_filepath = args.output
+    sess = carrack.InferenceSession(args.model, opts)
+    before, after = len(sess._source_model.graph.nodes), len(sess._model.graph.nodes)
+    print(f"wrote {args.output}: {before} -> {after} nodes")
     return 0
 
 
@@ -187,8 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="inputs, outputs, opsets and node counts of a model")
     i.add_argument("model")
     i.add_argument("--memory", action="store_true", help="show the static memory plan")
+    i.add_argument("--optimized", action="store_true", help="node counts by op type before and after optimization")
     i.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="size for a symbolic dim")
     i.set_defaults(func=cmd_info)
+    o = sub.add_parser("optimize", help="write the optimized graph as an ONNX file")
+    o.add_argument("model")
+    o.add_argument("output")
+    o.add_argument("--level", choices=list(_LEVELS), default="all")
+    o.set_defaults(func=cmd_optimize)
     from carrack.gguf.cli import add_gguf_parser
 
     add_gguf_parser(sub)

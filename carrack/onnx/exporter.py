@@ -22,7 +22,8 @@ def export_model(model: Model) -> onnx.ModelProto:
         opsets.setdefault(d, 1)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               producer_name="carrack")
-    proto.ir_version = max(model.ir_version or 0, min(proto.ir_version, 10))
+    # the oldest IR version that carries these opsets, so older engines can load the file
+    proto.ir_version = helper.find_min_ir_version_for(list(proto.opset_import), ignore_unknown=True)
     for k, v in model.metadata.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = k, v

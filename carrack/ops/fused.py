@@ -36,16 +36,19 @@ class _FusedBase(Kernel):
     base_opset = 11
 
     def setup(self) -> None:
-        attrs = {k: v for k, v in self.node.attrs.items() if k not in ("activation", "activation_params")}
+        attrs = {k: v for k, v in self.node.attrs.items() if not k.startswith("activation")}
         base = replace(self.node, op_type=self.base_op, domain="", attrs=attrs)
         cls, version = registry.resolve("", self.base_op, self.base_opset)
         if cls is None:
             self.fail(f"no {self.base_op} kernel to fuse into")
         self.inner = cls(base, version, self.ctx)
         try:
-            self.act = _activation(self.attr("activation", ""), list(self.attr("activation_params", [])))
+            self.act = _activation(self.attr("activation", ""), self.activation_params())
         except ValueError as e:
             self.fail(str(e))
+
+    def activation_params(self) -> list[float]:
+        return list(self.attr("activation_params", []))
 
     def run(self, *inputs):
         return self.act(self.inner.run(*inputs))
@@ -60,3 +63,6 @@ class FusedConv(_FusedBase):
 class FusedGemm(_FusedBase):
     base_op = "Gemm"
     base_opset = 13
+
+    def activation_params(self) -> list[float]:
+        return [self.attr(k) for k in ("activation_alpha", "activation_beta") if self.attr(k) is not None]

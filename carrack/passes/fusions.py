@@ -150,8 +150,10 @@ def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
     else:
         params = [float(act.attrs.get(k, d)) for k, d in _FUSABLE[act.op_type]]
     attrs = dict(prev.attrs, activation=act.op_type)
-    if params:
+    if params and prev.op_type == "Conv":
         attrs["activation_params"] = params
+    elif params:  # onnxruntime's FusedGemm names its activation parameters one by one
+        attrs.update(zip(("activation_alpha", "activation_beta"), params))
     fused = Node(f"Fused{prev.op_type}", list(prev.inputs), [act.outputs[0]], attrs, domain=MS, name=prev.name)
     view.replace([prev, act], [fused])
     return True
