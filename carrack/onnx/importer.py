@@ -18,7 +18,7 @@ from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
-from carrack.onnx.tensors import tensor_to_array
+from carrack.onnx.tensors import aligned_copy, aligned_empty, tensor_to_array
 
 ModelSource = str | os.PathLike | bytes | ModelProto
 
@@ -103,7 +103,8 @@ def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
     values = tensor_to_array(st.values, base_dir)
     indices = tensor_to_array(st.indices, base_dir).astype(np.int64)
     dims = tuple(st.dims)
-    dense = np.zeros(dims, dtype=values.dtype)
+    dense = aligned_empty(dims, values.dtype)
+    dense.fill(0)
     size = int(np.prod(dims, dtype=np.int64))
     if indices.ndim == 2:
         flat = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(0)
@@ -117,8 +118,29 @@ def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
 
 def _import_node(n: onnx.NodeProto, base_dir: str | None) -> Node:
     attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    if n.op_type == "Constant" and not canonical_domain(n.domain):
+        attrs = _constant_as_tensor(attrs)
     return Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output), attrs=attrs,
                 domain=canonical_domain(n.domain), name=n.name)
+
+
+#: Constant's scalar/list attributes and the tensor each stands for
+_CONSTANT_NUMBERS = {"value_float": "float32", "value_floats": "float32", "value_int": "int64", "value_ints": "int64"}
+
+
+def _constant_as_tensor(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Constant(value_float=.../value_ints=...) as the equivalent Constant(value=tensor), so that its value is an
+    aligned array like every other constant (and the optimizer sees it as one)."""
+    import numpy as np
+
+    given = [k for k in attrs if k in _CONSTANT_NUMBERS or k in ("value", "sparse_value", "value_string",
+                                                                 "value_strings")]
+    if len(given) != 1 or given[0] not in _CONSTANT_NUMBERS or isinstance(attrs[given[0]], AttrRef):
+        return attrs
+    key = given[0]
+    value = np.array(attrs[key], dtype=_CONSTANT_NUMBERS[key])
+    rest = {k: v for k, v in attrs.items() if k != key}
+    return {**rest, "value": aligned_copy(value.reshape(-1) if key.endswith("s") else value)}
 
 
 class AttrRef:

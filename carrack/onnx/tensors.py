@@ -1,8 +1,18 @@
-"""TensorProto -> numpy, including raw_data at any byte offset and external data read safely."""
+"""TensorProto -> numpy, including raw_data at any byte offset and external data read safely.
+
+Every constant carrack keeps starts on a 64-byte boundary. Large tensors (>= 64 KiB) are not copied when they need
+not be: external data is memory-mapped (one read-only mapping per file) and used in place when its file offset is a
+multiple of 64 (mappings start page-aligned), and raw_data is used in place when Python's bytes happen to be aligned.
+Anything smaller, misaligned, byte-swapped or packed gets exactly one aligned copy.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import weakref
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,11 +34,44 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def aligned_copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous, 64-byte-aligned copy in native byte order (object arrays: a plain copy)."""
     if a.dtype == object:
         return np.array(a, dtype=object, copy=True)
-    out = aligned_empty(a.shape, a.dtype)
+    out = aligned_empty(a.shape, a.dtype.newbyteorder("=") if a.dtype.itemsize > 1 else a.dtype)
     out[...] = a
     return out
+
+
+def is_aligned(a: np.ndarray) -> bool:
+    return a.ctypes.data % _ALIGN == 0
+
+
+def ensure_aligned(a: Any) -> Any:
+    """`a` itself if it is a native-order array starting on a 64-byte boundary (or not a numeric array), else an
+    aligned copy. Zero-stride (broadcast) views stay views: only the values they repeat are copied."""
+    if not isinstance(a, np.ndarray) or a.dtype == object or (is_aligned(a) and a.dtype.isnative):
+        return a
+    if a.size and 0 in a.strides:
+        repeated = a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
+        return np.broadcast_to(aligned_copy(repeated), a.shape)
+    return aligned_copy(a)
+
+
+def align_constants(graph: Any) -> None:
+    """Replace every misaligned initializer and array attribute of `graph` (and its subgraphs) by an aligned copy.
+
+    The optimizer's folds produce arrays wherever numpy put them; this makes them aligned before a program is built.
+    """
+    for name, value in graph.initializers.items():
+        aligned = ensure_aligned(value)
+        if aligned is not value:
+            graph.initializers[name] = aligned
+    for node in graph.nodes:
+        for key, value in node.attrs.items():
+            if isinstance(value, np.ndarray):
+                node.attrs[key] = ensure_aligned(value)
+        for sub in node.subgraphs():
+            align_constants(sub)
 
 
 def external_path(base_dir: str | None, location: str, tensor_name: str) -> str:
@@ -70,7 +113,26 @@ def _external_bytes(t: TensorProto, base_dir: str | None) -> bytes | np.ndarray:
                            f"lie outside file '{info.get('location')}' of {size} bytes")
     if length == 0:
         return b""
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+    return _mapped_file(path)[offset:offset + length]
+
+
+_MAPPED: weakref.WeakValueDictionary[tuple, np.ndarray] = weakref.WeakValueDictionary()
+_MAPPED_LOCK = threading.Lock()
+
+
+def _mapped_file(path: str) -> np.ndarray:
+    """The whole file as a read-only uint8 array, mapped once however many tensors live in it.
+
+    Tensors used in place keep the mapping alive through their `.base`; it is unmapped when the last one goes.
+    """
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _MAPPED_LOCK:
+        mapped = _MAPPED.get(key)
+        if mapped is None:
+            mapped = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+            _MAPPED[key] = mapped
+    return mapped
 
 
 def _expected_count(t: TensorProto) -> int:
@@ -110,6 +172,13 @@ def _packed(dtype: np.dtype) -> bool:
     return dtype.name in ("int4", "uint4", "float4_e2m1fn", "int2", "uint2")
 
 
+#: tensors at least this large (external or raw_data) are used in place when aligned; smaller ones are copied, so
+#: that they do not pin file mappings or protobuf bytes for a few bytes of data
+IN_PLACE_RAW_BYTES = 64 * 1024
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def _from_raw(t: TensorProto, raw, dtype: np.dtype, shape: tuple[int, ...], count: int) -> np.ndarray:
     if _packed(dtype):
         per_byte = 4 if dtype.name in ("int2", "uint2") else 2
@@ -126,8 +195,12 @@ def _from_raw(t: TensorProto, raw, dtype: np.dtype, shape: tuple[int, ...], coun
     if len(raw) != need:
         raise InvalidModel(f"tensor '{t.name}' holds {len(raw)} bytes, expected {need} "
                            f"({count} x {dtype.name}) for dims {list(shape)}")
-    # frombuffer works at any byte offset; the copy gives an aligned, little-endian, owned array
+    # frombuffer works at any byte offset; ONNX stores little-endian
     src = np.frombuffer(raw, dtype=dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype, count=count)
+    if need >= IN_PLACE_RAW_BYTES and is_aligned(src) and (_LITTLE_ENDIAN or dtype.itemsize == 1):
+        view = src.view(dtype).reshape(shape)  # read-only: frombuffer of bytes or of a read-only mapping
+        view.flags.writeable = False
+        return view
     out = aligned_empty(shape, dtype)
     out.reshape(-1)[...] = src
     return out
@@ -137,4 +210,5 @@ def array_to_tensor(a: np.ndarray, name: str = "") -> TensorProto:
     return numpy_helper.from_array(np.asarray(a), name)
 
 
-__all__ = ["aligned_copy", "aligned_empty", "array_to_tensor", "external_path", "tensor_to_array", "onnx"]
+__all__ = ["align_constants", "aligned_copy", "aligned_empty", "array_to_tensor", "ensure_aligned", "external_path",
+           "is_aligned", "tensor_to_array", "onnx"]

@@ -1,9 +1,13 @@
 """Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, MatMulInteger, QLinearMatMul,
 ConvInteger, QLinearConv.
 
-Integer products are accumulated exactly: the zero-point-shifted operands go to float64 and through BLAS; every
-partial sum of 8/16-bit products is an integer below 2**53, so float64 holds it exactly in any summation order.
-The accumulator then wraps to int32 as the spec allows ("accumulation may overflow if and only if in 32 bits").
+Integer products are accumulated exactly through float BLAS. The zero-point-shifted operands are small integers;
+float32 holds every integer up to 2**24, so a float32 GEMM is exact in any summation order as long as the sum of
+|products| along K stays within 2**24. K is therefore split into chunks whose worst case (the operand types' ranges
+after zero-point subtraction, times the chunk length) fits, each chunk runs through sgemm, and the chunk results
+are added in float64 (exact below 2**53). Operands too wide for useful float32 chunks (16-bit types) go through
+float64 BLAS. The accumulator then wraps to int32 as the spec allows ("accumulation may overflow if and only if in
+32 bits").
 """
 
 from __future__ import annotations
@@ -222,11 +226,71 @@ def _column_param(p: np.ndarray | None, b: np.ndarray) -> np.ndarray | float:
     return as_float64(p)
 
 
+#: float32 represents every integer of magnitude <= 2**24 exactly; float64 every one <= 2**53
+FLOAT32_EXACT = 2**24
+FLOAT64_EXACT = 2**53
+#: below this many K per chunk, float32 chunking costs more than float64 BLAS
+_MIN_FLOAT32_CHUNK = 64
+
+
+def shifted_magnitude(dtype: np.dtype, zero_point) -> int:
+    """The largest |q - zero_point| over every q of `dtype` (and every given zero point)."""
+    dtype = np.dtype(dtype)
+    if not is_integer_type(dtype):
+        raise TypeError(f"expected an integer operand type, got {dtype}")
+    lo, hi = integer_range(dtype)
+    if zero_point is None or np.size(zero_point) == 0:
+        return max(abs(lo), abs(hi))
+    zp = as_float64(zero_point)
+    return int(max(hi - zp.min(), zp.max() - lo))
+
+
+def float32_chunk(term_bound: int) -> int:
+    """How many products of magnitude <= term_bound float32 may sum exactly (0: float32 is not worth it)."""
+    chunk = FLOAT32_EXACT // max(int(term_bound), 1)
+    return chunk if chunk >= _MIN_FLOAT32_CHUNK else 0
+
+
+def exact_matmul(left: np.ndarray, right: np.ndarray, term_bound: int) -> np.ndarray:
+    """left @ right for integer-valued float arrays with every |left[k] * right[k]| <= term_bound, exactly.
+
+    The result is float32 when one float32 GEMM is exact, else float64; either holds the exact integers.
+    """
+    k = left.shape[-1]
+    chunk = float32_chunk(term_bound)
+    if chunk == 0:
+        if term_bound * k > FLOAT64_EXACT:
+            raise ValueError(f"integer matmul with K={k} could exceed float64's exact range")
+        return np.matmul(left.astype(np.float64, copy=False), right.astype(np.float64, copy=False))
+    left = left.astype(np.float32, copy=False)
+    right = right.astype(np.float32, copy=False)
+    if k <= chunk:
+        return np.matmul(left, right)
+    acc = None
+    for start in range(0, k, chunk):
+        part = np.matmul(left[..., start:start + chunk], right[..., start:start + chunk, :])
+        if acc is None:
+            acc = part.astype(np.float64)
+        else:
+            np.add(acc, part, out=acc)
+    return acc
+
+
+def _shifted(x: np.ndarray, zero_point) -> np.ndarray:
+    """x - zero_point in float32 (exact for 8/16-bit integers) or float64 for wider types."""
+    dtype = np.float32 if _narrow_integer(x.dtype) else np.float64
+    shifted = x.astype(dtype)
+    if zero_point is not None and not isinstance(zero_point, float):
+        shifted -= np.asarray(zero_point).astype(dtype)
+    return shifted
+
+
 def integer_matmul(a: np.ndarray, a_zero_point, b: np.ndarray, b_zero_point) -> np.ndarray:
-    """(a - a_zero_point) @ (b - b_zero_point) as exact integers held in float64."""
-    left = as_float64(a) - _row_param(a_zero_point, a)
-    right = as_float64(b) - _column_param(b_zero_point, b)
-    return np.matmul(left, right)
+    """(a - a_zero_point) @ (b - b_zero_point) as exact integers held in a float array."""
+    left = _shifted(a, _row_param(a_zero_point, a) if a_zero_point is not None else None)
+    right = _shifted(b, _column_param(b_zero_point, b) if b_zero_point is not None else None)
+    bound = shifted_magnitude(a.dtype, a_zero_point) * shifted_magnitude(b.dtype, b_zero_point)
+    return exact_matmul(left, right, bound)
 
 
 @register("MatMulInteger", since=10)
@@ -274,8 +338,8 @@ class _IntegerConv(Kernel):
         self.kernel_shape = self.attr("kernel_shape")
 
     def accumulate(self, x, x_zero_point, w, w_zero_point) -> np.ndarray:
-        """conv(x - x_zero_point, w - w_zero_point[m]) as exact integers held in float64."""
-        from carrack.ops.conv import conv_pads, convolve
+        """conv(x - x_zero_point, w - w_zero_point[m]) as exact integers held in a float array."""
+        from carrack.ops.conv import conv_pads
 
         kernel = list(w.shape[2:])
         if self.kernel_shape is not None and list(self.kernel_shape) != kernel:
@@ -284,13 +348,55 @@ class _IntegerConv(Kernel):
         strides = list(self.strides or [1] * nd)
         dilations = list(self.dilations or [1] * nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], kernel, strides, dilations)
-        shifted_x = as_float64(x)
-        if x_zero_point is not None:
-            shifted_x = shifted_x - as_float64(np.asarray(x_zero_point).reshape(()))
-        shifted_w = as_float64(w)
-        if w_zero_point is not None:
-            shifted_w = shifted_w - _per_channel(w_zero_point, w.shape[0], w.ndim)
-        return convolve(shifted_x, shifted_w, strides=strides, pads=pads, dilations=dilations, group=self.group)
+        shifted_x = _shifted(x, None if x_zero_point is None else np.asarray(x_zero_point).reshape(()))
+        shifted_w = _shifted(w, None if w_zero_point is None else _per_channel(w_zero_point, w.shape[0], w.ndim))
+        bound = shifted_magnitude(x.dtype, x_zero_point) * shifted_magnitude(w.dtype, w_zero_point)
+        return exact_convolve(shifted_x, shifted_w, bound, strides=strides, pads=pads, dilations=dilations,
+                              group=self.group)
+
+
+def exact_convolve(x: np.ndarray, w: np.ndarray, term_bound: int, **geometry) -> np.ndarray:
+    """Convolution of integer-valued float arrays, exact: input channels are split so that each float32
+    convolution sums at most FLOAT32_EXACT / term_bound products per output, and the parts add in float64."""
+    from carrack.ops.conv import convolve
+
+    group = geometry["group"]
+    taps = int(np.prod(w.shape[2:], dtype=np.int64))
+    per_group = w.shape[1]
+    chunk = float32_chunk(term_bound)
+    if chunk == 0:
+        if term_bound * taps * per_group > FLOAT64_EXACT:
+            raise ValueError("integer convolution could exceed float64's exact range")
+        return convolve(x.astype(np.float64, copy=False), w.astype(np.float64, copy=False), **geometry)
+    x = x.astype(np.float32, copy=False)
+    w = w.astype(np.float32, copy=False)
+    channels = max(chunk // max(taps, 1), 1)
+    if per_group <= channels or (group == w.shape[0] == x.shape[1] and taps <= chunk):
+        return convolve(x, w, **geometry)
+    if chunk < taps:  # one channel's window alone is too long for float32
+        return convolve(x.astype(np.float64), w.astype(np.float64), **geometry)
+    return _channel_chunked(x, w, channels, geometry)
+
+
+def _channel_chunked(x: np.ndarray, w: np.ndarray, channels: int, geometry: dict) -> np.ndarray:
+    from carrack.ops.conv import convolve
+
+    group = geometry["group"]
+    per_group, m_per_group = w.shape[1], w.shape[0] // group
+    single = dict(geometry, group=1)
+    outputs = []
+    for g in range(group):
+        xg = x[:, g * per_group:(g + 1) * per_group]
+        wg = w[g * m_per_group:(g + 1) * m_per_group]
+        acc = None
+        for start in range(0, per_group, channels):
+            part = convolve(xg[:, start:start + channels], wg[:, start:start + channels], **single)
+            if acc is None:
+                acc = part.astype(np.float64)
+            else:
+                np.add(acc, part, out=acc)
+        outputs.append(acc)
+    return outputs[0] if group == 1 else np.concatenate(outputs, axis=1)
 
 
 def _per_channel(p: np.ndarray, channels: int, rank: int) -> np.ndarray:

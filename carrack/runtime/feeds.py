@@ -1,7 +1,10 @@
 """Checking and normalising caller inputs at the session boundary.
 
-Callers' arrays are never modified. Any layout is accepted (strided, misaligned, read-only, byte-swapped);
-only what kernels cannot take as is (a non-native byte order, Python lists, str arrays) is converted here.
+Callers' arrays are never modified. Any layout is accepted (misaligned, read-only, strided, reversed, Fortran order,
+broadcast with zero strides, byte-swapped, zero-size); what is not a native-order, C-contiguous, element-aligned
+array gets one 64-byte-aligned C-contiguous copy here, so kernels see what they would for np.ascontiguousarray(x).
+That matters for results, not only speed: numpy's summation order (reductions) follows the memory layout, so a
+Fortran-order input would otherwise give results that differ in the last bits.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from carrack.ir.dims import Sym, format_shape
 from carrack.ir.dtypes import to_numpy, type_name
 from carrack.ir.graph import ValueInfo
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
+from carrack.onnx.tensors import aligned_copy
 
 #: names onnx's shape inference invents for dims it could not name: hints, not constraints
 _PLACEHOLDER = re.compile(r"unk__\d+")
@@ -46,16 +50,18 @@ def _check(name: str, t: ValueType | None, value: Any, symbols: dict[Sym, tuple[
 
 
 def as_native_array(name: str, value: Any) -> np.ndarray:
-    """numpy array in native byte order; strings as object arrays of str. The caller's array is not copied
-    unless its byte order or type must change."""
+    """A native-order, C-contiguous, element-aligned numpy array with the value's contents; strings as object arrays
+    of str. The caller's array itself is returned (never written) when it already has that layout."""
     arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     if arr.dtype.kind in "US":
         return arr.astype(object) if arr.dtype.kind == "U" else np.vectorize(bytes.decode, otypes=[object])(arr)
     if arr.dtype.kind == "O":
+        return arr if arr.flags.c_contiguous else arr.copy()  # (np.ascontiguousarray would make 0-d arrays 1-d)
+    if type(arr) is not np.ndarray:
+        arr = arr.view(np.ndarray)  # np.matrix, np.memmap, ...: kernels expect plain arrays
+    if arr.dtype.isnative and arr.flags.c_contiguous and arr.flags.aligned:
         return arr
-    if not arr.dtype.isnative:
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    return arr
+    return aligned_copy(arr)
 
 
 def _check_dtype(name: str, t: TensorType, arr: np.ndarray) -> None:
