@@ -172,7 +172,7 @@ def _toposort(graph: Graph) -> list[Node]:
 def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:
     """Ops without a kernel whose ONNX schema defines a function body are replaced by that body."""
     from carrack.onnx.functions import Function, expand_call
-    from carrack.onnx.importer import _import_function
+    from carrack.onnx.importer import _attr_value, _import_function
 
     out: list[Node] = []
     for node in nodes:
@@ -185,6 +185,9 @@ def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -
             continue
         fn: Function = _import_function(body, None)
         fn.opsets.setdefault(node.domain, opset)
+        for name, attr in sch.attributes.items():  # a schema's defaults live in the schema, not in its body
+            if fn.attr_defaults.get(name) is None and attr.default_value.type:
+                fn.attr_defaults[name] = _attr_value(attr.default_value, None)
         out.extend(_expand_function_ops(expand_call(node, fn, ctx.opsets), ctx, depth + 1))
     return out
 

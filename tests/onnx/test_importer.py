@@ -187,3 +187,21 @@ def test_function_attribute_reference():
                                                                      helper.make_opsetid("custom", 1)])
     (y,) = carrack.InferenceSession(model).run(None, {"x": np.array([-2, 2], np.float32)})
     np.testing.assert_array_equal(y, [-1, 2])
+
+
+def test_function_bodied_op_without_kernel_is_expanded(monkeypatch):
+    """An operator whose ONNX schema defines a function body runs through that body when carrack has no kernel."""
+    from carrack.ops import registry
+
+    monkeypatch.delitem(registry._REGISTRY, ("", "MeanVarianceNormalization"))
+    graph = helper.make_graph([helper.make_node("MeanVarianceNormalization", ["x"], ["y"])], "g",
+                              [tensor_info("x", shape=[2, 3, 4, 4])], [tensor_info("y", shape=[2, 3, 4, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    opts = carrack.SessionOptions()
+    opts.graph_optimization_level = carrack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = carrack.InferenceSession(model, opts)
+    assert "MeanVarianceNormalization" not in {s.node.op_type for s in sess._program.steps}
+    mean = x.mean(axis=(0, 2, 3), keepdims=True)
+    std = np.sqrt(((x - mean) ** 2).mean(axis=(0, 2, 3), keepdims=True))
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], (x - mean) / (std + 1e-9), rtol=1e-4, atol=1e-5)
