@@ -87,11 +87,12 @@ class Worker:
         self.stderr.close()
 
 
-def measure_peak(threads: int) -> float:
+def measure_peak(threads: int) -> dict:
+    """numpy's (and onnxruntime's) float32 2048^3 matmul GFLOP/s with `threads` threads."""
     w = Worker("peak", [], threads)
     msg = w.receive(120)
     w.close()
-    return msg.get("gflops", float("nan"))
+    return msg
 
 
 def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float) -> dict[str, dict]:
@@ -201,9 +202,11 @@ def _cpu(r: dict) -> str:
     return f"{r['cpu_per_wall']:.2f}" if "cpu_per_wall" in r else "-"
 
 
-def latency_table(rows: list[dict], threads: int, peak: float, args) -> str:
+def latency_table(rows: list[dict], threads: int, peaks: dict, args) -> str:
+    peak = peaks.get("gflops", float("nan"))
+    ort_peak = f", onnxruntime MatMul {peaks['ort_gflops']:.1f}" if "ort_gflops" in peaks else ""
     lines = [f"### Latency, {threads} thread{'s' if threads > 1 else ''} "
-             f"(numpy sgemm peak {peak:.1f} GFLOP/s)", "",
+             f"(float32 2048^3 matmul: numpy {peak:.1f} GFLOP/s{ort_peak})", "",
              "| model | GFLOP | carrack ms, median (min-max) | onnxruntime ms | carrack / ort | carrack GFLOP/s "
              "(% peak) | ort GFLOP/s (% peak) | carrack peak RSS MiB | ort peak RSS MiB | CPU/wall carrack, ort "
              "| notes |",
@@ -324,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         flops = {name: count_model_flops(path) for name, path in models}
         for threads in thread_counts:
-            peak = measure_peak(threads)
-            header[f"sgemm_peak_gflops_{threads}t"] = peak
+            peaks = measure_peak(threads)
+            header[f"sgemm_peak_{threads}t"] = peaks
             block = []
             for name, path in models:
                 print(f"  {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
@@ -336,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["flops_error"] = flop_error
                 block.append(row)
             rows.extend(block)
-            print(latency_table(block, threads, peak, args) + "\n", flush=True)
+            print(latency_table(block, threads, peaks, args) + "\n", flush=True)
     header["load_average_end"] = load_average()
     header["wall_s"] = round((datetime.datetime.now() - started).total_seconds(), 1)
     print(f"\nLoad average at end {header['load_average_end']}; wall time {header['wall_s']:.0f} s")

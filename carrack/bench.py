@@ -188,9 +188,9 @@ def benchmark(model: Any, feed: Mapping[str, np.ndarray] | None = None, dims: Ma
               trace_path: str | None = None) -> BenchResult:
     """Time `iters` runs of `model` (a path, bytes or ModelProto) after `warmup` untimed ones.
 
-    Inputs not in `feed` get synthetic data (symbolic dims from `dims`, else 1). `threads` limits numpy's BLAS
-    pool while it runs. With `profile`, the session profiles every node and the result carries the table of the
-    timed runs.
+    Inputs not in `feed` get synthetic data (symbolic dims from `dims`, else 1; floats standard normal, integers
+    0 or 1 so that ids and indices stay in range). `threads` limits numpy's BLAS pool while it runs. With
+    `profile`, the session profiles every node and the result carries the table of the timed runs.
     """
     with limited_blas_threads(threads):
         return _benchmark(model, feed, dims, iters, warmup, threads, profile, trace_path)
@@ -229,8 +229,15 @@ def _complete_feed(sess: InferenceSession, feed: Mapping[str, np.ndarray] | None
     missing = [a.name for a in sess.get_inputs() if a.name not in given]
     if missing:
         synthetic = synthetic_feed(sess, dict(dims or {}))
-        given.update({k: v for k, v in synthetic.items() if k in missing})
+        given.update({k: _small_ints(v) for k, v in synthetic.items() if k in missing})
     return given
+
+
+def _small_ints(value: np.ndarray) -> np.ndarray:
+    """Integer inputs as 0/1: valid token ids, segment ids, masks and indices for any table of 2 or more rows."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu":
+        return (value % 2).astype(value.dtype)
+    return value
 
 
 def _batch(feed: Mapping[str, Any]) -> int:

@@ -119,3 +119,16 @@ def test_blas_threads_restored():
         if before is not None:
             assert blas_threads() == 1
     assert blas_threads() == before
+
+
+def test_synthetic_integer_inputs_stay_in_range(tmp_path):
+    """Token-id style inputs index a 2-row table: synthetic ids must be valid for it."""
+    table = numpy_helper.from_array(np.ones((2, 3), np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])], "ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 3])], initializer=[table])
+    path = tmp_path / "ids.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString())
+    result = benchmark(str(path), dims={"seq": 16}, iters=1, warmup=0)
+    assert result.feed_shapes == {"ids": (1, 16)}

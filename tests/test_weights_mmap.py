@@ -97,7 +97,7 @@ def test_aligned_offsets_are_views_odd_offsets_are_copies(tmp_path):
     np.testing.assert_allclose(sess.run(None, {"x": xv})[0], xv @ total, rtol=1e-4, atol=1e-4)
 
 
-def test_big_endian_data_types_and_sizes_from_external_files(tmp_path):
+def test_every_dtype_size_and_offset_from_external_files(tmp_path):
     """Each dtype at an aligned and at an odd offset, small and >= 64 KiB: values exact, always 64-byte aligned."""
     pieces, inits, expected = [], [], {}
     offset = 0

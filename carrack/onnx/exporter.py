@@ -15,11 +15,13 @@ from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, Va
 
 
 def export_model(model: Model) -> onnx.ModelProto:
-    graph = export_graph(model.graph)
+    graph = export_graph(model.graph, model.opsets.get("", 1))
     domains = {n.domain for n in _all_nodes(model.graph)}
     opsets = dict(model.opsets)
-    for d in domains:
+    for d in domains - {"carrack"}:
         opsets.setdefault(d, 1)
+    if any(n.op_type in ("Gelu", "FastGelu") and n.domain == "com.microsoft" for n in graph.node):
+        opsets.setdefault("com.microsoft", 1)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())],
                               producer_name="carrack")
     # the oldest IR version that carries these opsets, so older engines can load the file
@@ -45,12 +47,33 @@ def _all_nodes(g: Graph):
             yield from _all_nodes(sub)
 
 
-def export_graph(g: Graph) -> onnx.GraphProto:
+def export_graph(g: Graph, opset: int = 1) -> onnx.GraphProto:
     inits = [numpy_helper.from_array(np.asarray(v), k) for k, v in g.initializers.items()]
+    nodes = [p for n in g.nodes for p in _export_nodes(n, opset)]
     return helper.make_graph(
-        [_export_node(n) for n in g.nodes], g.name or "graph",
+        nodes, g.name or "graph",
         [_value_info(v) for v in g.inputs], [_value_info(v) for v in g.outputs],
         initializer=inits, value_info=[_value_info(v) for v in g.value_info.values()])
+
+
+_ACTIVATION_ATTRS = {"LeakyRelu": ("alpha",), "HardSigmoid": ("alpha", "beta")}
+
+
+def _export_nodes(n: Node, opset: int) -> list[onnx.NodeProto]:
+    """carrack's own fused nodes are written back as the standard layer and activation they came from."""
+    if n.domain != "carrack" or not n.op_type.startswith("Fused"):
+        return [_export_node(n)]
+    act = n.attrs["activation"]
+    params = n.attrs.get("activation_params", [])
+    base_attrs = {k: v for k, v in n.attrs.items() if not k.startswith("activation")}
+    hidden = f"{n.outputs[0]}__pre_{act.lower()}"
+    base = Node(n.op_type[len("Fused"):], n.inputs, [hidden], base_attrs, name=n.name)
+    attrs = dict(zip(_ACTIVATION_ATTRS.get(act, ()), params))
+    domain = ""
+    if act == "Gelu" and opset < 20:
+        domain = "com.microsoft"
+    activation = Node(act, [hidden], list(n.outputs), attrs, domain=domain, name=f"{n.name}_{act}" if n.name else "")
+    return [_export_node(base), _export_node(activation)]
 
 
 def _export_node(n: Node) -> onnx.NodeProto:
@@ -62,7 +85,7 @@ def _export_node(n: Node) -> onnx.NodeProto:
 
 def _attribute(name: str, v: Any) -> onnx.AttributeProto:
     if isinstance(v, Graph):
-        return helper.make_attribute(name, export_graph(v))
+        return helper.make_attribute(name, export_graph(v))  # subgraphs keep the model's opset
     if isinstance(v, np.ndarray):
         return helper.make_attribute(name, numpy_helper.from_array(v))
     if isinstance(v, list) and v and isinstance(v[0], Graph):

@@ -57,21 +57,27 @@ def ensure_aligned(a: Any) -> Any:
     return aligned_copy(a)
 
 
-def align_constants(graph: Any) -> None:
-    """Replace every misaligned initializer and array attribute of `graph` (and its subgraphs) by an aligned copy.
+def seal_constants(graph: Any) -> None:
+    """Make every initializer and array attribute of `graph` (and its subgraphs) aligned and read-only.
 
-    The optimizer's folds produce arrays wherever numpy put them; this makes them aligned before a program is built.
+    The optimizer's folds produce arrays wherever numpy put them; this aligns them before a program is built. Read-only
+    constants are immutable session state: no kernel can write into one, and a run never hands one out writeable.
     """
     for name, value in graph.initializers.items():
-        aligned = ensure_aligned(value)
-        if aligned is not value:
-            graph.initializers[name] = aligned
+        graph.initializers[name] = _sealed(value)
     for node in graph.nodes:
         for key, value in node.attrs.items():
             if isinstance(value, np.ndarray):
-                node.attrs[key] = ensure_aligned(value)
+                node.attrs[key] = _sealed(value)
         for sub in node.subgraphs():
-            align_constants(sub)
+            seal_constants(sub)
+
+
+def _sealed(value: np.ndarray) -> np.ndarray:
+    aligned = ensure_aligned(value)
+    if aligned.flags.writeable:
+        aligned.setflags(write=False)
+    return aligned
 
 
 def external_path(base_dir: str | None, location: str, tensor_name: str) -> str:
@@ -210,5 +216,5 @@ def array_to_tensor(a: np.ndarray, name: str = "") -> TensorProto:
     return numpy_helper.from_array(np.asarray(a), name)
 
 
-__all__ = ["align_constants", "aligned_copy", "aligned_empty", "array_to_tensor", "ensure_aligned", "external_path",
+__all__ = ["seal_constants", "aligned_copy", "aligned_empty", "array_to_tensor", "ensure_aligned", "external_path",
            "is_aligned", "tensor_to_array", "onnx"]

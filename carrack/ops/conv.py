@@ -92,7 +92,7 @@ def _im2col_matmul(win: np.ndarray, weights: np.ndarray, group: int) -> np.ndarr
 def _pointwise(x: np.ndarray, w: np.ndarray, group: int) -> np.ndarray:
     n, c = x.shape[:2]
     m = w.shape[0]
-    cols = x.reshape(n, group, c // group, -1)
+    cols = x.reshape(n, group, c // group, int(np.prod(x.shape[2:], dtype=np.int64)))
     return np.matmul(w.reshape(group, m // group, c // group), cols).reshape((n, m) + x.shape[2:])
 
 

@@ -25,6 +25,12 @@ def _activation(name: str, params: list[float]):
     if name == "HardSigmoid":
         alpha, beta = params if len(params) == 2 else (0.2, 0.5)
         return lambda y: np.clip(y * y.dtype.type(alpha) + y.dtype.type(beta), 0, 1)
+    if name == "HardSwish":
+        return lambda y: y * np.clip(y * y.dtype.type(1 / 6) + y.dtype.type(0.5), 0, 1)
+    if name == "Gelu":
+        from carrack.ops.elementwise import erfc
+
+        return lambda y: (y * y.dtype.type(0.5) * erfc(-y * y.dtype.type(0.7071067811865476))).astype(y.dtype)
     if name == "Clip":
         lo, hi = params if len(params) == 2 else (-np.inf, np.inf)
         return lambda y: np.clip(y, y.dtype.type(lo), y.dtype.type(hi))
@@ -54,6 +60,7 @@ class _FusedBase(Kernel):
         return self.act(self.inner.run(*inputs))
 
 
+@register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
 class FusedConv(_FusedBase):
     base_op = "Conv"
@@ -65,4 +72,17 @@ class FusedGemm(_FusedBase):
     base_opset = 13
 
     def activation_params(self) -> list[float]:
-        return [self.attr(k) for k in ("activation_alpha", "activation_beta") if self.attr(k) is not None]
+        if self.node.domain == MS:
+            return [self.attr(k) for k in ("activation_alpha", "activation_beta") if self.attr(k) is not None]
+        return super().activation_params()
+
+
+@register("FusedGemm", domain="carrack")
+class CarrackFusedGemm(FusedGemm):
+    pass
+
+
+@register("FusedMatMul", domain="carrack")
+class FusedMatMul(_FusedBase):
+    base_op = "MatMul"
+    base_opset = 13

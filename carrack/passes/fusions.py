@@ -129,32 +129,41 @@ def fuse_matmul_add(add: Node, view: GraphView, ctx: Context) -> bool:
 
 
 #: activations onnxruntime's FusedConv/FusedGemm accept, with their parameter attributes
-_FUSABLE = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": (("alpha", 0.01),),
-            "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+_ORT_FUSABLE = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": (("alpha", 0.01),),
+                "HardSigmoid": (("alpha", 0.2), ("beta", 0.5))}
+#: activations carrack fuses under its own domain (the exporter writes them back as two standard nodes)
+_CARRACK_FUSABLE = {**_ORT_FUSABLE, "HardSwish": (), "Gelu": ()}
 
 
-@rewrite("activation_fusion", *_FUSABLE, "Clip", level=EXTENDED)
+@rewrite("activation_fusion", *_CARRACK_FUSABLE, "Clip", level=EXTENDED)
 def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
-    """Conv/Gemm -> activation becomes com.microsoft FusedConv/FusedGemm (onnxruntime understands both)."""
+    """Conv/Gemm/MatMul -> activation becomes one fused node: com.microsoft FusedConv/FusedGemm where onnxruntime
+    knows the combination, else carrack's own FusedConv/FusedGemm/FusedMatMul."""
     if act.domain:
         return False
     prev = view.producer.get(act.inputs[0])
-    if prev is None or prev.domain or prev.op_type not in ("Conv", "Gemm"):
+    if prev is None or prev.domain or prev.op_type not in ("Conv", "Gemm", "MatMul"):
         return False
     if view.single_consumer(act.inputs[0]) is not act:
         return False
     if act.op_type == "Clip":
         params = _clip_params(act, view, ctx)
-        if params is None:
+        if params is None or prev.op_type == "MatMul":
             return False
+    elif act.op_type == "Gelu":
+        if act.attrs.get("approximate", "none") != "none":
+            return False
+        params = []
     else:
-        params = [float(act.attrs.get(k, d)) for k, d in _FUSABLE[act.op_type]]
+        params = [float(act.attrs.get(k, d)) for k, d in _CARRACK_FUSABLE[act.op_type]]
     attrs = dict(prev.attrs, activation=act.op_type)
-    if params and prev.op_type == "Conv":
+    ort_knows = prev.op_type != "MatMul" and act.op_type in (*_ORT_FUSABLE, "Clip")
+    if params and (prev.op_type != "Gemm" or not ort_knows):
         attrs["activation_params"] = params
     elif params:  # onnxruntime's FusedGemm names its activation parameters one by one
         attrs.update(zip(("activation_alpha", "activation_beta"), params))
-    fused = Node(f"Fused{prev.op_type}", list(prev.inputs), [act.outputs[0]], attrs, domain=MS, name=prev.name)
+    fused = Node(f"Fused{prev.op_type}", list(prev.inputs), [act.outputs[0]], attrs,
+                 domain=MS if ort_knows else "carrack", name=prev.name)
     view.replace([prev, act], [fused])
     return True
 

@@ -66,12 +66,13 @@ def infer(graph: Graph, opsets: Mapping[str, int], facts: dict[str, Fact] | None
     for name, arr in graph.initializers.items():
         if name not in known or name not in {v.name for v in graph.inputs}:
             known[name] = const_fact(arr, _elem_type(arr))
+    hints = {**{v.name: v for v in graph.outputs}, **graph.value_info}
     for node in graph.nodes:
         ins = [known.get(i, Fact()) if i else Fact() for i in node.inputs]
         outs = infer_node(node, ins, opsets)
         for name, fact in zip(node.outputs, outs):
             if name:
-                known[name] = _with_hint(fact, graph.value_info.get(name))
+                known[name] = _with_hint(fact, hints.get(name))
     return known
 
 

@@ -370,6 +370,7 @@ def range_rule(node, ins, version):
 
 # -- linear algebra --------------------------------------------------------------------------------------------------
 
+@rule("FusedMatMul", domain="carrack")
 @rule("MatMul", "MatMulInteger")
 def matmul_rule(node, ins, version):
     a, b = ins[0].shape, ins[1].shape
@@ -387,6 +388,8 @@ def matmul_rule(node, ins, version):
     return [tensor_fact(elem, shape)]
 
 
+@rule("FusedGemm", domain="com.microsoft")
+@rule("FusedGemm", domain="carrack")
 @rule("Gemm")
 def gemm_rule(node, ins, version):
     a, b = ins[0].shape, ins[1].shape
@@ -420,6 +423,8 @@ def window_dims(node, spatial, kernel) -> list[DimLike]:
     return out
 
 
+@rule("FusedConv", domain="com.microsoft")
+@rule("FusedConv", domain="carrack")
 @rule("Conv", "ConvInteger")
 def conv_rule(node, ins, version):
     x, w = ins[0].shape, ins[1].shape
@@ -482,3 +487,9 @@ def arg_rule(node, ins, version):
     keep = node.attrs.get("keepdims", 1)
     dims = tuple((1 if i == axis else d) for i, d in enumerate(x.shape) if keep or i != axis)
     return [tensor_fact(INT64, dims)]
+
+
+@rule("DynamicQuantizeLinear")
+def dynamic_quantize_rule(node, ins, version):
+    return [tensor_fact(TensorProto.UINT8, ins[0].shape), tensor_fact(TensorProto.FLOAT, ()),
+            tensor_fact(TensorProto.UINT8, ())]

@@ -17,7 +17,7 @@ from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
-from carrack.onnx.tensors import align_constants
+from carrack.onnx.tensors import seal_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize, specialize
 from carrack.runtime.feeds import check_feed
@@ -133,7 +133,7 @@ class InferenceSession:
             t0 = time.perf_counter_ns()
             results = program.run(inputs, profiler=self._profiler)
             self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
-        return [results[i] for i in wanted]
+        return [_owned(results[i], feed) for i in wanted]
 
     def end_profiling(self) -> str:
         """Write the Chrome trace collected since the session started; returns its path ('' when not profiling)."""
@@ -160,7 +160,7 @@ class InferenceSession:
         return plan
 
     def _compile(self, graph) -> Program:
-        align_constants(graph)  # folded constants are wherever numpy put them
+        seal_constants(graph)
         ctx = BuildContext(opsets=self._model.opsets, options=self._options)
         program = Program(graph, ctx)
         if ctx.missing:
@@ -240,6 +240,16 @@ class InferenceSession:
 
 
 _MAX_SPECIALIZED = 16
+
+
+def _owned(value: Any, feed: dict[str, Any]) -> Any:
+    """An output the caller may keep and modify: never a session constant or a view of the caller's own input."""
+    if not isinstance(value, np.ndarray):
+        return value
+    if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f)
+                                        for f in feed.values()):
+        return value.copy()
+    return value
 
 
 def _has_symbolic_inputs(graph) -> bool:

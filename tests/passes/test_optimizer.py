@@ -187,3 +187,20 @@ def test_shape_arithmetic_is_specialised_per_signature():
     programs = list(sess._specialized.values())
     assert len(programs) == 3
     assert all([s.node.op_type for s in p.steps] == ["Reshape"] for p in programs)
+
+
+@pytest.mark.parametrize("layer, activation, opset", [("MatMul", "Relu", 17), ("MatMul", "Gelu", 20),
+                                                      ("Conv", "HardSwish", 17), ("Gemm", "HardSwish", 17),
+                                                      ("MatMul", "HardSwish", 17)])
+def test_activations_onnxruntime_cannot_fuse_use_carrack_fused_ops(layer, activation, opset):
+    if layer == "Conv":
+        first, x_shape, y_shape, inits = (helper.make_node("Conv", ["x", "w"], ["h"]), [1, 3, 4, 4], [1, 2, 4, 4],
+                                          [_f32("w", [2, 3, 1, 1])])
+    else:
+        first, x_shape, y_shape, inits = (helper.make_node(layer, ["x", "w"], ["h"]), [3, 5], [3, 4],
+                                          [_f32("w", [5, 4])])
+    nodes = [first, helper.make_node(activation, ["h"], ["y"])]
+    proto = _model(nodes, [_info("x", x_shape)], [_info("y", y_shape)], inits, opset=opset)
+    opt, fired = _check(proto, {"x": 3 * RNG.standard_normal(x_shape).astype(np.float32)})
+    assert _ops(opt) == [f"Fused{layer}"] and fired["activation_fusion"] == 1
+    assert opt.graph.nodes[0].domain == "carrack"
