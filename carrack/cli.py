@@ -58,8 +58,8 @@ def synthetic_feed(sess: carrack.InferenceSession, dims: dict[str, int], seed: i
             feed[arg.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype == np.bool_:
             feed[arg.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            feed[arg.name] = rng.integers(0, 100, shape).astype(dtype)
+        else:  # 0 and 1 are valid indices into any table (token ids, token types, positions)
+            feed[arg.name] = rng.integers(0, 2, shape).astype(dtype)
     return feed
 
 
@@ -123,7 +123,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     sess = carrack.InferenceSession(args.model)
     feed = synthetic_feed(sess, _parse_dims(args.dim))
     feed.update(_load_inputs(args.input))
-    outputs, times = _time_runs(sess, feed, args.iters)
+    if args.profile:
+        from carrack.bench import run_profile
+
+        report = run_profile(args.model, feed, iters=max(args.iters, 1))
+        outputs, times = report.outputs, list(report.times_s)
+        print(report.table)
+        print(f"chrome trace: {report.trace_path}")
+    else:
+        outputs, times = _time_runs(sess, feed, args.iters)
     for arg, value in zip(sess.get_outputs(), outputs):
         if isinstance(value, np.ndarray):
             print(f"{arg.name}: {value.dtype} {list(value.shape)}")
@@ -209,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="size for a symbolic dim (default 1)")
     r.add_argument("--iters", type=int, default=0, help="timed runs after the first")
     r.add_argument("--save", metavar="OUT.npz")
+    r.add_argument("--profile", action="store_true", help="per-op and per-node time table and a Chrome trace")
     r.set_defaults(func=cmd_run)
     i = sub.add_parser("info", help="inputs, outputs, opsets and node counts of a model")
     i.add_argument("model")
@@ -221,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("output")
     o.add_argument("--level", choices=list(_LEVELS), default="all")
     o.set_defaults(func=cmd_optimize)
+    from carrack.bench import add_bench_parser
     from carrack.gguf.cli import add_gguf_parser
 
+    add_bench_parser(sub)
     add_gguf_parser(sub)
     return p
 
