@@ -493,3 +493,25 @@ def arg_rule(node, ins, version):
 def dynamic_quantize_rule(node, ins, version):
     return [tensor_fact(TensorProto.UINT8, ins[0].shape), tensor_fact(TensorProto.FLOAT, ()),
             tensor_fact(TensorProto.UINT8, ())]
+
+
+@rule("GatherND")
+def gather_nd_rule(node, ins, version):
+    data, idx = ins[0].shape, ins[1].shape
+    b = node.attrs.get("batch_dims", 0)
+    if data is None or idx is None or not idx or not isinstance(idx[-1], int):
+        return [tensor_fact(ins[0].elem_type, None)]
+    return [tensor_fact(ins[0].elem_type, tuple(idx[:-1]) + tuple(data[b + idx[-1]:]))]
+
+
+@rule("GatherElements")
+def gather_elements_rule(node, ins, version):
+    return [tensor_fact(ins[0].elem_type, ins[1].shape)]
+
+
+@rule("Tile")
+def tile_rule(node, ins, version):
+    x, reps = ins[0].shape, ins[1].dims_value()
+    if x is None or reps is None or len(reps) != len(x):
+        return [tensor_fact(ins[0].elem_type, None if x is None else (None,) * len(x))]
+    return [tensor_fact(ins[0].elem_type, tuple(mul(d, r) for d, r in zip(x, reps)))]
