@@ -95,7 +95,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"carrack {carrack.__version__}: {args.model} ({os.path.basename(path)}, real architecture, "
           f"{len(onnx.load(path, load_external_data=False).graph.node)} nodes), input {inp.name} {list(shape)}")
     print(f"session created in {load_s * 1000:.0f} ms")
-    print("top-5 predictions (ImageNet class index: probability):")
+    print("top-5 predictions (ImageNet class index: probability; the wheel ships this architecture with constant "
+          "placeholder weights, so the scores are nearly uniform):")
     for idx in np.argsort(-probs, kind="stable")[:5]:
         print(f"  class {idx:4d}: {probs[idx]:.4f}")
     ref_path = os.path.join(LIGHT_DIR, f"light_{args.model}_output_0.pb")
