@@ -133,8 +133,11 @@ def _heads(x: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    return e / np.sum(e, axis=-1, keepdims=True)
+    """Softmax over the last axis; a fully masked row (all -inf) gives zeros, not NaN."""
+    peak = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isfinite(peak), peak, 0))
+    total = np.sum(e, axis=-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from carrack.ir.symbolic import DimLike, add, ceildiv, dmax, floordiv, mul
+from carrack.ir.symbolic import DimLike, add, ceildiv, dmax, dmin, floordiv, mul
 from carrack.passes.facts import Fact, dims_array, tensor_fact
 from carrack.passes.shape_inference import rule
 
@@ -49,6 +49,8 @@ def _broadcast_dim(dims: list[DimLike]) -> DimLike:
         return 1
     if any(isinstance(d, int) for d in known):
         return next(d for d in known if isinstance(d, int))
+    if any(d is None for d in known):
+        return None
     distinct = list(dict.fromkeys(known))
     # for a valid broadcast every dim is 1 or the result, so the max is the result (symbols are >= 1 here)
     return distinct[0] if len(distinct) == 1 else dmax(*distinct)
@@ -327,8 +329,9 @@ def slice_rule(node, ins, version):
         starts, ends, axes, steps = (node.attrs.get("starts"), node.attrs.get("ends"), node.attrs.get("axes"), None)
     else:
         def val(i):
-            return [int(v) for v in ins[i].value.reshape(-1)] if len(ins) > i and node.inputs[i] and \
-                ins[i].is_concrete() else (None if len(ins) > i and node.inputs[i] else [])
+            if len(ins) <= i or not node.inputs[i]:
+                return []
+            return ins[i].dims_value()
         starts, ends, axes, steps = val(1), val(2), val(3), val(4)
     if starts is None or ends is None or axes is None or steps is None:
         return [tensor_fact(x.elem_type, (None,) * len(x.shape))]
@@ -340,12 +343,17 @@ def slice_rule(node, ins, version):
         d = dims[a]
         dims[a] = _slice_len(d, s, e, st)
     value = None
-    if x.value is not None and x.value.ndim == 1 and len(axes) == 1:
+    if x.value is not None and x.value.ndim == 1 and len(axes) == 1 and all(
+            isinstance(v, int) for v in (starts[0], ends[0], steps[0])):
         value = x.value[slice(starts[0], ends[0], steps[0])]
     return [tensor_fact(x.elem_type, tuple(dims), value)]
 
 
-def _slice_len(d: DimLike, start: int, end: int, step: int) -> DimLike:
+def _slice_len(d: DimLike, start: DimLike, end: DimLike, step: DimLike) -> DimLike:
+    if not isinstance(start, int) or not isinstance(step, int):
+        return None
+    if not isinstance(end, int):  # a symbolic end (a size read from another tensor), slicing from 0
+        return (end if end == d else dmin(end, d)) if start == 0 and step == 1 and d is not None else None
     if isinstance(d, int):
         return len(range(*slice(start, end, step).indices(d)))
     big = 2**62

@@ -576,10 +576,11 @@ def fuse_attention(softmax: Node, view: GraphView, ctx: Context) -> bool:
     """
     if softmax.domain:
         return False
-    pv = _only_reader(view, softmax.outputs[0], "MatMul")
+    probs = _past_nan_guard(view, softmax.outputs[0])
+    pv = _only_reader(view, probs, "MatMul")
     scores_fact = _fact(view, ctx, softmax.inputs[0])
     axis = softmax.attrs.get("axis", -1 if ctx.version(softmax) >= 13 else 1)
-    if pv is None or pv.inputs[0] != softmax.outputs[0] or scores_fact.rank != 4 or axis not in (-1, 3):
+    if pv is None or pv.inputs[0] != probs or scores_fact.rank != 4 or axis not in (-1, 3):
         return False
     scores = _scores_chain(view, ctx, softmax.inputs[0], softmax)
     if scores is None:
@@ -622,6 +623,21 @@ def fuse_attention(softmax: Node, view: GraphView, ctx: Context) -> bool:
         em.add("MultiHeadAttention", inputs, attrs, out=out, domain=MS, name=softmax.name)
     view.replace(removed, em.nodes)
     return True
+
+
+def _past_nan_guard(view: GraphView, probs: str) -> str:
+    """torch's dynamo export of scaled_dot_product_attention follows the softmax with Where(IsNaN(p), 0, p), which
+    zeroes fully masked rows; MultiHeadAttention gives those rows zeros itself, so the guard's output stands for p."""
+    readers = view.consumers.get(probs, [])
+    isnan = next((r for r in readers if r.op_type == "IsNaN" and not r.domain), None)
+    where = next((r for r in readers if r.op_type == "Where" and not r.domain), None)
+    if len(readers) != 2 or probs in view.outputs or isnan is None or where is None:
+        return probs
+    zero = view.const(where.inputs[1])
+    if (where.inputs[0] != isnan.outputs[0] or where.inputs[2] != probs or zero is None or zero.size != 1
+            or float(zero.reshape(-1)[0]) != 0.0 or view.single_consumer(isnan.outputs[0]) is not where):
+        return probs
+    return where.outputs[0]
 
 
 def _merged_output(view: GraphView, ctx: Context, o4: str, merged_shape: tuple) -> list[Node] | None:
