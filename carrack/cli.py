@@ -120,6 +120,14 @@ def _load_inputs(items: Sequence[str]) -> dict[str, np.ndarray]:
     return feed
 
 
+def _stats(value: np.ndarray) -> str:
+    """min / max / mean / std of a numeric output (blank for strings and empty arrays)."""
+    if value.size == 0 or value.dtype.kind not in "biuf" and value.dtype.name != "bfloat16":
+        return ""
+    v = value.astype(np.float64)
+    return f"  min {v.min():.6g}  max {v.max():.6g}  mean {v.mean():.6g}  std {v.std():.6g}"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     sess = carrack.InferenceSession(args.model)
     feed = synthetic_feed(sess, _parse_dims(args.dim))
@@ -135,7 +143,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         outputs, times = _time_runs(sess, feed, args.iters)
     for arg, value in zip(sess.get_outputs(), outputs):
         if isinstance(value, np.ndarray):
-            print(f"{arg.name}: {value.dtype} {list(value.shape)}")
+            print(f"{arg.name}: {value.dtype} {list(value.shape)}{_stats(value)}")
             with np.printoptions(precision=4, threshold=20, edgeitems=3):
                 print(f"  {value}")
         else:
@@ -168,8 +176,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("outputs:")
     for a in sess.get_outputs():
         print(f"  {a.name}: {a.type} {a.shape}")
-    weight_bytes = sum(v.nbytes for v in g.initializers.values() if isinstance(v, np.ndarray))
-    print(f"initializers: {len(g.initializers)} ({weight_bytes / 2**20:.2f} MiB)")
+    arrays = [v for v in g.initializers.values() if isinstance(v, np.ndarray)]
+    weight_bytes = sum(v.nbytes for v in arrays)
+    params = sum(v.size for v in arrays)
+    print(f"parameters: {params:,} in {len(g.initializers)} initializers ({weight_bytes:,} bytes, "
+          f"{weight_bytes / 2**20:.2f} MiB)")
     counts = _op_counts(g)
     if args.optimized:
         after = _op_counts(sess._model.graph)
