@@ -28,6 +28,7 @@ class BuildContext:
     options: Any = None
     missing: list[tuple[str, str, int, str]] = field(default_factory=list)
     scope: frozenset[str] = frozenset()  # names visible to the node being built (for its subgraphs)
+    graph: Graph | None = None  # the graph whose node is being built (operators such as Gradient read it)
 
     def opset_of(self, node: Node) -> int:
         if node.opset is not None:
@@ -85,6 +86,7 @@ class Program:
                 continue
             ins = tuple(self._slot(i) if i else -1 for i in node.inputs)
             outer_scope, ctx.scope = ctx.scope, visible
+            outer_graph, ctx.graph = ctx.graph, self.graph
             try:
                 kernel = cls(node, version, ctx)
             except CarrackError:
@@ -92,7 +94,7 @@ class Program:
             except Exception as e:  # noqa: BLE001 - a kernel rejecting its attributes
                 raise InvalidModel(f"{node.label()}: {type(e).__name__}: {e}") from e
             finally:
-                ctx.scope = outer_scope
+                ctx.scope, ctx.graph = outer_scope, outer_graph
             captures = tuple((n, self._slot(n)) for g in node.subgraphs() for n in sorted(g.free_names()))
             outs = tuple(self._slot(o) if o else -1 for o in node.outputs)
             steps.append(Step(kernel, node, ins, outs, captures, ()))
