@@ -198,3 +198,63 @@ def merge_transposes(node: Node, view: GraphView, ctx: Context) -> bool:
     merged = Node("Transpose", [prev.inputs[0]], [node.outputs[0]], {"perm": combined}, name=node.name)
     view.replace([node], [merged])
     return True
+
+
+@rewrite("reshape_cancellation", "Reshape", level=EXTENDED)
+def merge_reshapes(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Reshape(Reshape(x, a), b) is Reshape(x, b) when b is a constant that copies no dim from its input (no 0s),
+    and Reshape(x, shape of x) is nothing."""
+    if node.domain or len(node.inputs) < 2:
+        return False
+    target = view.const(node.inputs[1])
+    if target is None or (0 in target.tolist() and not node.attrs.get("allowzero", 0)):
+        return False
+    if ctx.facts is not None:
+        src = ctx.facts.get(node.inputs[0])
+        if src is not None and src.shape is not None and list(src.shape) == target.tolist():
+            return view.bypass(node, node.inputs[0], node.outputs[0])
+    prev = view.producer.get(node.inputs[0])
+    if prev is None or prev.op_type != "Reshape" or prev.domain or view.single_consumer(node.inputs[0]) is not node:
+        return False
+    merged = Node("Reshape", [prev.inputs[0], node.inputs[1]], [node.outputs[0]], dict(node.attrs), name=node.name)
+    view.replace([prev, node], [merged])
+    return True
+
+
+#: elementwise ops that commute with any Transpose of their only input
+_LAYOUT_FREE = frozenset("Relu Sigmoid Tanh Neg Abs Exp Log Sqrt Erf LeakyRelu Elu Selu Celu HardSigmoid HardSwish "
+                         "Softplus Softsign Gelu Mish Reciprocal Floor Ceil Round Sign Sin Cos Cast Clip".split())
+
+
+def _reaches_transpose(view: GraphView, name: str, depth: int = 8) -> bool:
+    """Whether `name` flows through a chain of single-reader layout-free ops into a Transpose."""
+    for _ in range(depth):
+        reader = view.single_consumer(name)
+        if reader is None or reader.domain:
+            return False
+        if reader.op_type == "Transpose":
+            return True
+        if reader.op_type not in _LAYOUT_FREE or reader.inputs[0] != name:
+            return False
+        name = reader.outputs[0]
+    return False
+
+
+@rewrite("transpose_sinking", *_LAYOUT_FREE, level=EXTENDED)
+def sink_transpose(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Transpose -> elementwise op becomes elementwise op -> Transpose, so the Transpose can meet and cancel the next
+    one (Transpose, Relu, Transpose back is just Relu)."""
+    if node.domain or not node.inputs:
+        return False
+    if any(i and view.const(i) is None for i in node.inputs[1:]):
+        return False
+    t = view.producer.get(node.inputs[0])
+    if t is None or t.op_type != "Transpose" or t.domain or view.single_consumer(node.inputs[0]) is not node:
+        return False
+    if not _reaches_transpose(view, node.outputs[0]):
+        return False  # only worth it when a Transpose follows to cancel with
+    moved = view.fresh_name(node.outputs[0])
+    first = Node(node.op_type, [t.inputs[0], *node.inputs[1:]], [moved], dict(node.attrs), name=node.name)
+    second = Node("Transpose", [moved], [node.outputs[0]], dict(t.attrs), name=t.name)
+    view.replace([t, node], [first, second])
+    return True

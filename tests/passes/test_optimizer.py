@@ -204,3 +204,21 @@ def test_activations_onnxruntime_cannot_fuse_use_carrack_fused_ops(layer, activa
     opt, fired = _check(proto, {"x": 3 * RNG.standard_normal(x_shape).astype(np.float32)})
     assert _ops(opt) == [f"Fused{layer}"] and fired["activation_fusion"] == 1
     assert opt.graph.nodes[0].domain == "carrack"
+
+
+def test_reshapes_merge_and_identity_reshapes_vanish():
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]), helper.make_node("Reshape", ["a", "s2"], ["b"]),
+             helper.make_node("Relu", ["b"], ["c"]), helper.make_node("Reshape", ["c", "s3"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n) for v, n in (([6, 4], "s1"), ([2, 12], "s2"),
+                                                                            ([2, 12], "s3"))]
+    opt, fired = _check(_model(nodes, [_info("x", [2, 3, 4])], [_info("y", [2, 12])], inits),
+                        {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}, with_facts=True)
+    assert _ops(opt) == ["Reshape", "Relu"] and fired["reshape_cancellation"] == 2
+
+
+def test_transpose_sinks_through_elementwise_ops_and_cancels():
+    nodes = [helper.make_node("Transpose", ["x"], ["a"], perm=[0, 2, 1]), helper.make_node("Sigmoid", ["a"], ["b"]),
+             helper.make_node("Relu", ["b"], ["c"]), helper.make_node("Transpose", ["c"], ["y"], perm=[0, 2, 1])]
+    opt, fired = _check(_model(nodes, [_info("x", [2, 3, 4])], [_info("y", [2, 3, 4])]),
+                        {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)})
+    assert _ops(opt) == ["Sigmoid", "Relu"] and fired["transpose_sinking"] == 2
