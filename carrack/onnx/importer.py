@@ -2,11 +2,16 @@
 
 Checks what can be checked before anything runs: the protobuf parses, the graph is there, opsets are known,
 initializers decode, names are defined before use. Model-local functions are expanded here.
+
+A model file is memory-mapped rather than read, and its large embedded raw_data initializers never pass through
+protobuf: carrack.onnx.wire cuts them out of a skeleton that protobuf parses, and each is then mapped in place or read
+once into its aligned array, so loading holds the weights about once, not three times.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import onnx
@@ -18,31 +23,38 @@ from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
-from carrack.onnx.tensors import aligned_copy, aligned_empty, tensor_to_array
+from carrack.onnx.tensors import (
+    IN_PLACE_RAW_BYTES,
+    FileRange,
+    aligned_copy,
+    aligned_empty,
+    mapped_file,
+    tensor_to_array,
+)
+from carrack.onnx.wire import WireError, split_model
 
 ModelSource = str | os.PathLike | bytes | ModelProto
 
 
 def load_model(source: ModelSource) -> Model:
     """Parse and import a model from a file path, serialized bytes, or a ModelProto."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        proto, raw_data = _parse_file(path)
+        return import_model(proto, os.path.dirname(os.path.abspath(path)), f"model file '{path}'", raw_data)
     proto, base_dir, what = _parse(source)
     return import_model(proto, base_dir, what)
 
 
-def _parse(source: ModelSource) -> tuple[ModelProto, str | None, str]:
+def _parse(source: bytes | bytearray | memoryview | ModelProto) -> tuple[ModelProto, str | None, str]:
     if isinstance(source, ModelProto):
         return source, None, "model"
     if isinstance(source, (bytes, bytearray, memoryview)):
-        data, base_dir, what = bytes(source), None, "model bytes"
-    elif isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if not os.path.isfile(path):
-            raise InvalidModel(f"model file '{path}' does not exist")
-        with open(path, "rb") as f:
-            data = f.read()
-        base_dir, what = os.path.dirname(os.path.abspath(path)), f"model file '{path}'"
-    else:
-        raise TypeError(f"expected a model path, bytes or onnx.ModelProto, got {type(source).__name__}")
+        return _parse_bytes(bytes(source), "model bytes"), None, "model bytes"
+    raise TypeError(f"expected a model path, bytes or onnx.ModelProto, got {type(source).__name__}")
+
+
+def _parse_bytes(data: bytes, what: str) -> ModelProto:
     if not data:
         raise InvalidModel(f"{what} is empty")
     proto = ModelProto()
@@ -50,15 +62,45 @@ def _parse(source: ModelSource) -> tuple[ModelProto, str | None, str]:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as e:
         raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
-    return proto, base_dir, what
+    return proto
 
 
-def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "model") -> Model:
+def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
+    """The model in file `path`, parsed without its large main-graph raw_data, and where each of those lies in the
+    file (keyed by initializer index)."""
+    what = f"model file '{path}'"
+    if not os.path.isfile(path):
+        raise InvalidModel(f"model file '{path}' does not exist")
+    if os.path.getsize(path) == 0:
+        raise InvalidModel(f"{what} is empty")
+    try:
+        with memoryview(mapped_file(path)) as buf:
+            split = split_model(buf, IN_PLACE_RAW_BYTES)
+    except WireError as e:
+        try:  # protobuf has the last word on what parses (the walk's message says better what is wrong)
+            return _parse_whole_file(path, what), {}
+        except InvalidModel:
+            raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+    proto = _parse_bytes(split.skeleton, what)
+    if len(proto.graph.initializer) != split.initializers:  # protobuf read the fields differently: trust it
+        return _parse_whole_file(path, what), {}
+    return proto, {i: FileRange(path, p.offset, p.length) for i, p in split.payloads.items()}
+
+
+def _parse_whole_file(path: str, what: str) -> ModelProto:
+    with open(path, "rb") as f:
+        return _parse_bytes(f.read(), what)
+
+
+def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "model",
+                 raw_data: Mapping[int, FileRange] | None = None) -> Model:
+    """Import a parsed model. `raw_data` maps main-graph initializer indices to raw_data held in a file instead of
+    in the proto (see _parse_file)."""
     if not proto.HasField("graph"):
         raise InvalidModel(f"{what} has no graph (not an ONNX model, or truncated)")
     opsets = _opsets(proto, what)
     functions = {(canonical_domain(f.domain), f.name): _import_function(f, base_dir) for f in proto.functions}
-    graph = import_graph(proto.graph, base_dir)
+    graph = import_graph(proto.graph, base_dir, raw_data)
     if functions:
         graph = inline_functions(graph, functions, opsets)
     return Model(graph=graph, opsets=opsets, ir_version=proto.ir_version, producer=proto.producer_name,
@@ -78,12 +120,13 @@ def _opsets(proto: ModelProto, what: str) -> dict[str, int]:
     return opsets
 
 
-def import_graph(g: onnx.GraphProto, base_dir: str | None) -> Graph:
+def import_graph(g: onnx.GraphProto, base_dir: str | None, raw_data: Mapping[int, FileRange] | None = None) -> Graph:
     inits = {}
-    for t in g.initializer:
+    raw_data = raw_data or {}
+    for i, t in enumerate(g.initializer):
         if not t.name:
             raise InvalidModel(f"graph '{g.name}' has an initializer without a name")
-        inits[t.name] = tensor_to_array(t, base_dir)
+        inits[t.name] = tensor_to_array(t, base_dir, raw_data.get(i))
     for st in g.sparse_initializer:
         inits[st.values.name] = _sparse_to_dense(st, base_dir)
     graph = Graph(

@@ -4,6 +4,10 @@ Every constant carrack keeps starts on a 64-byte boundary. Large tensors (>= 64 
 not be: external data is memory-mapped (one read-only mapping per file) and used in place when its file offset is a
 multiple of 64 (mappings start page-aligned), and raw_data is used in place when Python's bytes happen to be aligned.
 Anything smaller, misaligned, byte-swapped or packed gets exactly one aligned copy.
+
+raw_data embedded in a model file that was split by carrack.onnx.wire arrives as a FileRange: it is mapped in place
+like external data when its offset is aligned, and otherwise read from the file straight into its aligned buffer (no
+intermediate bytes, and no mapped pages left behind in the process's resident set).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -119,14 +124,14 @@ def _external_bytes(t: TensorProto, base_dir: str | None) -> bytes | np.ndarray:
                            f"lie outside file '{info.get('location')}' of {size} bytes")
     if length == 0:
         return b""
-    return _mapped_file(path)[offset:offset + length]
+    return mapped_file(path)[offset:offset + length]
 
 
 _MAPPED: weakref.WeakValueDictionary[tuple, np.ndarray] = weakref.WeakValueDictionary()
 _MAPPED_LOCK = threading.Lock()
 
 
-def _mapped_file(path: str) -> np.ndarray:
+def mapped_file(path: str) -> np.ndarray:
     """The whole file as a read-only uint8 array, mapped once however many tensors live in it.
 
     Tensors used in place keep the mapping alive through their `.base`; it is unmapped when the last one goes.
@@ -150,8 +155,19 @@ def _expected_count(t: TensorProto) -> int:
     return n
 
 
-def tensor_to_array(t: TensorProto, base_dir: str | None = None) -> np.ndarray:
-    """Decode a TensorProto into a numpy array with a 64-byte-aligned, writeable-safe copy of its data."""
+@dataclass(frozen=True)
+class FileRange:
+    """A tensor's raw_data that lies in a file at bytes [offset, offset + length) (embedded weights, see wire.py)."""
+
+    path: str
+    offset: int
+    length: int
+
+
+def tensor_to_array(t: TensorProto, base_dir: str | None = None, raw_data: FileRange | None = None) -> np.ndarray:
+    """Decode a TensorProto into a numpy array with a 64-byte-aligned, writeable-safe copy of its data.
+
+    `raw_data`, when given, stands for the tensor's raw_data field (which the caller removed from `t`)."""
     if t.data_type == TensorProto.UNDEFINED:
         raise InvalidModel(f"tensor '{t.name}' has no data type")
     try:
@@ -163,6 +179,10 @@ def tensor_to_array(t: TensorProto, base_dir: str | None = None) -> np.ndarray:
     if t.data_location == TensorProto.EXTERNAL:
         raw = _external_bytes(t, base_dir)
         return _from_raw(t, bytes(raw) if dtype.itemsize == 0 or _packed(dtype) else raw, dtype, shape, count)
+    if raw_data is not None:
+        if dtype.kind != "O":
+            return _from_file(t, raw_data, dtype, shape, count)
+        t.raw_data = _read_range(raw_data)  # not a numeric tensor: decode it exactly as if it had been parsed
     if t.HasField("raw_data") and dtype.kind != "O":
         return _from_raw(t, t.raw_data, dtype, shape, count)
     try:
@@ -197,10 +217,7 @@ def _from_raw(t: TensorProto, raw, dtype: np.dtype, shape: tuple[int, ...], coun
         proto.data_location = TensorProto.DEFAULT
         proto.raw_data = bytes(raw)
         return aligned_copy(numpy_helper.to_array(proto))
-    need = count * dtype.itemsize
-    if len(raw) != need:
-        raise InvalidModel(f"tensor '{t.name}' holds {len(raw)} bytes, expected {need} "
-                           f"({count} x {dtype.name}) for dims {list(shape)}")
+    need = _check_length(t, len(raw), dtype, shape, count)
     # frombuffer works at any byte offset; ONNX stores little-endian
     src = np.frombuffer(raw, dtype=dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype, count=count)
     if need >= IN_PLACE_RAW_BYTES and is_aligned(src) and (_LITTLE_ENDIAN or dtype.itemsize == 1):
@@ -212,9 +229,48 @@ def _from_raw(t: TensorProto, raw, dtype: np.dtype, shape: tuple[int, ...], coun
     return out
 
 
+def _check_length(t: TensorProto, have: int, dtype: np.dtype, shape: tuple[int, ...], count: int) -> int:
+    need = count * dtype.itemsize
+    if have != need:
+        raise InvalidModel(f"tensor '{t.name}' holds {have} bytes, expected {need} "
+                           f"({count} x {dtype.name}) for dims {list(shape)}")
+    return need
+
+
+def _from_file(t: TensorProto, where: FileRange, dtype: np.dtype, shape: tuple[int, ...], count: int) -> np.ndarray:
+    if _packed(dtype) or (not _LITTLE_ENDIAN and dtype.itemsize > 1):
+        return _from_raw(t, _read_range(where), dtype, shape, count)
+    need = _check_length(t, where.length, dtype, shape, count)
+    if need >= IN_PLACE_RAW_BYTES and where.offset % _ALIGN == 0:
+        return _from_raw(t, mapped_file(where.path)[where.offset:where.offset + need], dtype, shape, count)
+    out = aligned_empty(shape, dtype)
+    _read_into(where, out.reshape(-1).view(np.uint8))
+    return out
+
+
+def _read_into(where: FileRange, out: np.ndarray) -> None:
+    """Fill the uint8 array `out` with the file's bytes at where.offset (read directly, no intermediate copy)."""
+    view = memoryview(out)
+    with open(where.path, "rb", buffering=0) as f:
+        f.seek(where.offset)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise InvalidModel(f"model file '{where.path}' ended at byte {where.offset + done} while reading "
+                                   f"{where.length} bytes at offset {where.offset} (was it changed while loading?)")
+            done += n
+
+
+def _read_range(where: FileRange) -> bytes:
+    out = np.empty(where.length, np.uint8)
+    _read_into(where, out)
+    return out.tobytes()
+
+
 def array_to_tensor(a: np.ndarray, name: str = "") -> TensorProto:
     return numpy_helper.from_array(np.asarray(a), name)
 
 
-__all__ = ["seal_constants", "aligned_copy", "aligned_empty", "array_to_tensor", "ensure_aligned", "external_path",
-           "is_aligned", "tensor_to_array", "onnx"]
+__all__ = ["FileRange", "seal_constants", "aligned_copy", "aligned_empty", "array_to_tensor", "ensure_aligned",
+           "external_path", "is_aligned", "mapped_file", "tensor_to_array", "onnx"]
