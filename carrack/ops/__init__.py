@@ -16,6 +16,7 @@ from carrack.ops import (  # noqa: F401
     elementwise,
     fused,
     gguf_ops,
+    gradient,
     image,
     indexing,
     linalg,

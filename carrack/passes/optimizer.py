@@ -102,7 +102,14 @@ def fold_known_values(graph: Graph, facts: Mapping, limit_bytes: int = FOLD_LIMI
     return folded
 
 
+def _reads_by_name(graph: Graph) -> bool:
+    """Gradient names the value it differentiates in an attribute, a use no rewrite can see: leave such graphs be."""
+    return any(n.op_type == "Gradient" and n.domain == "ai.onnx.preview.training" for n in graph.nodes)
+
+
 def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int], max_rounds: int = 50) -> None:
+    if _reads_by_name(graph):
+        return
     view = GraphView(graph)
     rules = [r for r in REWRITES if r.level <= level]
     for _ in range(max_rounds):
@@ -253,6 +260,8 @@ def specialize(model: Model, bindings: Mapping[str, int], level: int = ALL) -> G
     from carrack.passes.shape_inference import infer, input_facts
 
     graph = clone_graph(model.graph)
+    if _reads_by_name(graph):
+        return graph
     facts = infer(graph, model.opsets, input_facts(graph, bindings))
     fold_known_values(graph, facts)
     fired: dict[str, int] = {}

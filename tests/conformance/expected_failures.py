@@ -10,7 +10,4 @@ EXPECTED_FAILURES: dict[str, str] = {
     "test_bernoulli_expanded": _BERNOULLI,
     "test_bernoulli_double_expanded": _BERNOULLI,
     "test_bernoulli_seed_expanded": _BERNOULLI,
-    "simple/test_gradient_of_add": "Gradient (ai.onnx.preview.training) computes training gradients; carrack is an "
-                                   "inference engine and keeps nothing of training",
-    "simple/test_gradient_of_add_and_mul": "Gradient (ai.onnx.preview.training): training-only, see above",
 }
