@@ -106,17 +106,18 @@ def test_measured_peak_is_close_to_the_plan(net):
     kernel, model, sess = net
     plan = sess.memory_plan()
     peak, y = traced_peak(sess, _input())
-    # kxk convolutions also hold their padded input and im2col columns while they run (kernel scratch, unplanned)
+    # kxk convolutions also hold their padded input and im2col columns while they run: the plan counts that scratch
     scratch = 0 if kernel == 1 else (CHANNELS * kernel * kernel * SIDE * SIDE * 4
                                      + CHANNELS * (SIDE + kernel - 1) ** 2 * 4)
     source = plan_memory(sess._source_model.graph, sess._source_model.opsets)
-    budget = plan.arena_bytes + y.nbytes + scratch
+    budget = plan.arena_bytes + y.nbytes
     print(f"\n{kernel}x{kernel}: traced peak {peak / 2**20:.2f} MiB; plan arena {plan.arena_bytes / 2**20:.2f} MiB "
-          f"+ output {y.nbytes / 2**20:.2f} MiB + conv scratch {scratch / 2**20:.2f} MiB "
+          f"(with conv scratch {scratch / 2**20:.2f} MiB) + output {y.nbytes / 2**20:.2f} MiB "
           f"(ratio {peak / budget:.2f}); plan efficiency {plan.efficiency:.3f}; intermediates "
           f"{plan.intermediate_bytes / 2**20:.2f} MiB optimized, {source.intermediate_bytes / 2**20:.2f} MiB source")
     assert [n for n in plan.unknown if n != "y"] == []
-    assert plan.arena_bytes <= 3 * ACTIVATION  # a chain needs two live activations (three with alignment slack)
+    # a chain needs two live activations (three with alignment slack), plus one convolution's scratch
+    assert scratch <= plan.arena_bytes <= 3 * ACTIVATION + scratch
     assert plan.efficiency < 0.1
     assert peak <= 1.5 * budget
     assert peak < 0.2 * source.intermediate_bytes  # far below keeping every intermediate

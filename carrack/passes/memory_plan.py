@@ -39,7 +39,7 @@ class MemoryPlan:
     arena_bytes: int
     weight_bytes: int
     input_bytes: int
-    intermediate_bytes: int  # sum over intermediates, as if none shared memory
+    intermediate_bytes: int  # sum over intermediates, as if none shared memory (kernel scratch not counted)
     blocks: dict[str, Block] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)  # values whose size is only known at run time
 
@@ -72,6 +72,34 @@ def fact_nbytes(fact: Fact) -> int | None:
     if shape is None or dtype is None or dtype.kind == "O" or any(not isinstance(d, int) for d in shape):
         return None
     return int(np.prod(shape, dtype=np.int64)) * max(dtype.itemsize, 1)
+
+
+#: the most im2col scratch a convolution keeps at once (carrack/ops/conv.py works in chunks of this size)
+CONV_SCRATCH_LIMIT = 256 << 20
+
+
+def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
+    """Working memory a kernel needs beyond its output while it runs: a convolution's padded input and im2col
+    columns (1x1 and depthwise convolutions need no columns)."""
+    if node.op_type not in ("Conv", "FusedConv", "ConvInteger", "QLinearConv") or len(node.inputs) < 2:
+        return 0
+    x, w = facts.get(node.inputs[0]), facts.get(node.inputs[1])
+    y = facts.get(node.outputs[0])
+    if x is None or w is None or y is None or not all(f.shape and all(isinstance(d, int) for d in f.shape)
+                                                      for f in (x, w, y)):
+        return 0
+    itemsize = max(numpy_dtype(x.elem_type).itemsize, 4)  # float16 and integer inputs are computed in float32/64
+    n, c, *spatial = x.shape
+    m, cg, *kernel = w.shape
+    group = node.attrs.get("group", 1)
+    pads = node.attrs.get("pads") or [0] * (2 * len(kernel))
+    needs_padding = any(pads) or node.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
+    padded = n * c * int(np.prod([d + 2 * (k // 2) for d, k in zip(spatial, kernel)])) * itemsize if needs_padding \
+        else 0
+    if all(k == 1 for k in kernel) or (group == c == m):
+        return padded
+    columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize
+    return padded + min(columns, CONV_SCRATCH_LIMIT)
 
 
 def _align(n: int) -> int:
@@ -109,8 +137,12 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
                 alias[name] = src
                 continue
             blocks[name] = Block(name, size, step, end)
+        scratch = scratch_bytes(node, facts)
+        if scratch:
+            blocks[f"{node.name or node.outputs[0]}:scratch"] = Block(f"{node.name or node.outputs[0]}:scratch",
+                                                                      scratch, step, step)
     arena = _place(list(blocks.values()))
-    total = sum(b.nbytes for b in blocks.values())
+    total = sum(b.nbytes for name, b in blocks.items() if not name.endswith(":scratch"))
     return MemoryPlan(arena, weights, inputs, total, blocks, unknown)
 
 
