@@ -39,7 +39,7 @@ class MemoryPlan:
     arena_bytes: int
     weight_bytes: int
     input_bytes: int
-    intermediate_bytes: int  # sum over intermediates, as if none shared memory (kernel scratch not counted)
+    intermediate_bytes: int  # sum over intermediates and kernel scratch, as if none shared memory
     blocks: dict[str, Block] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)  # values whose size is only known at run time
 
@@ -142,7 +142,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
             blocks[f"{node.name or node.outputs[0]}:scratch"] = Block(f"{node.name or node.outputs[0]}:scratch",
                                                                       scratch, step, step)
     arena = _place(list(blocks.values()))
-    total = sum(b.nbytes for name, b in blocks.items() if not name.endswith(":scratch"))
+    total = sum(b.nbytes for b in blocks.values())
     return MemoryPlan(arena, weights, inputs, total, blocks, unknown)
 
 
