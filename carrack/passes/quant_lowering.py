@@ -24,9 +24,11 @@ import numpy as np
 
 from carrack.ir.graph import Node
 from carrack.ops import quant
-from carrack.passes import optimizer
+from carrack.passes import optimizer, shape_rules
+from carrack.passes.facts import Fact, tensor_fact
 from carrack.passes.graph_view import GraphView
 from carrack.passes.optimizer import BASIC, EXTENDED, Context, Rewrite
+from carrack.passes.shape_inference import rule
 
 MS = "com.microsoft"
 CARRACK = "carrack"
@@ -380,6 +382,24 @@ def lower_matmul_nbits(node: Node, view: GraphView, ctx: Context) -> bool:
     view.replace([node], [Node("MatMul", [node.inputs[0], w_name], [product], name=node.name),
                           Node("Add", [product, names[5]], [node.outputs[0]], name=(node.name or "") + "_bias")])
     return True
+
+
+# -- shape rules for the emitted kernels (so later fusions that infer shapes see through them) -----------------------
+@rule("DynamicQuantizedMatMul", domain=CARRACK)
+def _dynamic_matmul_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    return shape_rules.matmul_rule(node, ins, version)
+
+
+@rule("QLinearMatMulExact", domain=CARRACK)
+def _qlinear_matmul_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    fact = shape_rules.matmul_rule(node, ins, version)[0]
+    return [tensor_fact(ins[4].elem_type, fact.shape)]
+
+
+@rule("QLinearConvExact", domain=CARRACK)
+def _qlinear_conv_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    fact = shape_rules.conv_rule(node, ins, version)[0]
+    return [tensor_fact(ins[4].elem_type, fact.shape)]
 
 
 # Quantized patterns must be matched before constant folding dequantizes their weights.
