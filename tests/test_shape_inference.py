@@ -72,3 +72,20 @@ def test_constant_subgraphs_are_evaluated():
     facts = infer(model.graph, model.opsets)
     assert facts["c"].value.tolist() == [3, 5]
     assert facts["z"].shape == (3, 5)
+
+
+def test_runaway_expressions_are_dropped_to_unknown():
+    """Squaring a symbolic size ten times would build n**1024; inference gives up on that one value instead."""
+    from carrack.ir.symbolic import complexity
+    from carrack.passes.shape_inference import MAX_DIM_COMPLEXITY
+
+    nodes = [helper.make_node("Shape", ["x"], ["s0"])]
+    for i in range(10):
+        nodes.append(helper.make_node("Mul", [f"s{i}", f"s{i}"], [f"s{i + 1}"]))
+    nodes.append(helper.make_node("ConstantOfShape", ["s10"], ["y"]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
+    model = _model(nodes, [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    facts = infer(model.graph, model.opsets)
+    assert facts["s2"].dims_value() == [mul(mul(Sym("n"), Sym("n")), mul(Sym("n"), Sym("n")))]
+    assert facts["s10"].value is None and facts["y"].shape in (None, (None,))
+    assert all(complexity(d) <= MAX_DIM_COMPLEXITY for f in facts.values() if f.shape for d in f.shape if d)

@@ -223,6 +223,18 @@ def dmax(*args: DimLike) -> DimLike:
     return _minmax("max", args)
 
 
+def complexity(d: DimLike) -> int:
+    """How big an expression is (1 for an int or a symbol): used to stop inference from growing runaway terms."""
+    if not isinstance(d, Expr):
+        return 1
+    total = 0
+    for mono in d.terms:
+        total += 1
+        for a in mono:
+            total += 1 if isinstance(a, Sym) else sum(complexity(x) for x in a.args)
+    return total
+
+
 def symbols(d: DimLike) -> set[Sym]:
     """The named symbols a dim depends on."""
     if isinstance(d, int):

@@ -16,7 +16,7 @@ import numpy as np
 
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Node
-from carrack.ir.symbolic import DimLike, parse
+from carrack.ir.symbolic import DimLike, complexity, parse
 from carrack.ir.types import TensorType
 from carrack.ops import registry
 from carrack.passes.facts import MAX_CARRIED_ELEMENTS, Fact, const_fact
@@ -90,7 +90,28 @@ def infer_node(node: Node, ins: list[Fact], opsets: Mapping[str, int]) -> list[F
             outs = []  # a rule that cannot decide leaves the outputs unknown
     else:
         outs = []
-    return list(outs) + [Fact()] * (len(node.outputs) - len(outs))
+    outs = [_bounded(f) for f in outs]
+    return outs + [Fact()] * (len(node.outputs) - len(outs))
+
+
+#: a dim expression bigger than this is dropped to unknown (resolved at run time) rather than carried along
+MAX_DIM_COMPLEXITY = 64
+
+
+def _bounded(fact: Fact) -> Fact:
+    t = fact.tensor
+    if t is None:
+        return fact
+    value = fact.value
+    if value is not None and value.dtype == object and any(complexity(v) > MAX_DIM_COMPLEXITY
+                                                           for v in value.reshape(-1)):
+        value = None
+    shape = t.shape
+    if shape is not None and any(d is not None and complexity(d) > MAX_DIM_COMPLEXITY for d in shape):
+        shape = tuple(None if d is not None and complexity(d) > MAX_DIM_COMPLEXITY else d for d in shape)
+    if value is fact.value and shape is t.shape:
+        return fact
+    return Fact(TensorType(t.elem_type, shape), value)
 
 
 def _fold(node: Node, ins: list[Fact], cls, version: int) -> list[Fact] | None:
