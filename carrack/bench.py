@@ -13,105 +13,24 @@ Library use:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import os
 import resource
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from carrack.runtime.blas import blas_threads, limited_blas_threads, set_blas_threads
 from carrack.runtime.options import SessionOptions
 from carrack.runtime.profiler import Profiler
 from carrack.runtime.session import InferenceSession
 
 MIB = 2**20
-# OpenBLAS builds name their thread setter differently (numpy wheels ship scipy-openblas with 64-bit ints)
-_BLAS_THREAD_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
-                        "scipy_openblas_set_num_threads", "openblas_set_num_threads64_", "MKL_Set_Num_Threads")
-_BLAS_THREAD_GETTERS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
-                        "scipy_openblas_get_num_threads", "openblas_get_num_threads64_", "MKL_Get_Max_Threads")
 
 
 # --------------------------------------------------------------------------------------------- process facts
-def set_blas_threads(threads: int) -> bool:
-    """Limit numpy's BLAS to `threads` threads from now on (carrack's matmuls and convolutions run there).
-
-    Uses threadpoolctl when installed, else the BLAS library's own setter found among the loaded libraries.
-    Returns whether a setter was found.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        pass
-    else:
-        threadpool_limits(threads)
-        return True
-    found = False
-    for lib in _blas_libraries():
-        for name in _BLAS_THREAD_SETTERS:
-            setter = getattr(lib, name, None)
-            if setter is not None:
-                setter(ctypes.c_int(threads))
-                found = True
-                break
-    return found
-
-
-def blas_threads() -> int | None:
-    """numpy's BLAS thread count now (None when it cannot be read)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        pass
-    else:
-        counts = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
-        return counts[0] if counts else None
-    for lib in _blas_libraries():
-        for name in _BLAS_THREAD_GETTERS:
-            getter = getattr(lib, name, None)
-            if getter is not None:
-                getter.restype = ctypes.c_int
-                return int(getter())
-    return None
-
-
-@contextlib.contextmanager
-def limited_blas_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with numpy's BLAS limited to `threads` threads (no change when None), then restore it."""
-    before = blas_threads() if threads else None
-    if threads:
-        set_blas_threads(threads)
-    try:
-        yield
-    finally:
-        if threads and before:
-            set_blas_threads(before)
-
-
-def _blas_libraries() -> list[ctypes.CDLL]:
-    libs = []
-    for path in _loaded_libraries(("blas", "mkl")):
-        try:
-            libs.append(ctypes.CDLL(path))
-        except OSError:
-            continue
-    return libs
-
-
-def _loaded_libraries(keywords: tuple[str, ...]) -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "/" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if any(k in os.path.basename(p).lower() for k in keywords))
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident set size so far (Linux VmHWM, else getrusage)."""
     try:

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from carrack.ops.elementwise import erfc, widen
+from carrack.ops.elementwise import gelu, tanh_gelu, widen
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -75,26 +75,18 @@ class SkipLayerNormalization(Kernel):
                                             inv_std.astype(np.float32), total.astype(x.dtype)])
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    # 1 + erf(x / sqrt 2) as erfc(-x / sqrt 2): no cancellation for negative x
-    return 0.5 * x * erfc(x * (-1 / math.sqrt(2))).astype(x.dtype)
-
-
-def _fast_gelu(x: np.ndarray) -> np.ndarray:
-    inner = x.dtype.type(math.sqrt(2 / math.pi)) * (x + x.dtype.type(0.044715) * x * x * x)
-    return 0.5 * x * (1 + np.tanh(inner))
-
-
 class _GeluBase(Kernel):
     """An activation of x (+ an optional bias), computed in float32 for half floats."""
 
-    activation = staticmethod(_gelu)
+    activation = staticmethod(gelu)
 
     def run(self, x, bias=None):
         w = _work(x)
         if bias is not None:
-            w = w + _work(bias)
-        return self.activation(w).astype(x.dtype, copy=False)
+            w = np.add(w, _work(bias))
+        # overwrite the widened or biased copy this kernel made; never the input itself
+        y = self.activation(w, out=None if w is x else w)
+        return y.astype(x.dtype, copy=False)
 
 
 @register("Gelu", domain=MS)
@@ -109,7 +101,7 @@ class BiasGelu(_GeluBase):
 
 @register("FastGelu", domain=MS)
 class FastGelu(_GeluBase):
-    activation = staticmethod(_fast_gelu)
+    activation = staticmethod(tanh_gelu)
 
 
 @register("QuickGelu", domain=MS)

@@ -25,9 +25,13 @@ def pad_spatial(x: np.ndarray, pads: Sequence[int], value: float = 0) -> np.ndar
     begins, ends = list(pads[:nd]), list(pads[nd:])
     if not any(begins) and not any(ends):
         return x
-    if any(p > 0 for p in begins + ends):
-        widths = [(0, 0)] * (x.ndim - nd) + [(max(b, 0), max(e, 0)) for b, e in zip(begins, ends)]
-        x = np.pad(x, widths, constant_values=value)
+    if any(p > 0 for p in begins + ends):  # one fill and one copy: much cheaper than np.pad
+        lead = x.shape[:x.ndim - nd]
+        spatial = x.shape[x.ndim - nd:]
+        padded = np.full(lead + tuple(s + max(b, 0) + max(e, 0) for s, b, e in zip(spatial, begins, ends)), value,
+                         dtype=x.dtype)
+        padded[(Ellipsis,) + tuple(slice(max(b, 0), max(b, 0) + s) for s, b in zip(spatial, begins))] = x
+        x = padded
     if any(p < 0 for p in begins + ends):
         spatial = x.shape[x.ndim - nd:]
         crop = tuple(slice(-min(b, 0), size + min(e, 0)) for size, b, e in zip(spatial, begins, ends))
@@ -45,40 +49,54 @@ def windows(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilati
 
 
 def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequence[int],
-             dilations: Sequence[int], group: int) -> np.ndarray:
-    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel]; no bias.
+             dilations: Sequence[int], group: int, bias: np.ndarray | None = None) -> np.ndarray:
+    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M].
 
     ``pads`` is in ONNX order [x1_begin, x2_begin, ..., x1_end, x2_end, ...]. The result has the common dtype
-    of x and w.
+    of x and w and is always a fresh array, so callers may finish it in place.
     """
     out_dtype = np.result_type(x, w)
     dtype = _compute_dtype(out_dtype)
-    x = pad_spatial(x.astype(dtype, copy=False), pads)
+    x = x.astype(dtype, copy=False)
     w = w.astype(dtype, copy=False)
-    n, c = x.shape[:2]
-    m, cg = w.shape[:2]
-    kernel = w.shape[2:]
-    nd = len(kernel)
+    c, m, cg = x.shape[1], w.shape[0], w.shape[1]
     if cg * group != c or m % group:
         raise ValueError(f"Conv: input has {c} channels, weight {w.shape} with group={group} does not match")
-    if all(k == 1 for k in kernel):
-        out = _pointwise(x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)], w, group)
-    elif group == c == m:
-        out = _depthwise(x, w, strides, dilations)
+    pads = list(pads)
+    if w.ndim == 3 and min(pads) >= 0:  # 1-D: the 2-D code on a height-1 image
+        y = _convolve_2d(x[:, :, None], w[:, :, None], [1, *strides], [0, pads[0], 0, pads[1]], [1, *dilations],
+                         group)[:, :, 0]
+    elif w.ndim == 4 and min(pads) >= 0:
+        y = _convolve_2d(x, w, strides, pads, dilations, group)
     else:
-        win = windows(x, kernel, strides, dilations)  # N, C, *O, *K
-        out_spatial = win.shape[2:2 + nd]
-        # Bound the column matrix's memory: im2col a few images at a time.
-        per_image = int(np.prod(win.shape[1:])) * win.itemsize
-        chunk = max(1, _COLUMN_BYTES // max(per_image, 1))
-        weights = w.reshape(group, m // group, -1)
-        parts = [_im2col_matmul(win[i:i + chunk], weights, group) for i in range(0, n, chunk)]
-        joined = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0,), dtype)
-        out = joined.reshape((n, m) + out_spatial)
-    return out.astype(out_dtype, copy=False)
+        y = _convolve_nd(x, w, strides, pads, dilations, group)
+    if bias is not None:
+        np.add(y, bias.astype(dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2)), out=y)
+    return y.astype(out_dtype, copy=False)
 
 
-_COLUMN_BYTES = 256 << 20
+_COLUMN_BYTES = 256 << 20  # at most this much im2col scratch at a time
+_DEPTHWISE_BYTES = 1 << 20  # depthwise accumulators: sized to stay in the L2 cache
+
+
+def _convolve_nd(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],
+                 dilations: Sequence[int], group: int) -> np.ndarray:
+    """Any rank and negative pads: im2col through a strided sliding-window view, a few images at a time."""
+    x = pad_spatial(x, pads)
+    n = x.shape[0]
+    m = w.shape[0]
+    kernel = w.shape[2:]
+    nd = len(kernel)
+    if all(k == 1 for k in kernel):
+        return _pointwise(x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)], w, group)
+    win = windows(x, kernel, strides, dilations)  # N, C, *O, *K
+    out_spatial = win.shape[2:2 + nd]
+    per_image = int(np.prod(win.shape[1:])) * win.itemsize
+    chunk = max(1, _COLUMN_BYTES // max(per_image, 1))
+    weights = w.reshape(group, m // group, -1)
+    parts = [_im2col_matmul(win[i:i + chunk], weights, group) for i in range(0, n, chunk)]
+    joined = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0,), x.dtype)
+    return joined.reshape((n, m) + out_spatial)
 
 
 def _im2col_matmul(win: np.ndarray, weights: np.ndarray, group: int) -> np.ndarray:
@@ -90,23 +108,141 @@ def _im2col_matmul(win: np.ndarray, weights: np.ndarray, group: int) -> np.ndarr
 
 
 def _pointwise(x: np.ndarray, w: np.ndarray, group: int) -> np.ndarray:
+    """1x1 kernels: one (batched) matmul of the weights with the input's pixels."""
     n, c = x.shape[:2]
     m = w.shape[0]
-    cols = x.reshape(n, group, c // group, int(np.prod(x.shape[2:], dtype=np.int64)))
-    return np.matmul(w.reshape(group, m // group, c // group), cols).reshape((n, m) + x.shape[2:])
+    pixels = int(np.prod(x.shape[2:], dtype=np.int64))
+    out = np.empty((n, group, m // group, pixels), dtype=x.dtype)
+    np.matmul(w.reshape(group, m // group, c // group), x.reshape(n, group, c // group, pixels), out=out)
+    return out.reshape((n, m) + x.shape[2:])
 
 
-def _depthwise(x: np.ndarray, w: np.ndarray, strides: Sequence[int], dilations: Sequence[int]) -> np.ndarray:
-    """group == C == M: one multiply-accumulate per kernel offset, no block-diagonal matmul."""
-    kernel = w.shape[2:]
-    win = windows(x, kernel, strides, dilations)  # N, C, *O, *K
-    nd = len(kernel)
-    out = np.zeros(win.shape[:2 + nd], dtype=x.dtype)
-    taps = w.reshape(w.shape[0], -1)
-    channel_shape = (1, -1) + (1,) * nd
-    for i, offset in enumerate(np.ndindex(*kernel)):
-        out += win[(Ellipsis,) + offset] * taps[:, i].reshape(channel_shape)
-    return out
+def _output_size(size: int, kernel: int, stride: int, dilation: int, begin: int, end: int) -> int:
+    return max(0, (size + begin + end - (kernel - 1) * dilation - 1) // stride + 1)
+
+
+def _valid_range(size: int, count: int, begin: int, offset: int, stride: int) -> tuple[int, int, int]:
+    """The outputs [lo, hi) of `count` whose input index o * stride - begin + offset lies in [0, size), and the
+    input index of output lo."""
+    start = offset - begin
+    lo = min(count, (stride - 1 - start) // stride) if start < 0 else 0
+    hi = max(lo, min(count, (size - 1 - start) // stride + 1))
+    return lo, hi, lo * stride + start
+
+
+def _convolve_2d(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],
+                 dilations: Sequence[int], group: int) -> np.ndarray:
+    """2-D convolution without a padded copy of the input (pads >= 0)."""
+    n, c, h, wd = x.shape
+    m, _, kh, kw = w.shape
+    out_shape = (_output_size(h, kh, strides[0], dilations[0], pads[0], pads[2]),
+                 _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
+    if n == 0 or m == 0 or 0 in out_shape:
+        return np.zeros((n, m) + out_shape, dtype=x.dtype)
+    if kh == kw == 1 and not any(pads):
+        return _pointwise(x[:, :, ::strides[0], ::strides[1]], w, group)
+    if group == c == m:
+        return _depthwise(x, w, out_shape, strides, pads, dilations)
+    return _im2col_2d(x, w, out_shape, strides, pads, dilations, group)
+
+
+def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
+               pads: Sequence[int], dilations: Sequence[int], group: int) -> np.ndarray:
+    """Columns [C, KH, KW, rows, OW] filled one kernel tap at a time (zeros where a tap reads padding), times
+    the weights [group, M/group, C/group * KH * KW]; a block of output rows at a time bounds the scratch."""
+    n, c, h, wd = x.shape
+    m, cg, kh, kw = w.shape
+    oh, ow = out_shape
+    row_ranges = [_valid_range(h, oh, pads[0], i * dilations[0], strides[0]) for i in range(kh)]
+    col_ranges = [_valid_range(wd, ow, pads[1], j * dilations[1], strides[1]) for j in range(kw)]
+    depth = cg * kh * kw
+    block = max(1, min(oh, _COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
+    scratch = np.empty(c * kh * kw * block * ow, dtype=x.dtype)
+    weights = w.reshape(group, m // group, depth)
+    out = np.empty((n, group, m // group, oh * ow), dtype=x.dtype)
+    for b in range(n):
+        for r0 in range(0, oh, block):
+            r1 = min(oh, r0 + block)
+            cols = scratch[:c * kh * kw * (r1 - r0) * ow].reshape(c, kh, kw, r1 - r0, ow)
+            for i, rows in enumerate(row_ranges):
+                for j, columns in enumerate(col_ranges):
+                    _fill_tap(cols[:, i, j], x[b], r0, r1, rows, columns, strides)
+            np.matmul(weights, cols.reshape(group, depth, -1), out=out[b, :, :, r0 * ow:r1 * ow])
+    return out.reshape(n, m, oh, ow)
+
+
+def _fill_tap(dst: np.ndarray, image: np.ndarray, r0: int, r1: int, rows: tuple[int, int, int],
+              columns: tuple[int, int, int], strides: Sequence[int]) -> None:
+    """dst[C, r1 - r0, OW] = what one kernel tap reads for output rows [r0, r1): the image, or 0 in the padding."""
+    lo, hi, first = rows
+    c_lo, c_hi, c_first = columns
+    lo, hi = max(lo, r0), min(hi, r1)
+    first += (lo - rows[0]) * strides[0]
+    if hi <= lo or c_hi <= c_lo:
+        dst[...] = 0
+        return
+    lo, hi = lo - r0, hi - r0
+    if lo:
+        dst[:, :lo] = 0
+    if hi < dst.shape[1]:
+        dst[:, hi:] = 0
+    if c_lo:
+        dst[:, lo:hi, :c_lo] = 0
+    if c_hi < dst.shape[2]:
+        dst[:, lo:hi, c_hi:] = 0
+    dst[:, lo:hi, c_lo:c_hi] = image[:, first:first + (hi - lo - 1) * strides[0] + 1:strides[0],
+                                     c_first:c_first + (c_hi - c_lo - 1) * strides[1] + 1:strides[1]]
+
+
+def _depthwise(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
+               pads: Sequence[int], dilations: Sequence[int]) -> np.ndarray:
+    """group == C == M: one multiply-accumulate per kernel tap, on flat rows.
+
+    The padded input is split into its stride phases (one plane per (row, column) remainder), each stored as
+    flat rows [C, rows * width]. A tap then reads one contiguous run of its phase's plane per channel, and the
+    outputs are computed on the plane's width (the few extra columns at each row's end are cropped): long
+    unit-stride inner loops instead of short strided ones. Channels go a block at a time through accumulators
+    small enough to stay in cache.
+    """
+    n, c, h, wd = x.shape
+    kh, kw = w.shape[2:]
+    oh, ow = out_shape
+    (sh, sw), (dh, dw) = strides, dilations
+    plane_h = oh + (kh - 1) * dh // sh
+    plane_w = ow + (kw - 1) * dw // sw
+    size = plane_h * plane_w
+    phases = sorted({(i * dh % sh, j * dw % sw) for i in range(kh) for j in range(kw)})
+    planes = np.zeros((len(phases), n * c, size + plane_w), dtype=x.dtype)  # + one row: the last tap's overrun
+    images = x.reshape(n * c, h, wd)
+    for p, (a, b) in enumerate(phases):
+        lo, hi, first = _valid_range(h, plane_h, pads[0], a, sh)
+        c_lo, c_hi, c_first = _valid_range(wd, plane_w, pads[1], b, sw)
+        if hi > lo and c_hi > c_lo:
+            plane = planes[p, :, :size].reshape(n * c, plane_h, plane_w)
+            plane[:, lo:hi, c_lo:c_hi] = images[:, first:first + (hi - lo - 1) * sh + 1:sh,
+                                                c_first:c_first + (c_hi - c_lo - 1) * sw + 1:sw]
+    length = oh * plane_w
+    taps = [(phases.index((i * dh % sh, j * dw % sw)), i * dh // sh * plane_w + j * dw // sw)
+            for i in range(kh) for j in range(kw)]
+    weights = w.reshape(c, kh * kw)
+    step = max(1, _DEPTHWISE_BYTES // (2 * length * x.itemsize))
+    acc = np.empty((min(step, c), length), dtype=x.dtype)
+    term = np.empty_like(acc)
+    out = np.empty((n * c, oh, ow), dtype=x.dtype)
+    blocks = [(i * c + s, i * c + min(c, s + step)) for i in range(n) for s in range(0, c, step)]
+    for start, stop in blocks:  # a block of channels of one image
+        a, t = acc[:stop - start], term[:stop - start]
+        channels = slice(start % c, (stop - 1) % c + 1)
+        for k, (p, offset) in enumerate(taps):
+            source = planes[p, start:stop, offset:offset + length]
+            weight = weights[channels, k:k + 1]
+            if k == 0:
+                np.multiply(source, weight, out=a)
+            else:
+                np.multiply(source, weight, out=t)
+                np.add(a, t, out=a)
+        out[start:stop] = a.reshape(stop - start, oh, plane_w)[:, :, :ow]
+    return out.reshape(n, c, oh, ow)
 
 
 def col2im(cols: np.ndarray, image_shape: Sequence[int], strides: Sequence[int],
@@ -184,8 +320,7 @@ class Conv(_ConvBase):
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
-        y = convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group)
-        return _add_bias(y, b)
+        return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b)
 
 
 @register("ConvTranspose", since=1)

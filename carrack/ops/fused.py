@@ -13,28 +13,45 @@ MS = "com.microsoft"
 
 
 def _activation(name: str, params: list[float]):
+    """The activation as a function that overwrites its argument (a fresh result the fused kernel owns)."""
     if name == "Relu":
-        return lambda y: np.maximum(y, 0)
+        from carrack.ops.activations import relu
+
+        return lambda y: relu(y, out=y)
     if name == "Sigmoid":
-        return lambda y: np.reciprocal(1 + np.exp(-y))
+        return _sigmoid_inplace
     if name == "Tanh":
-        return np.tanh
+        return lambda y: np.tanh(y, out=y)
     if name == "LeakyRelu":
         alpha = params[0] if params else 0.01
-        return lambda y: np.where(y < 0, y * y.dtype.type(alpha), y)
+        return lambda y: np.multiply(y, y.dtype.type(alpha), out=y, where=y < 0)
     if name == "HardSigmoid":
         alpha, beta = params if len(params) == 2 else (0.2, 0.5)
-        return lambda y: np.clip(y * y.dtype.type(alpha) + y.dtype.type(beta), 0, 1)
+        return lambda y: _hard_sigmoid_inplace(y, alpha, beta)
     if name == "HardSwish":
-        return lambda y: y * np.clip(y * y.dtype.type(1 / 6) + y.dtype.type(0.5), 0, 1)
+        return lambda y: np.multiply(y, _hard_sigmoid_inplace(y.copy(), 1 / 6, 0.5), out=y)
     if name == "Gelu":
-        from carrack.ops.elementwise import erfc
+        from carrack.ops.elementwise import gelu
 
-        return lambda y: (y * y.dtype.type(0.5) * erfc(-y * y.dtype.type(0.7071067811865476))).astype(y.dtype)
+        return lambda y: gelu(y, out=y)
     if name == "Clip":
         lo, hi = params if len(params) == 2 else (-np.inf, np.inf)
-        return lambda y: np.clip(y, y.dtype.type(lo), y.dtype.type(hi))
+        return lambda y: np.clip(y, y.dtype.type(lo), y.dtype.type(hi), out=y)
     raise ValueError(f"unsupported fused activation '{name}'")
+
+
+def _sigmoid_inplace(y: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-y) overflows to inf for very negative y: 1 / (1 + inf) is the 0 wanted
+        np.negative(y, out=y)
+        np.exp(y, out=y)
+    np.add(y, 1, out=y)
+    return np.reciprocal(y, out=y)
+
+
+def _hard_sigmoid_inplace(y: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    np.multiply(y, y.dtype.type(alpha), out=y)
+    np.add(y, y.dtype.type(beta), out=y)
+    return np.clip(y, 0, 1, out=y)
 
 
 class _FusedBase(Kernel):
@@ -57,7 +74,10 @@ class _FusedBase(Kernel):
         return list(self.attr("activation_params", []))
 
     def run(self, *inputs):
-        return self.act(self.inner.run(*inputs))
+        y = self.inner.run(*inputs)
+        if type(y) is not np.ndarray or not y.flags.writeable or any(y is i for i in inputs):
+            y = np.array(y)  # Conv, Gemm and MatMul return fresh arrays; anything else gets a private copy
+        return self.act(y)
 
 
 @register("FusedConv", domain="carrack")

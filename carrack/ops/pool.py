@@ -156,7 +156,8 @@ class AveragePool(_WindowPool):
         total = _sum(view.astype(acc, copy=False) for view in self.taps(x, geometry, 0))
         counts = _window_counts(geometry, x.shape[2:], self.kernel, self.strides, self.dilations,
                                 self.count_include_pad)
-        return (total / np.maximum(counts, 1).astype(acc)).astype(x.dtype)
+        np.divide(total, np.maximum(counts, 1).astype(acc), out=total)  # total is a fresh sum
+        return total.astype(x.dtype, copy=False)
 
 
 @register("LpPool", since=1)

@@ -7,6 +7,7 @@ are their *captures*, passed in by name.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Program:
                              for o in graph.outputs]
         self.n_slots = len(self.slot_of)
         self._assign_release()
+        self._plan = self._compile_plan()
 
     def _slot(self, name: str) -> int:
         if name not in self.slot_of:
@@ -115,7 +117,7 @@ class Program:
                       for i, st in enumerate(self.steps)]
 
     def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None) -> list[Any]:
-        env: list[Any] = [None] * self.n_slots
+        env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
         for s, v in self.constants.items():
             env[s] = v
         for s, v in zip(self.input_slots, inputs):
@@ -123,27 +125,76 @@ class Program:
                 env[s] = v
         for name, s in self.capture_slots:
             env[s] = outer[name]  # type: ignore[index]
-        for st in self.steps:
-            args = [env[s] if s >= 0 else None for s in st.ins]
-            scope = {n: env[s] for n, s in st.captures} if st.captures else _EMPTY
-            try:
-                if profiler is None:
-                    result = st.kernel.execute(args, scope)
-                else:
+        step = None
+        try:
+            if profiler is None:
+                for step, call, gather, arity, single, release in self._plan:
+                    if arity == 1:
+                        result = call(gather(env))
+                    elif arity > 1:
+                        result = call(*gather(env))
+                    elif arity == 0:
+                        result = call()
+                    else:
+                        result = step.kernel.execute(list(gather(env)), _scope(step, env))
+                    if single >= 0 and type(result) is np.ndarray:
+                        env[single] = result
+                    else:
+                        _store(step.outs, result, env)
+                    for s in release:
+                        env[s] = None
+            else:
+                for step in self.steps:
+                    args = [env[s] if s >= 0 else None for s in step.ins]
                     t0 = time.perf_counter_ns()
-                    result = st.kernel.execute(args, scope)
-                    profiler.record(st.node.name or st.node.outputs[0], st.node.op_type, t0, time.perf_counter_ns())
-            except CarrackError:
+                    result = step.kernel.execute(args, _scope(step, env))
+                    profiler.record(step.node.name or step.node.outputs[0], step.node.op_type, t0,
+                                    time.perf_counter_ns())
+                    _store(step.outs, result, env)
+                    for s in step.release:
+                        env[s] = None
+        except CarrackError:
+            raise
+        except Exception as e:  # noqa: BLE001 - name the node that failed
+            if step is None:
                 raise
-            except Exception as e:  # noqa: BLE001 - name the node that failed
-                raise RunFailure(f"{st.node.label()} failed: {type(e).__name__}: {e}") from e
-            outs = result if type(result) is tuple else (result,)
-            for s, v in zip(st.outs, outs):
-                if s >= 0:
-                    env[s] = np.asarray(v) if isinstance(v, np.generic) else v
-            for s in st.release:
-                env[s] = None
+            raise RunFailure(f"{step.node.label()} failed: {type(e).__name__}: {e}") from e
         return [env[s] for s in self.output_slots]
+
+    def _compile_plan(self) -> list[tuple]:
+        """Per step, what the run loop needs in the cheapest form: the kernel's `run` (None when the kernel
+        overrides `execute`, e.g. control flow reading outer-scope values: arity -1), a C-level getter of its input
+        values (omitted inputs read the always-None extra slot), how many inputs it takes, its output slot when it
+        has exactly one (else -1) and the slots it releases."""
+        plan = []
+        for st in self.steps:
+            ins = tuple(s if s >= 0 else self.n_slots for s in st.ins)
+            overridden = type(st.kernel).execute is not registry.Kernel.execute or bool(st.captures)
+            call = None if overridden else st.kernel.run
+            arity = -1 if overridden else len(ins)
+            gather = _tuple_getter(ins) if overridden else operator.itemgetter(*ins) if ins else None
+            single = st.outs[0] if len(st.outs) == 1 else -1  # -1: store through _store
+            plan.append((st, call, gather, arity, single, st.release))
+        return plan
+
+
+def _tuple_getter(ins: tuple[int, ...]):
+    """A getter that always returns a tuple (itemgetter returns a bare value for one index)."""
+    if len(ins) == 1:
+        get = operator.itemgetter(ins[0])
+        return lambda env: (get(env),)
+    return operator.itemgetter(*ins) if ins else (lambda env: ())
+
+
+def _scope(step: Step, env: list[Any]) -> Mapping[str, Any]:
+    return {n: env[s] for n, s in step.captures} if step.captures else _EMPTY
+
+
+def _store(outs: tuple[int, ...], result: Any, env: list[Any]) -> None:
+    values = result if type(result) is tuple else (result,)
+    for s, v in zip(outs, values):
+        if s >= 0:
+            env[s] = np.asarray(v) if isinstance(v, np.generic) else v
 
 
 _EMPTY: Mapping[str, Any] = {}

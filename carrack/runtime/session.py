@@ -20,6 +20,8 @@ from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import seal_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize, specialize
+from carrack.runtime.allocator import retain_freed_memory
+from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import RunOptions, SessionOptions
 from carrack.runtime.profiler import Profiler
@@ -70,6 +72,8 @@ class InferenceSession:
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
         self._options = sess_options or SessionOptions()
+        if self._options.enable_cpu_mem_arena:
+            retain_freed_memory()
         self._source_model: Model = load_model(path_or_bytes)
         source = self._source_model.graph
         initialized = set(source.initializers)
@@ -127,12 +131,14 @@ class InferenceSession:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
         program = self._program_for(feed)
         inputs = [feed.get(name) for name in program.input_names]
-        if self._profiler is None:
-            results = program.run(inputs)
-        else:
-            t0 = time.perf_counter_ns()
-            results = program.run(inputs, profiler=self._profiler)
-            self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
+        # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
+        with limited_blas_threads(self._options.intra_op_num_threads or None):
+            if self._profiler is None:
+                results = program.run(inputs)
+            else:
+                t0 = time.perf_counter_ns()
+                results = program.run(inputs, profiler=self._profiler)
+                self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [_owned(results[i], feed) for i in wanted]
 
     def end_profiling(self) -> str:
