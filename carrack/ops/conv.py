@@ -75,7 +75,8 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
     return y.astype(out_dtype, copy=False)
 
 
-_COLUMN_BYTES = 256 << 20  # at most this much im2col scratch at a time
+# at most this much im2col scratch at a time: small blocks stay in cache and keep peak memory low
+COLUMN_BYTES = 4 << 20
 _DEPTHWISE_BYTES = 1 << 20  # depthwise accumulators: sized to stay in the L2 cache
 
 
@@ -92,7 +93,7 @@ def _convolve_nd(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Seq
     win = windows(x, kernel, strides, dilations)  # N, C, *O, *K
     out_spatial = win.shape[2:2 + nd]
     per_image = int(np.prod(win.shape[1:])) * win.itemsize
-    chunk = max(1, _COLUMN_BYTES // max(per_image, 1))
+    chunk = max(1, COLUMN_BYTES // max(per_image, 1))
     weights = w.reshape(group, m // group, -1)
     parts = [_im2col_matmul(win[i:i + chunk], weights, group) for i in range(0, n, chunk)]
     joined = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros((0,), x.dtype)
@@ -156,7 +157,7 @@ def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides
     row_ranges = [_valid_range(h, oh, pads[0], i * dilations[0], strides[0]) for i in range(kh)]
     col_ranges = [_valid_range(wd, ow, pads[1], j * dilations[1], strides[1]) for j in range(kw)]
     depth = cg * kh * kw
-    block = max(1, min(oh, _COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
+    block = max(1, min(oh, COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
     scratch = np.empty(c * kh * kw * block * ow, dtype=x.dtype)
     weights = w.reshape(group, m // group, depth)
     out = np.empty((n, group, m // group, oh * ow), dtype=x.dtype)

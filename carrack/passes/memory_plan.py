@@ -74,10 +74,6 @@ def fact_nbytes(fact: Fact) -> int | None:
     return int(np.prod(shape, dtype=np.int64)) * max(dtype.itemsize, 1)
 
 
-#: the most im2col scratch a convolution keeps at once (carrack/ops/conv.py works in chunks of this size)
-CONV_SCRATCH_LIMIT = 256 << 20
-
-
 def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
     """Working memory a kernel needs beyond its output while it runs: a convolution's padded input and im2col
     columns (1x1 and depthwise convolutions need no columns)."""
@@ -99,7 +95,9 @@ def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
     if all(k == 1 for k in kernel) or (group == c == m):
         return padded
     columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize
-    return padded + min(columns, CONV_SCRATCH_LIMIT)
+    from carrack.ops.conv import COLUMN_BYTES  # convolutions build their columns in blocks of at most this size
+
+    return padded + min(columns, COLUMN_BYTES)
 
 
 def _align(n: int) -> int:

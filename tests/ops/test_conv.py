@@ -99,7 +99,7 @@ def test_convolve_in_batch_chunks(monkeypatch):
     x = rng.standard_normal((3, 4, 6, 5))
     w = rng.standard_normal((2, 2, 3, 2))
     whole = convolve(x, w, strides=[1, 2], pads=[1, 0, 0, 1], dilations=[1, 1], group=2)
-    monkeypatch.setattr("carrack.ops.conv._COLUMN_BYTES", 1)
+    monkeypatch.setattr("carrack.ops.conv.COLUMN_BYTES", 1)
     chunked = convolve(x, w, strides=[1, 2], pads=[1, 0, 0, 1], dilations=[1, 1], group=2)
     np.testing.assert_allclose(chunked, whole, rtol=1e-12)
     empty = convolve(x[:0], w, strides=[1, 2], pads=[1, 0, 0, 1], dilations=[1, 1], group=2)

@@ -31,7 +31,7 @@ def _cases(count: int, seed: int):
 @pytest.mark.parametrize("scratch", ["default", "tiny"])
 def test_fast_paths_match_generic(monkeypatch, scratch):
     if scratch == "tiny":  # one output row of columns and one channel of depthwise accumulators at a time
-        monkeypatch.setattr(conv, "_COLUMN_BYTES", 1)
+        monkeypatch.setattr(conv, "COLUMN_BYTES", 1)
         monkeypatch.setattr(conv, "_DEPTHWISE_BYTES", 1)
     rng = np.random.default_rng(5)
     checked = 0
