@@ -220,3 +220,15 @@ def test_ksigns_and_kvalues_equal_gguf_py():
     np.testing.assert_array_equal(tables.ksigns(), np.frombuffer(gguf_quants.IQ2_XXS.ksigns, dtype=np.uint8))
     assert tables.KVALUES_IQ4NL == tuple(gguf_quants.IQ4_NL.kvalues)
     assert tables.KVALUES_MXFP4 == tuple(gguf_quants.MXFP4.kvalues)
+
+
+def test_f32_as_float32_is_a_read_only_view_when_aligned():
+    values = np.arange(64, dtype="<f4")
+    raw = values.view(np.uint8)
+    out = dequantize(raw, T.F32, (4, 16))
+    assert np.shares_memory(out, raw) and not out.flags.writeable
+    np.testing.assert_array_equal(out.reshape(-1), values)
+    misaligned = np.frombuffer(b"\0" + values.tobytes(), np.uint8)[1:]
+    copied = dequantize(misaligned, T.F32, (4, 16))
+    assert not np.shares_memory(copied, misaligned)
+    np.testing.assert_array_equal(copied.reshape(-1), values)
