@@ -202,12 +202,11 @@ class NonZero(Kernel):
 
 
 def top_k_order(x: np.ndarray, k: int, axis: int, largest: bool) -> np.ndarray:
-    """Indices of the k largest/smallest along axis, ties broken by the smaller index."""
+    """Indices of the k largest/smallest along axis, ties broken by the smaller index. NaN ranks above every number
+    (numpy's sort order; onnxruntime does the same from 1.32 on)."""
     if x.dtype.kind == "V":  # ml_dtypes (bfloat16, float8, int4): numpy sorts them by float32 value only when upcast
         x = x.astype(np.float32)
     if not largest:
-        if x.dtype.kind == "f":  # NaN ranks first either way, as in onnxruntime
-            return np.lexsort((x, ~np.isnan(x)), axis=axis).take(np.arange(k), axis=axis)
         return np.argsort(x, axis=axis, kind="stable").take(np.arange(k), axis=axis)
     n = x.shape[axis]
     # a stable ascending sort of the reversed axis, read backwards, is descending with ties in index order
