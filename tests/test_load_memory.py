@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.rss_probe import PEAK_RSS_PRELUDE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_IN, N_MID = 1000, 25_000  # w1 [N_IN, N_MID] and w2 [N_MID, N_IN], float32: 100 MB each
 
@@ -31,25 +33,7 @@ def _weights() -> tuple[np.ndarray, np.ndarray]:
     return np.tile(block, (N_IN // 100, 1)), np.tile(block[:, :N_IN], (N_MID // 100, 1))
 
 
-_PEAK_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import carrack
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    try:  # reset the high-water mark to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
-    baseline = status("VmRSS")
+_PEAK_SCRIPT = PEAK_RSS_PRELUDE + textwrap.dedent("""
     path, n_in = sys.argv[1], int(sys.argv[2])
     x = np.linspace(-1, 1, n_in, dtype=np.float32).reshape(1, n_in)
     sess = carrack.InferenceSession(path)

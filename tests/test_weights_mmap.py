@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import carrack
 from carrack.onnx.importer import load_model
 from carrack.onnx.tensors import IN_PLACE_RAW_BYTES
+from tests.rss_probe import PEAK_RSS_PRELUDE
 
 ALIGN = 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,25 +141,7 @@ def test_large_raw_data_inside_the_protobuf(tmp_path):
         assert graph.initializers["small"].ctypes.data % ALIGN == 0
 
 
-_PEAK_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import carrack
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-        raise KeyError(key)
-
-    try:  # reset the high-water mark to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
-    baseline = status("VmRSS")
+_PEAK_SCRIPT = PEAK_RSS_PRELUDE + textwrap.dedent("""
     path, x_len = sys.argv[1], int(sys.argv[2])
     x = np.linspace(-1, 1, x_len, dtype=np.float32).reshape(1, x_len)
     sess = carrack.InferenceSession(path)
