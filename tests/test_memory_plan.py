@@ -77,3 +77,49 @@ def test_session_memory_plan_and_limit():
     limited.run(None, {"x": np.ones((16, 1024), np.float32)})
     with pytest.raises(MemoryLimitExceeded, match="memory_limit_bytes"):
         limited.run(None, {"x": np.ones((64, 1024), np.float32)})
+
+
+def test_runs_write_into_the_planned_arena():
+    """MatMul/Relu/Add outputs go into one per-run arena; results equal those of runs that allocate every value,
+    also from several threads at once."""
+    import concurrent.futures
+
+    import carrack
+
+    model = _chain_model(12, 64)
+    from carrack.onnx.exporter import export_model
+
+    proto = export_model(model)
+    plain = carrack.SessionOptions()
+    plain.enable_mem_pattern = False
+    sess, reference = carrack.InferenceSession(proto), carrack.InferenceSession(proto, plain)
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    program = sess._program_for(sess._bind_inputs({"x": x}))
+    into = [entry for entry in program._plan if entry[6] is not None]
+    assert into and program.arena_plan.arena_bytes > 0
+    expected = reference.run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], expected)
+    xs = [np.random.default_rng(i).standard_normal((5, 64)).astype(np.float32) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda v: sess.run(None, {"x": v})[0], xs))
+    for v, g in zip(xs, got):
+        np.testing.assert_array_equal(g, reference.run(None, {"x": v})[0])
+
+
+def test_a_view_returned_by_a_kernel_is_never_overwritten():
+    """Slice returns a view of its input; the arena bytes under it are reused by later steps, so the executor copies
+    such views out of the arena (the plan only knows the views of Reshape-like ops)."""
+    import carrack
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Slice", ["m", "s", "e"], ["v"]),
+             helper.make_node("MatMul", ["x", "w"], ["m2"]), helper.make_node("Neg", ["m2"], ["n"]),
+             helper.make_node("Mul", ["n", "n"], ["k"]), helper.make_node("Add", ["v", "k"], ["y"])]
+    w = numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")
+    inits = [w, numpy_helper.from_array(np.array([0]), "s"), numpy_helper.from_array(np.array([8]), "e")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 8])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    opts = carrack.SessionOptions()
+    opts.graph_optimization_level = carrack.GraphOptimizationLevel.ORT_DISABLE_ALL
+    x = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+    np.testing.assert_allclose(carrack.InferenceSession(model, opts).run(None, {"x": x})[0], x + x * x, rtol=1e-6)

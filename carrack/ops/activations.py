@@ -41,6 +41,10 @@ class Relu(Kernel):
     def run(self, x):
         return relu(x)
 
+    def run_into(self, out, x):
+        """Into the planned buffer when it fits (a wrong planned shape costs an allocation, not a wrong result)."""
+        return relu(x, out=out) if x.dtype == out.dtype and x.shape == out.shape else relu(x)
+
 
 def relu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """max(x, 0); NaN stays NaN."""
@@ -155,6 +159,11 @@ class Sigmoid(_FloatActivation):
 class Tanh(_FloatActivation):
     def compute(self, x):
         return np.tanh(x)
+
+    def run_into(self, out, x):
+        if x.dtype == out.dtype and x.dtype in (np.float32, np.float64) and x.shape == out.shape:
+            return np.tanh(x, out=out)
+        return self.run(x)
 
 
 @register("Swish", since=24)

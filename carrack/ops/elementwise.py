@@ -66,6 +66,14 @@ class Arithmetic(_Binary):
     def compute(self, a, b):
         return self.fn(a, b).astype(a.dtype, copy=False)
 
+    def run_into(self, out, a, b):
+        """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
+        at run time costs an allocation, never a wrong result."""
+        if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
+                and np.broadcast_shapes(a.shape, b.shape) == out.shape):
+            return self.fn(a, b, out=out)
+        return self.run(a, b)
+
 
 def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Integer division rounding toward zero (C semantics); division by zero gives 0."""
@@ -84,6 +92,13 @@ class Div(_Binary):
             return truncating_divide(a, b)
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.divide(widen(a), widen(b)).astype(a.dtype, copy=False)
+
+    def run_into(self, out, a, b):
+        if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64)
+                and np.broadcast_shapes(a.shape, b.shape) == out.shape):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.divide(a, b, out=out)
+        return self.run(a, b)
 
 
 @register("Mod", since=10)
@@ -209,6 +224,12 @@ class UnaryMath(Kernel):
     def run(self, x):
         with np.errstate(all="ignore"):
             return self.fn(widen(x)).astype(x.dtype, copy=False)
+
+    def run_into(self, out, x):
+        if x.dtype == out.dtype and x.dtype in (np.float32, np.float64) and x.shape == out.shape:
+            with np.errstate(all="ignore"):
+                return self.fn(x, out=out)
+        return self.run(x)
 
 
 # Chebyshev series fitted (to 40-digit references) for erf(x)/x in u = x*x on [0, 1], for the scaled

@@ -80,6 +80,16 @@ class _FusedBase(Kernel):
         return self.act(y)
 
 
+class _FusedIntoBase(_FusedBase):
+    """A fused op whose layer can write into a planned buffer: the activation then runs in place there."""
+
+    def run_into(self, out, *inputs):
+        y = self.inner.run_into(out, *inputs)
+        if y is not out:  # the planned buffer did not fit: the layer allocated its result itself
+            return self.run(*inputs) if not (type(y) is np.ndarray and y.flags.writeable) else self.act(y)
+        return self.act(out)
+
+
 @register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
 class FusedConv(_FusedBase):
@@ -103,6 +113,6 @@ class CarrackFusedGemm(FusedGemm):
 
 
 @register("FusedMatMul", domain="carrack")
-class FusedMatMul(_FusedBase):
+class FusedMatMul(_FusedIntoBase):
     base_op = "MatMul"
     base_opset = 13

@@ -8,12 +8,12 @@ made of. Elementwise ops whose input dies at that step write in place, so their 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from carrack.ir.graph import Graph
+from carrack.ir.graph import Graph, Node
 from carrack.passes.facts import Fact, numpy_dtype
 from carrack.passes.shape_inference import infer, input_facts
 
@@ -25,6 +25,11 @@ IN_PLACE_OPS = frozenset(
     "Clip Gelu Mish Identity Dropout Reciprocal Floor Ceil Round Sign Sin Cos".split())
 
 
+#: ops whose output may be a view of their first input: the output gets no bytes of its own, and the input's bytes
+#: stay reserved until the view's last reader
+VIEW_OPS = frozenset("Reshape Flatten Squeeze Unsqueeze Identity Transpose Dropout".split())
+
+
 @dataclass
 class Block:
     name: str
@@ -32,6 +37,8 @@ class Block:
     start: int  # producing step (-1: graph input)
     end: int  # last reading step
     offset: int = -1
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype | None = None
 
 
 @dataclass
@@ -42,11 +49,28 @@ class MemoryPlan:
     intermediate_bytes: int  # sum over intermediates and kernel scratch, as if none shared memory
     blocks: dict[str, Block] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)  # values whose size is only known at run time
+    output_bytes: int = 0  # graph outputs: allocated for the caller, outside the arena
+    #: value name -> the block it is written into (its own, or its input's when computed in place)
+    storage: dict[str, str] = field(default_factory=dict)
+    #: values that may be views of a block (outputs of VIEW_OPS whose input lives in the arena)
+    views: frozenset[str] = frozenset()
+
+    def placement(self, name: str) -> tuple[int, tuple[int, ...], np.dtype] | None:
+        """Where a value lives in the arena: (byte offset, shape, dtype), or None when it is not planned."""
+        block = self.blocks.get(self.storage.get(name, ""))
+        if block is None or block.dtype is None:
+            return None
+        fact_shape, dtype = self._shapes.get(name, (None, None))
+        if fact_shape is None:
+            return None
+        return block.offset, fact_shape, dtype
+
+    _shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict, repr=False)
 
     @property
     def peak_bytes(self) -> int:
-        """Expected peak: weights + caller inputs + the arena."""
-        return self.weight_bytes + self.input_bytes + self.arena_bytes
+        """Expected peak: weights + caller inputs + the arena + the outputs handed back."""
+        return self.weight_bytes + self.input_bytes + self.arena_bytes + self.output_bytes
 
     @property
     def efficiency(self) -> float:
@@ -57,6 +81,7 @@ class MemoryPlan:
         mib = 2**20
         lines = [f"weights:       {self.weight_bytes / mib:10.2f} MiB",
                  f"inputs:        {self.input_bytes / mib:10.2f} MiB",
+                 f"outputs:       {self.output_bytes / mib:10.2f} MiB",
                  f"arena:         {self.arena_bytes / mib:10.2f} MiB  ({len(self.blocks)} intermediates, "
                  f"{self.intermediate_bytes / mib:.2f} MiB if none shared memory; efficiency "
                  f"{self.efficiency:.3f})",
@@ -105,8 +130,14 @@ def _align(n: int) -> int:
 
 
 def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, int] | None = None,
-                facts: Mapping[str, Fact] | None = None) -> MemoryPlan:
-    """Plan the arena for `graph` with symbolic input dims bound to `bindings` (dim name -> size)."""
+                facts: Mapping[str, Fact] | None = None,
+                writes_into: Callable[[Node], bool] | None = None) -> MemoryPlan:
+    """Plan the arena for `graph` with symbolic input dims bound to `bindings` (dim name -> size).
+
+    By default every intermediate is placed (the whole working set: what `session.memory_plan()` reports). With
+    `writes_into`, only the outputs of nodes for which it is true are placed (the executor's arena: the nodes whose
+    kernels can write into a given buffer; the others allocate their own results).
+    """
     facts = dict(facts) if facts is not None else infer(graph, opsets, input_facts(graph, bindings))
     weights = sum(a.nbytes for a in graph.initializers.values() if isinstance(a, np.ndarray))
     inputs = sum(fact_nbytes(facts[v.name]) or 0 for v in graph.inputs
@@ -118,30 +149,48 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
             last_use[name] = step
     blocks: dict[str, Block] = {}
     unknown: list[str] = []
-    alias: dict[str, str] = {}
+    storage: dict[str, str] = {}  # value -> block holding its bytes (its own, or its input's when in place)
+    view_of: dict[str, str] = {}  # value -> block it may be a view of
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    output_bytes = 0
     for step, node in enumerate(graph.nodes):
+        placed_here = writes_into is None or writes_into(node)
         for name in node.outputs:
             if not name:
                 continue
-            size = fact_nbytes(facts.get(name, Fact()))
+            fact = facts.get(name, Fact())
+            size = fact_nbytes(fact)
+            end = len(graph.nodes) if name in outputs else last_use.get(name, step)
+            first = node.inputs[0] if node.inputs else ""
+            src = view_of.get(first) or storage.get(first, "")
+            if node.op_type in VIEW_OPS and not node.domain and src in blocks:
+                view_of[name] = src  # no bytes of its own; the source stays reserved while the view is read
+                blocks[src].end = max(blocks[src].end, end)
+                continue
             if size is None:
                 unknown.append(name)
                 continue
-            end = len(graph.nodes) if name in outputs else last_use.get(name, step)
-            src = alias.get(node.inputs[0], node.inputs[0]) if node.inputs else ""
-            if (node.op_type in IN_PLACE_OPS and src in blocks and blocks[src].nbytes == size
-                    and last_use.get(node.inputs[0]) == step and node.inputs[0] not in outputs):
-                blocks[src].end = max(blocks[src].end, end)  # write in place: extend the input's block
-                alias[name] = src
+            if not placed_here:
                 continue
-            blocks[name] = Block(name, size, step, end)
-        scratch = scratch_bytes(node, facts)
+            if name in outputs:
+                output_bytes += size  # handed to the caller: allocated outside the arena
+                continue
+            shapes[name] = (tuple(fact.shape), numpy_dtype(fact.elem_type))
+            if (node.op_type in IN_PLACE_OPS and not node.domain and src in blocks and first not in view_of
+                    and blocks[src].nbytes == size and blocks[src].end <= step):
+                blocks[src].end = max(blocks[src].end, end)  # write in place: extend the input's block
+                storage[name] = src
+                continue
+            blocks[name] = Block(name, size, step, end, shape=shapes[name][0], dtype=shapes[name][1])
+            storage[name] = name
+        scratch = scratch_bytes(node, facts) if writes_into is None else 0
         if scratch:
             blocks[f"{node.name or node.outputs[0]}:scratch"] = Block(f"{node.name or node.outputs[0]}:scratch",
                                                                       scratch, step, step)
     arena = _place(list(blocks.values()))
     total = sum(b.nbytes for b in blocks.values())
-    return MemoryPlan(arena, weights, inputs, total, blocks, unknown)
+    return MemoryPlan(arena, weights, inputs, total, blocks, unknown, output_bytes, storage, frozenset(view_of),
+                      shapes)
 
 
 def _place(blocks: list[Block]) -> int:

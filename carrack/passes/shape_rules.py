@@ -284,7 +284,11 @@ def flatten_rule(node, ins, version):
     x = ins[0]
     if x.shape is None or any(d is None for d in x.shape):
         return [tensor_fact(x.elem_type, (None, None))]
-    axis = _axis(node.attrs.get("axis", 1), len(x.shape) + 1)
+    rank = len(x.shape)
+    axis = node.attrs.get("axis", 1)
+    axis = axis + rank if axis < 0 else axis  # Flatten's axis lies in [-rank, rank]
+    if not 0 <= axis <= rank:
+        raise ValueError(f"Flatten axis {node.attrs.get('axis')} out of range for rank {rank}")
     return [tensor_fact(x.elem_type, (_prod(x.shape[:axis]), _prod(x.shape[axis:])))]
 
 

@@ -11,14 +11,18 @@ import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 
 from carrack.errors import CarrackError, InvalidModel, RunFailure
 from carrack.ir.graph import Graph, Node
+from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
+
+if TYPE_CHECKING:
+    from carrack.passes.memory_plan import MemoryPlan
 
 
 @dataclass
@@ -71,6 +75,8 @@ class Program:
                              for o in graph.outputs]
         self.n_slots = len(self.slot_of)
         self._assign_release()
+        self.arena_plan: MemoryPlan | None = None
+        self.arena_bytes = 0
         self._plan = self._compile_plan()
 
     def _slot(self, name: str) -> int:
@@ -125,11 +131,17 @@ class Program:
                 env[s] = v
         for name, s in self.capture_slots:
             env[s] = outer[name]  # type: ignore[index]
+        # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
+        arena = aligned_empty((max(self.arena_bytes, 64),), np.uint8) if self.arena_plan is not None else None
         step = None
         try:
             if profiler is None:
-                for step, call, gather, arity, single, release in self._plan:
-                    if arity == 1:
+                for step, call, gather, arity, single, release, into, guard in self._plan:
+                    if into is not None:
+                        offset, nbytes, shape, dtype = into
+                        out = arena[offset:offset + nbytes].view(dtype).reshape(shape)
+                        result = call(out, gather(env)) if arity == 1 else call(out, *gather(env))
+                    elif arity == 1:
                         result = call(gather(env))
                     elif arity > 1:
                         result = call(*gather(env))
@@ -137,6 +149,8 @@ class Program:
                         result = call()
                     else:
                         result = step.kernel.execute(list(gather(env)), _scope(step, env))
+                    if guard and arena is not None:
+                        result = _off_arena(result, arena)
                     if single >= 0 and type(result) is np.ndarray:
                         env[single] = result
                     else:
@@ -159,14 +173,32 @@ class Program:
             if step is None:
                 raise
             raise RunFailure(f"{step.node.label()} failed: {type(e).__name__}: {e}") from e
-        return [env[s] for s in self.output_slots]
+        outputs = [env[s] for s in self.output_slots]
+        return outputs if arena is None else [_off_arena(v, arena) for v in outputs]
+
+    def use_arena(self, opsets: Mapping[str, int], bindings: Mapping[str, int] | None = None) -> MemoryPlan:
+        """Plan this program's intermediates into one arena (for inputs with these symbol sizes) and write the
+        outputs of kernels that can compute into a given buffer (`run_into`) straight into it."""
+        from carrack.passes.memory_plan import plan_memory
+
+        order = Graph(self.graph.name, self.graph.inputs, self.graph.outputs, [st.node for st in self.steps],
+                      self.graph.initializers, self.graph.value_info)
+        kernels = {id(st.node): st.kernel for st in self.steps}
+        plan = plan_memory(order, opsets, bindings,
+                           writes_into=lambda node: hasattr(kernels.get(id(node)), "run_into"))
+        self.arena_plan = plan
+        self.arena_bytes = plan.arena_bytes
+        self._plan = self._compile_plan()
+        return plan
 
     def _compile_plan(self) -> list[tuple]:
         """Per step, what the run loop needs in the cheapest form: the kernel's `run` (None when the kernel
         overrides `execute`, e.g. control flow reading outer-scope values: arity -1), a C-level getter of its input
         values (omitted inputs read the always-None extra slot), how many inputs it takes, its output slot when it
-        has exactly one (else -1) and the slots it releases."""
+        has exactly one (else -1), the slots it releases, where in the arena it writes its output (None: it
+        allocates), and whether its result must be checked for views into the arena."""
         plan = []
+        arena_plan = self.arena_plan
         for st in self.steps:
             ins = tuple(s if s >= 0 else self.n_slots for s in st.ins)
             overridden = type(st.kernel).execute is not registry.Kernel.execute or bool(st.captures)
@@ -174,8 +206,27 @@ class Program:
             arity = -1 if overridden else len(ins)
             gather = _tuple_getter(ins) if overridden else operator.itemgetter(*ins) if ins else None
             single = st.outs[0] if len(st.outs) == 1 else -1  # -1: store through _store
-            plan.append((st, call, gather, arity, single, st.release))
+            into, guard = None, arena_plan is not None
+            if arena_plan is not None and single >= 0 and arity > 0 and hasattr(st.kernel, "run_into"):
+                placed = arena_plan.placement(st.node.outputs[0])
+                if placed is not None:
+                    offset, shape, dtype = placed
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    into, call, guard = (offset, nbytes, shape, dtype), st.kernel.run_into, False
+            if arena_plan is not None and any(o in arena_plan.views for o in st.node.outputs):
+                guard = False  # a planned view: its source's bytes stay reserved while it is read
+            plan.append((st, call, gather, arity, single, st.release, into, guard))
         return plan
+
+
+def _off_arena(value: Any, arena: np.ndarray) -> Any:
+    """A value that is not backed by the arena: a view of arena bytes the plan does not know about (a kernel that
+    returned a view of its input) is copied out, so later steps cannot overwrite it."""
+    if type(value) is tuple:
+        return tuple(_off_arena(v, arena) for v in value)
+    if isinstance(value, np.ndarray) and value.base is not None and np.may_share_memory(value, arena):
+        return value.copy()
+    return value
 
 
 def _tuple_getter(ins: tuple[int, ...]):

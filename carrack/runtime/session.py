@@ -165,12 +165,14 @@ class InferenceSession:
                 self._plans.setdefault(key, plan)
         return plan
 
-    def _compile(self, graph) -> Program:
+    def _compile(self, graph, bindings: Mapping[str, int] | None = None) -> Program:
         seal_constants(graph)
         ctx = BuildContext(opsets=self._model.opsets, options=self._options)
         program = Program(graph, ctx)
         if ctx.missing:
             raise NotImplementedOps(ctx.missing)
+        if self._options.enable_mem_pattern:
+            program.use_arena(self._model.opsets, bindings)
         return program
 
     def _program_for(self, feed: dict[str, Any]) -> Program:
@@ -190,7 +192,8 @@ class InferenceSession:
                 self._specialized.move_to_end(signature)
                 return program
         try:
-            program = self._compile(specialize(self._model, self._dim_bindings(feed), self._level))
+            bindings = self._dim_bindings(feed)
+            program = self._compile(specialize(self._model, bindings, self._level), bindings)
         except Exception:  # noqa: BLE001 - the generic program handles every shape; specialising is an extra
             program = self._program
         with self._lock:
