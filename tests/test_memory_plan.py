@@ -123,3 +123,32 @@ def test_a_view_returned_by_a_kernel_is_never_overwritten():
     opts.graph_optimization_level = carrack.GraphOptimizationLevel.ORT_DISABLE_ALL
     x = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
     np.testing.assert_allclose(carrack.InferenceSession(model, opts).run(None, {"x": x})[0], x + x * x, rtol=1e-6)
+
+
+def test_convolutions_write_into_the_arena():
+    import carrack
+
+    rng = np.random.default_rng(2)
+    nodes, inits, prev = [], [], "x"
+    for i in range(4):
+        inits.append(numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32) / 8, f"w{i}"))
+        nodes += [helper.make_node("Conv", [prev, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        prev = f"r{i}"
+    nodes.append(helper.make_node("Sigmoid", [prev], ["y"]))
+    shape = [1, 8, 16, 16]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal(shape).astype(np.float32)
+    plain = carrack.SessionOptions()
+    plain.enable_mem_pattern = False
+    for level in (carrack.GraphOptimizationLevel.ORT_DISABLE_ALL, carrack.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        opts = carrack.SessionOptions()
+        opts.graph_optimization_level = level
+        plain.graph_optimization_level = level
+        sess = carrack.InferenceSession(model, opts)
+        written = {entry[0].node.op_type for entry in sess._program._plan if entry[6] is not None}
+        assert written & {"Conv", "FusedConv"}, written
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                   carrack.InferenceSession(model, plain).run(None, {"x": x})[0], rtol=1e-6)

@@ -49,11 +49,13 @@ def windows(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilati
 
 
 def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequence[int],
-             dilations: Sequence[int], group: int, bias: np.ndarray | None = None) -> np.ndarray:
+             dilations: Sequence[int], group: int, bias: np.ndarray | None = None,
+             out: np.ndarray | None = None) -> np.ndarray:
     """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M].
 
     ``pads`` is in ONNX order [x1_begin, x2_begin, ..., x1_end, x2_end, ...]. The result has the common dtype
-    of x and w and is always a fresh array, so callers may finish it in place.
+    of x and w and is always a fresh array (or `out`, a C-contiguous buffer of the result's shape and dtype, when
+    given and usable), so callers may finish it in place.
     """
     out_dtype = np.result_type(x, w)
     dtype = _compute_dtype(out_dtype)
@@ -63,11 +65,13 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
     if cg * group != c or m % group:
         raise ValueError(f"Conv: input has {c} channels, weight {w.shape} with group={group} does not match")
     pads = list(pads)
+    if out is not None and (out.dtype != dtype or out_dtype != dtype or not out.flags.c_contiguous):
+        out = None
     if w.ndim == 3 and min(pads) >= 0:  # 1-D: the 2-D code on a height-1 image
         y = _convolve_2d(x[:, :, None], w[:, :, None], [1, *strides], [0, pads[0], 0, pads[1]], [1, *dilations],
-                         group)[:, :, 0]
+                         group, None if out is None else out[:, :, None])[:, :, 0]
     elif w.ndim == 4 and min(pads) >= 0:
-        y = _convolve_2d(x, w, strides, pads, dilations, group)
+        y = _convolve_2d(x, w, strides, pads, dilations, group, out)
     else:
         y = _convolve_nd(x, w, strides, pads, dilations, group)
     if bias is not None:
@@ -108,12 +112,12 @@ def _im2col_matmul(win: np.ndarray, weights: np.ndarray, group: int) -> np.ndarr
     return np.matmul(weights, cols)
 
 
-def _pointwise(x: np.ndarray, w: np.ndarray, group: int) -> np.ndarray:
+def _pointwise(x: np.ndarray, w: np.ndarray, group: int, into: np.ndarray | None = None) -> np.ndarray:
     """1x1 kernels: one (batched) matmul of the weights with the input's pixels."""
     n, c = x.shape[:2]
     m = w.shape[0]
     pixels = int(np.prod(x.shape[2:], dtype=np.int64))
-    out = np.empty((n, group, m // group, pixels), dtype=x.dtype)
+    out = _buffer(into, (n, group, m // group, pixels), x.dtype)
     np.matmul(w.reshape(group, m // group, c // group), x.reshape(n, group, c // group, pixels), out=out)
     return out.reshape((n, m) + x.shape[2:])
 
@@ -131,24 +135,34 @@ def _valid_range(size: int, count: int, begin: int, offset: int, stride: int) ->
     return lo, hi, lo * stride + start
 
 
+def _buffer(into: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """`into` seen with `shape` when it holds exactly that many values, else a fresh array."""
+    if into is not None and into.size == int(np.prod(shape, dtype=np.int64)):
+        return into.reshape(shape)
+    return np.empty(shape, dtype=dtype)
+
+
 def _convolve_2d(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],
-                 dilations: Sequence[int], group: int) -> np.ndarray:
-    """2-D convolution without a padded copy of the input (pads >= 0)."""
+                 dilations: Sequence[int], group: int, into: np.ndarray | None = None) -> np.ndarray:
+    """2-D convolution without a padded copy of the input (pads >= 0); `into` is a buffer for the result."""
     n, c, h, wd = x.shape
     m, _, kh, kw = w.shape
     out_shape = (_output_size(h, kh, strides[0], dilations[0], pads[0], pads[2]),
                  _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
+    if into is not None and into.shape != (n, m) + out_shape:
+        into = None
     if n == 0 or m == 0 or 0 in out_shape:
         return np.zeros((n, m) + out_shape, dtype=x.dtype)
     if kh == kw == 1 and not any(pads):
-        return _pointwise(x[:, :, ::strides[0], ::strides[1]], w, group)
+        return _pointwise(x[:, :, ::strides[0], ::strides[1]], w, group, into)
     if group == c == m:
-        return _depthwise(x, w, out_shape, strides, pads, dilations)
-    return _im2col_2d(x, w, out_shape, strides, pads, dilations, group)
+        return _depthwise(x, w, out_shape, strides, pads, dilations, into)
+    return _im2col_2d(x, w, out_shape, strides, pads, dilations, group, into)
 
 
 def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
-               pads: Sequence[int], dilations: Sequence[int], group: int) -> np.ndarray:
+               pads: Sequence[int], dilations: Sequence[int], group: int, into: np.ndarray | None = None
+               ) -> np.ndarray:
     """Columns [C, KH, KW, rows, OW] filled one kernel tap at a time (zeros where a tap reads padding), times
     the weights [group, M/group, C/group * KH * KW]; a block of output rows at a time bounds the scratch."""
     n, c, h, wd = x.shape
@@ -160,7 +174,7 @@ def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides
     block = max(1, min(oh, COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
     scratch = np.empty(c * kh * kw * block * ow, dtype=x.dtype)
     weights = w.reshape(group, m // group, depth)
-    out = np.empty((n, group, m // group, oh * ow), dtype=x.dtype)
+    out = _buffer(into, (n, group, m // group, oh * ow), x.dtype)
     for b in range(n):
         for r0 in range(0, oh, block):
             r1 = min(oh, r0 + block)
@@ -196,7 +210,7 @@ def _fill_tap(dst: np.ndarray, image: np.ndarray, r0: int, r1: int, rows: tuple[
 
 
 def _depthwise(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
-               pads: Sequence[int], dilations: Sequence[int]) -> np.ndarray:
+               pads: Sequence[int], dilations: Sequence[int], into: np.ndarray | None = None) -> np.ndarray:
     """group == C == M: one multiply-accumulate per kernel tap, on flat rows.
 
     The padded input is split into its stride phases (one plane per (row, column) remainder), each stored as
@@ -229,7 +243,7 @@ def _depthwise(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides
     step = max(1, _DEPTHWISE_BYTES // (2 * length * x.itemsize))
     acc = np.empty((min(step, c), length), dtype=x.dtype)
     term = np.empty_like(acc)
-    out = np.empty((n * c, oh, ow), dtype=x.dtype)
+    out = _buffer(into, (n * c, oh, ow), x.dtype)
     blocks = [(i * c + s, i * c + min(c, s + step)) for i in range(n) for s in range(0, c, step)]
     for start, stop in blocks:  # a block of channels of one image
         a, t = acc[:stop - start], term[:stop - start]
@@ -318,10 +332,14 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 @register("Conv", since=1)
 class Conv(_ConvBase):
     def run(self, x, w, b=None):
+        return self.run_into(None, x, w, b)
+
+    def run_into(self, out, x, w, b=None):
+        """The convolution, written into `out` when it is a usable buffer for the result (else allocated)."""
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
-        return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b)
+        return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b, out=out)
 
 
 @register("ConvTranspose", since=1)

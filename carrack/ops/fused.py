@@ -92,7 +92,7 @@ class _FusedIntoBase(_FusedBase):
 
 @register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
-class FusedConv(_FusedBase):
+class FusedConv(_FusedIntoBase):
     base_op = "Conv"
 
 
