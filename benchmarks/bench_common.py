@@ -111,10 +111,38 @@ def _proc_status() -> dict[str, int]:
     return out
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    """Environment for a worker limited to `threads` BLAS/OpenMP threads (must be set before numpy loads)."""
+#: the AVX-512 features OpenBLAS's SkylakeX kernels need
+_AVX512 = ("avx512f", "avx512dq", "avx512bw", "avx512vl")
+
+
+def avx512_available() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return all(flag in flags for flag in _AVX512)
+
+
+def blas_core(choice: str) -> str | None:
+    """The OpenBLAS core type workers run with: 'keep' leaves the environment's OPENBLAS_CORETYPE alone; 'native'
+    lets OpenBLAS use the CPU's widest kernels (SkylakeX where AVX-512 is there, which onnxruntime's MLAS also
+    uses), overriding a pin such as OPENBLAS_CORETYPE=Haswell; any other value is used as the core type."""
+    if choice == "keep":
+        return os.environ.get("OPENBLAS_CORETYPE")
+    if choice == "native":
+        return "SkylakeX" if avx512_available() else None
+    return choice
+
+
+def thread_env(threads: int, core: str | None = None) -> dict[str, str]:
+    """Environment for a worker limited to `threads` BLAS/OpenMP threads (must be set before numpy loads), with
+    OpenBLAS's core type `core` (None: OpenBLAS detects it)."""
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
                 "NUMEXPR_NUM_THREADS"):
         env[var] = str(threads)
+    env.pop("OPENBLAS_CORETYPE", None)
+    if core:
+        env["OPENBLAS_CORETYPE"] = core
     return env

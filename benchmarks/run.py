@@ -34,7 +34,10 @@ HERE = Path(__file__).resolve().parent
 REPO = Path(os.environ.get("CARRACK_REPO") or HERE.parent)
 sys.path.insert(0, str(HERE))
 
-from bench_common import dim_bindings, input_spec, models_dir, thread_env  # noqa: E402
+from bench_common import blas_core, dim_bindings, input_spec, models_dir, thread_env  # noqa: E402
+
+#: OpenBLAS core type of every worker (set from --blas-core in main)
+BLAS_CORE: str | None = None
 
 ENGINES = ("carrack", "ort")
 DEFAULT_MODELS = ["resnet50", "mobilenetv2", "bert_base", "gpt2", "vit_small", "encoder_1024", "light_resnet50",
@@ -47,7 +50,7 @@ class Worker:
     """A benchmark worker process (worker.py) speaking JSON lines; stderr goes to a temp file for error reports."""
 
     def __init__(self, mode: str, args: list[str], threads: int):
-        env = thread_env(threads)
+        env = thread_env(threads, BLAS_CORE)
         env["BENCH_THREADS"] = str(threads)
         env["CARRACK_REPO"] = str(REPO)
         self.stderr = tempfile.TemporaryFile(mode="w+")
@@ -299,16 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per engine and model (default 600)")
     p.add_argument("--memory", action="store_true", help="peak-memory comparison instead of latency")
     p.add_argument("--json", help="where to write the JSON results")
+    p.add_argument("--blas-core", default="native",
+                   help="OpenBLAS core type for every worker: 'native' (default: the CPU's widest kernels, SkylakeX "
+                        "where AVX-512 is there, as onnxruntime's MLAS uses them; overrides a pin such as "
+                        "OPENBLAS_CORETYPE=Haswell), 'keep' (the environment's), or a core name")
     args = p.parse_args(argv)
+    global BLAS_CORE
+    BLAS_CORE = blas_core(args.blas_core)
     names = args.models.split(",") if args.models else DEFAULT_MODELS
     thread_counts = [int(t) for t in args.threads.split(",")]
     models = resolve_models(names)
     started = datetime.datetime.now()
     header = {"date": started.isoformat(timespec="seconds"), "machine": machine(), "versions": _versions(),
               "load_average_start": load_average(), "threads": thread_counts, "iters": args.iters,
-              "warmup": args.warmup, "mode": "memory" if args.memory else "latency"}
+              "warmup": args.warmup, "mode": "memory" if args.memory else "latency",
+              "openblas_core": BLAS_CORE or "detected"}
     print(f"# carrack benchmark ({header['mode']}) - {started:%Y-%m-%d %H:%M}\n")
-    print(f"Machine: {header['machine']}; {header['versions']}; load average at start {header['load_average_start']}")
+    print(f"Machine: {header['machine']}; {header['versions']}; OpenBLAS core {header['openblas_core']} (both engines' "
+          f"processes); load average at start {header['load_average_start']}")
     rows: list[dict] = []
     if args.memory:
         threads = thread_counts[0]
