@@ -334,24 +334,27 @@ def _blockwise(fn: Callable[..., None], x: np.ndarray, out: np.ndarray | None, s
     result = np.empty(x.shape, dtype=np.float32) if out is None or not out.flags.c_contiguous else out
     dst = result.reshape(-1)
     buffers = [np.empty(min(src.size, _BLOCK), dtype=np.float32) for _ in range(scratch)]
-    mask = np.empty(min(src.size, _BLOCK), dtype=np.bool_)
     with np.errstate(all="ignore"):
         for start in range(0, src.size, _BLOCK):
             stop = min(src.size, start + _BLOCK)
-            fn(src[start:stop], dst[start:stop], *(b[:stop - start] for b in buffers), mask[:stop - start])
+            fn(src[start:stop], dst[start:stop], *(b[:stop - start] for b in buffers))
     if out is not None and result is not out:
         out[...] = result
         return out
     return result
 
 
-def _gelu32_block(x, out, a, t, h, negative) -> None:
+def _gelu32_block(x, out, a, t, h) -> None:
     np.abs(x, out=a)
     np.multiply(a, np.float32(0.7071067811865476), out=a)
     _half_erfc32(a, t, h)  # Phi(x) = h for x < 0, 1 - h for x >= 0
     np.subtract(1, h, out=a)
-    np.less(x, 0, out=negative)
-    np.copyto(a, h, where=negative)
+    # pick h where x is negative with bit operations: numpy's masked copies are ten times slower than this
+    a_bits, h_bits, sign = a.view(np.int32), h.view(np.int32), t.view(np.int32)
+    np.right_shift(x.view(np.int32), 31, out=sign)  # all ones where x's sign bit is set
+    np.bitwise_xor(a_bits, h_bits, out=h_bits)
+    np.bitwise_and(h_bits, sign, out=h_bits)
+    np.bitwise_xor(a_bits, h_bits, out=a_bits)
     np.multiply(x, a, out=out)
 
 
