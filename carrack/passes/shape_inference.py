@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from carrack.ir.dims import Sym
+from carrack.ir.dims import Sym, binding_name
 from carrack.ir.graph import Graph, Node
 from carrack.ir.symbolic import DimLike, complexity, parse
 from carrack.ir.types import TensorType
@@ -52,10 +52,10 @@ def input_facts(graph: Graph, bindings: Mapping[str, int] | None = None) -> dict
 def _input_dim(d, name: str, axis: int, bindings: Mapping[str, int]) -> DimLike:
     if isinstance(d, int):
         return d
-    label = d.name if isinstance(d, Sym) else f"{name}:{axis}"
+    label = binding_name(d, name, axis)
     if label in bindings:
         return int(bindings[label])
-    return parse(label) if isinstance(d, Sym) else Sym(label)
+    return parse(label) if label == getattr(d, "name", None) else Sym(label)
 
 
 def infer(graph: Graph, opsets: Mapping[str, int], facts: dict[str, Fact] | None = None,

@@ -9,20 +9,16 @@ Fortran-order input would otherwise give results that differ in the last bits.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 
 from carrack.errors import InvalidArgument
-from carrack.ir.dims import Sym, format_shape
+from carrack.ir.dims import Sym, format_shape, is_placeholder
 from carrack.ir.dtypes import to_numpy, type_name
 from carrack.ir.graph import ValueInfo
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.tensors import aligned_copy
-
-#: names onnx's shape inference invents for dims it could not name: hints, not constraints
-_PLACEHOLDER = re.compile(r"unk__\d+")
 
 
 def check_feed(info: ValueInfo, value: Any, symbols: dict[Sym, tuple[int, str]]) -> Any:
@@ -93,7 +89,7 @@ def _check_shape(name: str, t: TensorType, arr: np.ndarray, symbols: dict[Sym, t
         if isinstance(want, int) and want != got:
             raise InvalidArgument(f"input '{name}' has the wrong size on axis {axis}: expected {want} "
                                   f"(shape {format_shape(t.shape)}), got {got} (shape {tuple(arr.shape)})")
-        if isinstance(want, Sym) and not _PLACEHOLDER.fullmatch(want.name):
+        if isinstance(want, Sym) and not is_placeholder(want):
             seen = symbols.setdefault(want, (got, f"'{name}' axis {axis}"))
             if seen[0] != got:
                 raise InvalidArgument(f"input '{name}' axis {axis} is dim '{want}' = {got}, but {seen[1]} "

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedOps
-from carrack.ir.dims import Sym, dim_label
+from carrack.ir.dims import Sym, binding_name, dim_label
 from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
@@ -211,7 +211,7 @@ class InferenceSession:
                 f"working arena {plan.arena_bytes:,}), more than SessionOptions.memory_limit_bytes = {limit:,}")
 
     def _dim_bindings(self, feed: dict[str, Any]) -> dict[str, int]:
-        """Symbol name -> size from this run's inputs (anonymous dims are named 'input:axis')."""
+        """Symbol name -> size from this run's inputs (anonymous and unk__N dims are named 'input:axis')."""
         bindings: dict[str, int] = {}
         for info in self._inputs:
             value = feed.get(info.name)
@@ -219,7 +219,7 @@ class InferenceSession:
                 continue
             for axis, (d, size) in enumerate(zip(info.type.shape, value.shape)):
                 if not isinstance(d, int):
-                    bindings[d.name if isinstance(d, Sym) else f"{info.name}:{axis}"] = int(size)
+                    bindings[binding_name(d, info.name, axis)] = int(size)
         return bindings
 
     # -- helpers ---------------------------------------------------------------------------------------------------

@@ -188,3 +188,14 @@ def test_outputs_are_the_callers_to_keep():
     view[:] = 7
     assert np.array_equal(x, np.ones((1, 3))), "writing an output changed the caller's input"
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], [0, 1, 2])
+
+
+def test_placeholder_dims_are_never_bound_to_each_other():
+    """Two inputs annotated unk__1 are independent sizes: Shape of each reports its own (the specialised program
+    folds shapes from the bound dims, so a shared binding would give a wrong answer here)."""
+    nodes = [helper.make_node("Shape", ["a"], ["sa"]), helper.make_node("Shape", ["b"], ["sb"])]
+    graph = helper.make_graph(nodes, "g", [tensor_info("a", shape=["unk__1"]), tensor_info("b", shape=["unk__1"])],
+                              [tensor_info("sa", TensorProto.INT64, [1]), tensor_info("sb", TensorProto.INT64, [1])])
+    sess = carrack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    sa, sb = sess.run(None, {"a": np.ones(3, np.float32), "b": np.ones(5, np.float32)})
+    assert sa.tolist() == [3] and sb.tolist() == [5]
