@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
 
+#: ops whose outputs are not a function of their inputs (random draws; Dropout in training mode): never evaluated
+#: ahead of a run, by constant folding or by shape inference
+IMPURE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
+                        "Multinomial", "Dropout"})
+
 
 class Kernel:
     """One operator instance: parses its attributes once (``setup``), then runs many times (``run``).

@@ -177,8 +177,7 @@ def remove_dropout(node: Node, view: GraphView, ctx: Context) -> bool:
     return view.bypass(node, node.inputs[0], node.outputs[0])
 
 
-_NEVER_FOLD = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                         "Multinomial", "If", "Loop", "Scan", "SequenceMap"})
+_NEVER_FOLD = registry.IMPURE_OPS | {"If", "Loop", "Scan", "SequenceMap"}
 
 
 @rewrite("constant_folding", level=BASIC)

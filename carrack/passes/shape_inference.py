@@ -116,7 +116,7 @@ def _bounded(fact: Fact) -> Fact:
 
 def _fold(node: Node, ins: list[Fact], cls, version: int) -> list[Fact] | None:
     """Run the real kernel when every input is a small known constant (shape arithmetic, mostly)."""
-    if cls is None or node.subgraphs() or node.op_type in _NOT_FOLDABLE:
+    if cls is None or node.subgraphs() or node.op_type in registry.IMPURE_OPS:
         return None
     if not all(f.is_concrete() for f, name in zip(ins, node.inputs) if name):
         return None
@@ -134,10 +134,6 @@ def _fold(node: Node, ins: list[Fact], cls, version: int) -> list[Fact] | None:
         o = np.asarray(o)
         facts.append(const_fact(o, _elem_type(o)))
     return facts
-
-
-_NOT_FOLDABLE = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                           "Multinomial", "Dropout"})
 
 
 def _elem_type(arr: np.ndarray) -> int:

@@ -222,3 +222,12 @@ def test_transpose_sinks_through_elementwise_ops_and_cancels():
     opt, fired = _check(_model(nodes, [_info("x", [2, 3, 4])], [_info("y", [2, 3, 4])]),
                         {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)})
     assert _ops(opt) == ["Sigmoid", "Relu"] and fired["transpose_sinking"] == 2
+
+
+def test_training_mode_dropout_of_constants_is_not_folded():
+    """Its mask is drawn per run: folding would freeze one draw into the model."""
+    nodes = [helper.make_node("Dropout", ["c", "r", "t"], ["d"]), helper.make_node("Add", ["x", "d"], ["y"])]
+    inits = [numpy_helper.from_array(np.ones(1000, np.float32), "c"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "r"), numpy_helper.from_array(np.array(True), "t")]
+    opt, fired = optimize(load_model(_model(nodes, [_info("x", [1000])], [_info("y", [1000])], inits)), ALL)
+    assert "Dropout" in _ops(opt) and "constant_folding" not in fired
