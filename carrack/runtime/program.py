@@ -132,7 +132,9 @@ class Program:
         for name, s in self.capture_slots:
             env[s] = outer[name]  # type: ignore[index]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
-        arena = aligned_empty((max(self.arena_bytes, 64),), np.uint8) if self.arena_plan is not None else None
+        # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
+        arena = None if self.arena_plan is None or profiler is not None else aligned_empty(
+            (max(self.arena_bytes, 64),), np.uint8)
         step = None
         try:
             if profiler is None:
