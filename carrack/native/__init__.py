@@ -1,0 +1,222 @@
+"""Native kernels: small C files compiled on this machine at first use, loaded with ctypes.
+
+numpy has no integer GEMM and pays a memory pass per call, so the kernels where that decides speed (the int8 GEMM of
+quantized models, depthwise convolution, row-wise softmax and normalization) have a C version next to their numpy
+one. Each ``carrack/native/<name>.c`` is built on its own with the system C compiler (``cc``, or ``$CARRACK_CC``)
+for this CPU (``-march=native``: the library never leaves the machine that built it) into a cache directory, keyed
+by the source, the compiler, the flags and the CPU, so a rebuild happens only when one of them changes.
+
+Nothing here is required: without a compiler, when a build fails, or with ``CARRACK_NATIVE=0``, ``library(name)``
+returns None and the kernels keep their numpy path, which computes the same results (the tests run both).
+ctypes releases the GIL during a call, so native kernels run concurrently with other threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("carrack.native")
+
+SOURCE_DIR = Path(__file__).resolve().parent
+BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing")
+#: a source may ask for more flags on a line of its own: ``// carrack-cflags: -ffast-math``
+FLAGS_MARKER = "// carrack-cflags:"
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_reasons: dict[str, str] = {}
+
+
+def enabled() -> bool:
+    """False when the user turned native kernels off with CARRACK_NATIVE=0."""
+    return os.environ.get("CARRACK_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The compiled ``<name>.c`` (built on first use), or None when native kernels are off or it cannot be built."""
+    if not enabled():
+        return None
+    lib = _loaded.get(name)
+    if lib is not None or name in _loaded:
+        return lib
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+    return _loaded[name]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why `library(name)` is None (None when it loaded, or was never asked for)."""
+    if not enabled():
+        return "native kernels are turned off (CARRACK_NATIVE=0)"
+    return _reasons.get(name)
+
+
+def status() -> dict[str, str]:
+    """Every native source and whether it is loaded here (for `carrack info` and bug reports)."""
+    out = {}
+    for source in sorted(SOURCE_DIR.glob("*.c")):
+        lib = library(source.stem)
+        out[source.stem] = "loaded" if lib is not None else f"numpy fallback ({unavailable_reason(source.stem)})"
+    return out
+
+
+def pointer(array: np.ndarray | None) -> ctypes.c_void_p:
+    """The address of an array's first element (NULL for None) to pass to a native function."""
+    return ctypes.c_void_p(None if array is None else array.ctypes.data)
+
+
+# -- building ----------------------------------------------------------------------------------------------------------
+def compiler() -> str | None:
+    """The C compiler to use: $CARRACK_CC, else cc/gcc/clang on PATH."""
+    chosen = os.environ.get("CARRACK_CC")
+    if chosen:
+        return chosen
+    for candidate in ("cc", "gcc", "clang"):
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries live: $CARRACK_CACHE_DIR, else $XDG_CACHE_HOME/carrack/native (~/.cache/...)."""
+    explicit = os.environ.get("CARRACK_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "carrack" / "native"
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    source = SOURCE_DIR / f"{name}.c"
+    if not source.is_file():
+        _reasons[name] = f"no native source {source.name}"
+        return None
+    cc = compiler()
+    if cc is None:
+        _reasons[name] = "no C compiler found (set CARRACK_CC or install cc)"
+        return None
+    text = source.read_text()
+    flags = list(BASE_FLAGS) + _arch_flags() + _extra_flags(text)
+    key = hashlib.sha256("\0".join([text, cc, _compiler_version(cc), *flags, _cpu_fingerprint()]).encode())
+    target = _writable_cache() / f"{name}-{key.hexdigest()[:20]}{_suffix()}"
+    if not target.exists():
+        error = _compile(cc, source, flags, target)
+        if error:
+            _reasons[name] = error
+            log.warning("carrack: native kernel %s unavailable, using numpy: %s", name, error)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        _reasons[name] = f"cannot load {target}: {exc}"
+        return None
+
+
+def _compile(cc: str, source: Path, flags: list[str], target: Path) -> str | None:
+    """Compile into a private temporary file, then rename it into place (atomic for concurrent builders)."""
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *flags, str(source), "-o", temporary, "-lm"], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            return f"{Path(cc).name} failed on {source.name}: {result.stderr.strip()[-2000:]}"
+        os.replace(temporary, target)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot run {cc}: {exc}"
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _writable_cache() -> Path:
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"carrack-native-{os.getuid()}"):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if os.access(directory, os.W_OK):
+                return directory
+        except OSError:
+            continue
+    return Path(tempfile.mkdtemp(prefix="carrack-native-"))
+
+
+def _extra_flags(text: str) -> list[str]:
+    return [flag for line in text.splitlines() if line.startswith(FLAGS_MARKER)
+            for flag in line[len(FLAGS_MARKER):].split()]
+
+
+def _arch_flags() -> list[str]:
+    # the library is built for, and only ever loaded on, this machine (the cache key holds the CPU)
+    return ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64") else []
+
+
+def _suffix() -> str:
+    return ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
+
+
+_versions: dict[str, str] = {}
+
+
+def _compiler_version(cc: str) -> str:
+    if cc not in _versions:
+        try:
+            _versions[cc] = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            _versions[cc] = ""
+    return _versions[cc]
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+# -- threads -----------------------------------------------------------------------------------------------------------
+_pool_lock = threading.Lock()
+_pool = None
+
+
+def threads() -> int:
+    """How many threads a native kernel may split its work over: numpy's BLAS thread count, which a session's
+    intra_op_num_threads sets for its runs (so native and BLAS kernels follow one setting)."""
+    from carrack.runtime.blas import blas_threads
+
+    return max(1, blas_threads() or 1)
+
+
+def run_parallel(tasks: list) -> None:
+    """Run callables (each a native call that releases the GIL) on a shared thread pool and wait for all."""
+    global _pool
+    if len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="carrack")
+    futures = [_pool.submit(task) for task in tasks[1:]]
+    tasks[0]()
+    for future in futures:
+        future.result()
