@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from carrack.native import rowops
 from carrack.ops.elementwise import gelu, tanh_gelu, widen
 from carrack.ops.registry import Kernel, register
 
@@ -101,9 +102,20 @@ class Gelu(_FloatActivation):
         self.approximate = self.attr("approximate", "none")
         if self.approximate not in ("none", "tanh"):
             self.fail(f"approximate must be 'none' or 'tanh', got {self.approximate!r}")
+        self.rows = rowops.library()
 
     def compute(self, x):
         return tanh_gelu(x) if self.approximate == "tanh" else gelu(x)
+
+    def run(self, x):
+        if self.rows is not None and x.dtype == np.float32:
+            return rowops.gelu(x, approximate=self.approximate == "tanh")
+        return super().run(x)
+
+    def run_into(self, out, x):
+        if self.rows is not None and x.dtype == np.float32:
+            return rowops.gelu(x, approximate=self.approximate == "tanh", out=out)
+        return self.run(x)
 
 
 @register("Mish", since=18)
@@ -248,6 +260,24 @@ class _AxisNormalizer(Kernel):
 
 @register("Softmax", since=1)
 class Softmax(_AxisNormalizer):
+    def setup(self) -> None:
+        super().setup()
+        self.rows = rowops.library()
+
+    def run(self, x):
+        return self.run_into(None, x)
+
+    def run_into(self, out, x):
+        if self.rows is None or x.dtype != np.float32 or not self._rows_last(x):
+            return super().run(x)
+        n = math.prod(x.shape[self.axis % x.ndim:]) if self.flatten else x.shape[-1]
+        into = out.reshape(-1, n) if out is not None and out.shape == x.shape else None
+        return rowops.softmax(x.reshape(-1, n), out=into).reshape(x.shape)
+
+    def _rows_last(self, x: np.ndarray) -> bool:
+        """Whether the normalized elements are the trailing ones of a non-empty x (whole rows of a 2-D view)."""
+        return x.size > 0 and -x.ndim <= self.axis < x.ndim and (self.flatten or self.axis % x.ndim == x.ndim - 1)
+
     def compute(self, x, axis):
         if x.size == 0:
             return x

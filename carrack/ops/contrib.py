@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from carrack.native import rowops
 from carrack.ops.elementwise import gelu, tanh_gelu, widen
 from carrack.ops.registry import Kernel, register
 
@@ -35,10 +36,41 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: 
     return y.astype(x.dtype, copy=False), mean, inv_std
 
 
+def offer_run_into(kernel: Kernel) -> None:
+    """Give a kernel with an `_into(out, *inputs)` its `run_into` when its node has a single output: the executor
+    writes no other node's output into the arena, where the memory plan would still reserve bytes for them all."""
+    if len(kernel.node.outputs) == 1:
+        kernel.run_into = kernel._into
+
+
 def _outputs(node_outputs: list[str], values: list) -> tuple | np.ndarray:
     """As many results as the node names (None for omitted ones), one array when it has a single output."""
     values = [v if name else None for name, v in zip(node_outputs, values)]
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def _row_params(shape: tuple[int, ...], *params: np.ndarray | None) -> list[np.ndarray | None] | None:
+    """Per-element parameters as float32 arrays of the normalized `shape` (None: one does not broadcast to it)."""
+    try:
+        return [None if p is None else np.broadcast_to(p, shape).astype(np.float32, copy=False) for p in params]
+    except ValueError:
+        return None
+
+
+def _native_layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: int, epsilon: float,
+                       out: np.ndarray | None = None, stats: bool = True,
+                       ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
+    """`layer_norm` of float32 x by the native kernel (None when its parameters do not fit it)."""
+    axis %= x.ndim
+    params = _row_params(x.shape[axis:], scale, bias)
+    if params is None:
+        return None
+    y, mean, inv_std, _ = rowops.layer_norm(x, params[0], params[1], epsilon, math.prod(x.shape[axis:]), out=out,
+                                            stats=stats)
+    if not stats:
+        return y, None, None
+    kept = x.shape[:axis] + (1,) * (x.ndim - axis)
+    return y, mean.reshape(kept), inv_std.reshape(kept)
 
 
 @register("LayerNormalization", since=1)
@@ -48,11 +80,24 @@ class ContribLayerNormalization(Kernel):
     def setup(self) -> None:
         self.axis = int(self.attr("axis", -1))
         self.epsilon = float(self.attr("epsilon", 1e-5))
+        self.rows = rowops.library()
+        self.wants_stats = any(self.node.outputs[1:])
+        offer_run_into(self)
 
     def run(self, x, scale, bias=None):
+        return self._into(None, x, scale, bias)
+
+    def _into(self, out, x, scale, bias=None):
         if not -x.ndim <= self.axis < x.ndim:
             self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
-        y, mean, inv_std = layer_norm(x, scale, bias, self.axis, self.epsilon)
+        result = None
+        if self.rows is not None and x.dtype == np.float32 and x.size:
+            result = _native_layer_norm(x, scale, bias, self.axis, self.epsilon, out, self.wants_stats)
+        if result is None:
+            result = layer_norm(x, scale, bias, self.axis, self.epsilon)
+        y, mean, inv_std = result
+        if not self.wants_stats:
+            return _outputs(self.node.outputs, [y])
         return _outputs(self.node.outputs, [y, mean.astype(np.float32), inv_std.astype(np.float32)])
 
 
@@ -65,8 +110,20 @@ class SkipLayerNormalization(Kernel):
 
     def setup(self) -> None:
         self.epsilon = float(self.attr("epsilon", 1e-12))
+        self.rows = rowops.library()
+        outs = self.node.outputs
+        self.wants_stats = any(outs[1:3])
+        self.wants_sum = len(outs) > 3 and bool(outs[3])
+        offer_run_into(self)
 
     def run(self, x, skip, gamma, beta=None, bias=None):
+        return self._into(None, x, skip, gamma, beta, bias)
+
+    def _into(self, out, x, skip, gamma, beta=None, bias=None):
+        if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
+            result = self._run_native(out, x, skip, gamma, beta, bias)
+            if result is not None:
+                return result
         total = _work(x) + _work(skip)
         if bias is not None:
             total = total + _work(bias)
@@ -74,13 +131,42 @@ class SkipLayerNormalization(Kernel):
         return _outputs(self.node.outputs, [y.astype(x.dtype), mean.astype(np.float32),
                                             inv_std.astype(np.float32), total.astype(x.dtype)])
 
+    def _run_native(self, out, x, skip, gamma, beta, bias) -> tuple | np.ndarray | None:
+        hidden = x.shape[-1]
+        params = _row_params((hidden,), gamma, beta, bias)
+        if params is None or np.broadcast_shapes(x.shape, skip.shape) != x.shape:
+            return None
+        skip = np.broadcast_to(skip, x.shape)
+        y, mean, inv_std, total = rowops.layer_norm(x, params[0], params[1], self.epsilon, hidden, skip=skip,
+                                                    bias=params[2], out=out, stats=self.wants_stats,
+                                                    total=self.wants_sum)
+        kept = x.shape[:-1] + (1,)
+        if self.wants_stats:
+            mean, inv_std = mean.reshape(kept), inv_std.reshape(kept)
+        return _outputs(self.node.outputs, [y, mean, inv_std, total])
+
 
 class _GeluBase(Kernel):
     """An activation of x (+ an optional bias), computed in float32 for half floats."""
 
     activation = staticmethod(gelu)
+    approximate = False
+
+    def setup(self) -> None:
+        self.rows = rowops.library()
+
+    def run_into(self, out, x, bias=None):
+        if self._native(x, bias):
+            return rowops.gelu(x, bias, self.approximate, out=out)
+        return self.run(x, bias)
+
+    def _native(self, x: np.ndarray, bias: np.ndarray | None) -> bool:
+        return self.rows is not None and x.dtype == np.float32 and (
+            bias is None or x.ndim > 0 and bias.shape == (x.shape[-1],) and bias.dtype == np.float32)
 
     def run(self, x, bias=None):
+        if self._native(x, bias):
+            return rowops.gelu(x, bias, self.approximate)
         w = _work(x)
         if bias is not None:
             w = np.add(w, _work(bias))
@@ -102,6 +188,7 @@ class BiasGelu(_GeluBase):
 @register("FastGelu", domain=MS)
 class FastGelu(_GeluBase):
     activation = staticmethod(tanh_gelu)
+    approximate = True
 
 
 @register("QuickGelu", domain=MS)
@@ -124,22 +211,47 @@ def _heads(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis; a fully masked row (all -inf) gives zeros, not NaN."""
+def _softmax_in_place(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of a scores buffer the caller owns; a fully masked row (every score -inf) gives
+    zeros, not NaN; a NaN score makes its row NaN."""
     peak = np.max(x, axis=-1, keepdims=True)
-    e = np.exp(x - np.where(np.isfinite(peak), peak, 0))
-    total = np.sum(e, axis=-1, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    peak[np.isneginf(peak)] = 0
+    np.subtract(x, peak, out=x)
+    np.exp(x, out=x)
+    total = np.sum(x, axis=-1, keepdims=True)
+    total[total == 0] = 1
+    return np.divide(x, total, out=x)
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-    """softmax(q k^T * scale + bias) v over (B, N, S, H) heads, merged back to (B, S, N * Hv)."""
-    scores = np.matmul(q, k.swapaxes(-1, -2)) * q.dtype.type(scale)
+def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None, native: bool) -> np.ndarray:
+    """softmax(q k^T * scale + bias) over (B, N, S, H) heads (float32 by the native softmax where `native`)."""
+    if native and q.dtype == np.float32:
+        scores = np.matmul(q, k.swapaxes(-1, -2))
+        try:  # scale, bias and softmax in one pass over the scores, in place
+            return rowops.softmax(scores, scale, bias, zero_masked=True, out=scores)
+        except ValueError:  # a bias that broadcasts the scores to a larger shape: the general path below
+            pass
+    # the scale goes into q: a pass over S x H per head rather than over S x L scores
+    scores = np.matmul(q * q.dtype.type(scale), k.swapaxes(-1, -2))
     if bias is not None:
-        scores = scores + bias
-    out = np.matmul(_softmax(scores), v)
-    b, n, s, h = out.shape
-    return out.transpose(0, 2, 1, 3).reshape(b, s, n * h)
+        fits = np.broadcast_shapes(scores.shape, bias.shape) == scores.shape
+        scores = np.add(scores, bias, out=scores if fits else None)
+    return _softmax_in_place(scores)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.ndarray | None,
+            out: np.ndarray | None = None, native: bool = False) -> np.ndarray:
+    """softmax(q k^T * scale + bias) v over (B, N, S, H) heads, merged back to (B, S, N * Hv): written into `out`
+    when it is a C-contiguous buffer of that shape and dtype."""
+    probs = _probabilities(q, k, scale, bias, native)
+    batch, heads, seq, _ = probs.shape
+    hv = v.shape[-1]
+    shape, dtype = (batch, seq, heads * hv), np.result_type(probs, v)
+    if (out is None or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
+            or not out.flags.writeable or np.may_share_memory(out, v)):
+        out = np.empty(shape, dtype)
+    np.matmul(probs, v, out=out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3))
+    return out
 
 
 def _causal_bias(seq: int, total: int, fill: float, dtype) -> np.ndarray:
@@ -170,6 +282,8 @@ class _AttentionBase(Kernel):
         self.scale = float(self.attr("scale", 0.0))
         self.fill = float(self.attr("mask_filter_value", -10000.0))
         self.causal = bool(self.attr("unidirectional", 0))
+        self.rows = rowops.library()
+        offer_run_into(self)
         if self.heads <= 0:
             self.fail(f"num_heads must be positive, got {self.heads}")
 
@@ -199,8 +313,11 @@ class MultiHeadAttention(_AttentionBase):
     """Query (B, S, D) or packed QKV (B, S, N, 3, H); key/value (B, L, D), per head (B, N, L, H), or packed KV
     (B, L, N, 2, H); optional projection bias, key padding mask, additive attention bias and past key/value."""
 
-    def run(self, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
-            past_key=None, past_value=None, *unused):
+    def run(self, *inputs):
+        return self._into(None, *inputs)
+
+    def _into(self, out, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+              past_key=None, past_value=None, *unused):
         dtype = _work(query).dtype.type
         n = self.heads
         if query.ndim == 5:  # packed (B, S, N, 3, H)
@@ -226,8 +343,11 @@ class MultiHeadAttention(_AttentionBase):
         if past_key is not None:
             k = np.concatenate([_work(past_key), k], axis=2)
             v = np.concatenate([_work(past_value), v], axis=2)
-        out = _attend(q, k, v, self._scale(q.shape[-1]), self._bias(q, k, key_padding_mask, attention_bias, dtype))
-        return _outputs(self.node.outputs, [out.astype(query.dtype), k.astype(query.dtype), v.astype(query.dtype)])
+        out = _attend(q, k, v, self._scale(q.shape[-1]), self._bias(q, k, key_padding_mask, attention_bias, dtype),
+                      out if query.dtype == dtype else None, self.rows is not None)
+        outs = self.node.outputs
+        present = [t.astype(query.dtype) if i < len(outs) and outs[i] else None for i, t in ((1, k), (2, v))]
+        return _outputs(outs, [out.astype(query.dtype, copy=False), *present])
 
 
 @register("Attention", domain=MS)
@@ -241,11 +361,14 @@ class Attention(_AttentionBase):
         if self.sizes and len(self.sizes) != 3:
             self.fail(f"qkv_hidden_sizes must have 3 entries, got {self.sizes}")
 
-    def run(self, x, weights, bias=None, mask_index=None, past=None, attention_bias=None, *unused):
+    def run(self, *inputs):
+        return self._into(None, *inputs)
+
+    def _into(self, out, x, weights, bias=None, mask_index=None, past=None, attention_bias=None, *unused):
         w = _work(x)
         proj = np.matmul(w, _work(weights))
         if bias is not None:
-            proj = proj + _work(bias)
+            proj += _work(bias)
         sizes = self.sizes or [proj.shape[-1] // 3] * 3
         q, k, v = np.split(proj, np.cumsum(sizes)[:2], axis=-1)
         q, k, v = (_heads(t, self.heads) for t in (q, k, v))
@@ -253,7 +376,8 @@ class Attention(_AttentionBase):
             k = np.concatenate([_work(past[0]), k], axis=2)
             v = np.concatenate([_work(past[1]), v], axis=2)
         scale = self._scale(q.shape[-1])
-        out = _attend(q, k, v, scale, self._bias(q, k, mask_index, attention_bias, w.dtype.type))
+        out = _attend(q, k, v, scale, self._bias(q, k, mask_index, attention_bias, w.dtype.type),
+                      out if x.dtype == w.dtype else None, self.rows is not None)
         if len(self.node.outputs) < 2 or not self.node.outputs[1]:
-            return _outputs(self.node.outputs, [out.astype(x.dtype)])
-        return _outputs(self.node.outputs, [out.astype(x.dtype), np.stack([k, v]).astype(x.dtype)])
+            return _outputs(self.node.outputs, [out.astype(x.dtype, copy=False)])
+        return _outputs(self.node.outputs, [out.astype(x.dtype, copy=False), np.stack([k, v]).astype(x.dtype)])

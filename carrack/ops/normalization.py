@@ -6,9 +6,13 @@ Statistics of narrow floats (float16, bfloat16) are accumulated in float32; resu
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from carrack.ir.dtypes import to_numpy
+from carrack.native import rowops
+from carrack.ops.contrib import offer_run_into
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -101,8 +105,39 @@ class LayerNormalization(Kernel):
     def setup(self):
         self.axis = int(self.attr("axis", -1))
         self.epsilon = float(self.attr("epsilon", 1e-5))
+        self.rows = rowops.library() if _stash_dtype(self) == np.float32 else None
+        self.wants_stats = any(self.node.outputs[1:])
+        offer_run_into(self)
 
     def run(self, x, scale, bias=None):
+        if self._native(x):
+            return self._run_native(x, scale, bias, None)
+        return self._run_numpy(x, scale, bias)
+
+    def _into(self, out, x, scale, bias=None):
+        if self._native(x):
+            return self._run_native(x, scale, bias, out)
+        return self._run_numpy(x, scale, bias)
+
+    def _native(self, x: np.ndarray) -> bool:
+        return self.rows is not None and x.dtype == np.float32 and x.size > 0 and -x.ndim <= self.axis < x.ndim
+
+    def _run_native(self, x, scale, bias, out):
+        axis = self.axis % x.ndim
+        normalized = x.shape[axis:]
+        try:
+            gamma, beta = (None if p is None else np.broadcast_to(p, normalized).astype(np.float32, copy=False)
+                           for p in (scale, bias))
+        except ValueError:  # parameters that broadcast x to a larger shape
+            return self._run_numpy(x, scale, bias)
+        y, mean, inv_std, _ = rowops.layer_norm(x, gamma, beta, self.epsilon, math.prod(normalized), out=out,
+                                                stats=self.wants_stats)
+        if not self.wants_stats:
+            return y
+        kept = x.shape[:axis] + (1,) * len(normalized)
+        return y, mean.reshape(kept), inv_std.reshape(kept)
+
+    def _run_numpy(self, x, scale, bias):
         stash = _stash_dtype(self)
         work = _first_stage_dtype(stash, x)
         axis = self.axis + x.ndim if self.axis < 0 else self.axis

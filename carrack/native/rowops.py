@@ -1,0 +1,184 @@
+"""The Python side of rowops.c: softmax, layer normalization and GELU over the rows of float32 arrays.
+
+Kernels call `library()` when they are built and keep their numpy path for when it returns None; the functions
+below take any float32 arrays (they make the contiguous, aligned copies the C code needs, never write into their
+inputs) and return float32 results, written into `out` when it is a buffer the C code can fill: C-contiguous, of
+the result's shape, and either the first input itself or not overlapping any input.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from carrack import native
+
+#: elements below which a call stays on one thread (the pool's hand-off costs more than it saves)
+PARALLEL_MIN = 1 << 16
+
+_declared: ctypes.CDLL | None = None
+_F32 = np.dtype(np.float32)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled rowops library with its signatures declared, or None (no compiler, CARRACK_NATIVE=0, ...)."""
+    global _declared
+    lib = native.library("rowops")
+    if lib is not None and lib is not _declared:
+        _declare(lib)
+        _declared = lib
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.carrack_softmax.argtypes = [p, p, i64, i64, i64, f32, p, i64, i64, i64, i64, i64, i32]
+    lib.carrack_layer_norm.argtypes = [p, p, p, p, p, p, p, p, p, i64, i64, i64, f32]
+    lib.carrack_gelu.argtypes = [p, p, p, i64, i64, i64, i32]
+    for fn in (lib.carrack_softmax, lib.carrack_layer_norm, lib.carrack_gelu):
+        fn.restype = None
+
+
+def _operand(a: np.ndarray | None) -> np.ndarray | None:
+    """a as a C-contiguous, aligned float32 array (a copy only when it is not one already)."""
+    return None if a is None else np.require(a, _F32, ("C_CONTIGUOUS", "ALIGNED"))
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...], first: np.ndarray, *others: np.ndarray | None,
+            ) -> np.ndarray:
+    """`out` when the C code may write the result there, else a new array. Writing over the first input is safe
+    (each element is read before it is written); any other overlap with an input is not."""
+    if (out is not None and out.dtype == _F32 and out.shape == shape and out.flags.c_contiguous
+            and out.flags.aligned and out.flags.writeable):
+        same = out.ctypes.data == first.ctypes.data and out.size == first.size
+        if not (np.may_share_memory(out, first) and not same) and not any(
+                o is not None and np.may_share_memory(out, o) for o in others):
+            return out
+    return np.empty(shape, _F32)
+
+
+def _split(call: Callable[[int, int], None], rows: int, row_size: int) -> None:
+    """call(first_row, row_count) over all rows: on one thread, or in even parts over native.threads()."""
+    parts = min(native.threads(), rows, max(1, rows * row_size // PARALLEL_MIN))
+    if parts <= 1:
+        call(0, rows)
+        return
+    step = -(-rows // parts)
+    native.run_parallel([functools.partial(call, start, min(step, rows - start)) for start in range(0, rows, step)])
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+# -- softmax -----------------------------------------------------------------------------------------------------------
+def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, zero_masked: bool = False,
+            out: np.ndarray | None = None) -> np.ndarray:
+    """softmax(x * scale + bias) over the last axis; bias broadcasts to x. A row whose maximum is -inf gives zeros
+    with `zero_masked` (attention with every key masked), else NaN (as numpy's exp(x - max) does); NaN anywhere in
+    a row makes the row NaN."""
+    lib = library()
+    x = _operand(x)
+    y = _output(out, x.shape, x, bias)
+    if x.size == 0:
+        return y
+    n = x.shape[-1]
+    rows = x.size // n
+    b, dims, strides = _bias_layout(bias, x.shape)
+    xp, yp, bp = _ptr(x), _ptr(y), _ptr(b)
+
+    def call(start: int, count: int) -> None:
+        lib.carrack_softmax(xp, yp, start, count, n, scale, bp, dims[1], dims[2], *strides, int(zero_masked))
+
+    _split(call, rows, n)
+    return y
+
+
+def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
+                 ) -> tuple[np.ndarray | None, tuple[int, int, int], tuple[int, int, int]]:
+    """The bias broadcast to `shape` as an array whose rows are contiguous, with the rows' grid as at most three
+    dims and the bias's element strides along them (0 where it is broadcast)."""
+    lead = shape[:-1]
+    if bias is None:
+        return None, (1, 1, max(1, int(np.prod(lead)))), (0, 0, 0)
+    b = np.broadcast_to(np.require(bias, _F32, ("ALIGNED",)), shape)
+    grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
+    if (shape[-1] > 1 and b.strides[-1] != _F32.itemsize) or grid is None:
+        b = np.ascontiguousarray(b)
+        grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
+    dims, strides = grid
+    return b, dims, strides
+
+
+def _merge_dims(shape: tuple[int, ...], strides: list[int],
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """shape/strides as three dims (merging those that step evenly, dropping size-1 ones), None if they need more."""
+    dims: list[list[int]] = []
+    for size, stride in zip(shape, strides):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == stride * size:
+            dims[-1] = [dims[-1][0] * size, stride]
+        else:
+            dims.append([size, stride])
+    if len(dims) > 3:
+        return None
+    dims = [[1, 0]] * (3 - len(dims)) + dims
+    return (dims[0][0], dims[1][0], dims[2][0]), (dims[0][1], dims[1][1], dims[2][1])
+
+
+# -- layer normalization -----------------------------------------------------------------------------------------------
+def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float, row_size: int,
+               skip: np.ndarray | None = None, bias: np.ndarray | None = None, out: np.ndarray | None = None,
+               stats: bool = False, total: bool = False,
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """(y, mean, 1 / std, s) for s = x (+ skip) (+ bias) normalized over rows of `row_size` elements:
+    y = (s - mean) / sqrt(var + epsilon) * gamma (+ beta). skip has x's shape; gamma, beta and bias hold row_size
+    elements. mean and 1 / std (one per row, flat) come with `stats`, s (shaped as x) with `total`."""
+    lib = library()
+    x, skip = _operand(x), _operand(skip)
+    gamma, beta, bias = _operand(gamma), _operand(beta), _operand(bias)
+    y = _output(out, x.shape, x, skip, gamma, beta, bias)
+    rows = x.size // row_size if row_size else 0
+    mean = np.empty(rows, _F32) if stats else None
+    inv_std = np.empty(rows, _F32) if stats else None
+    summed = np.empty(x.shape, _F32) if total else None
+    if x.size == 0:
+        return y, mean, inv_std, summed
+    args = [_ptr(a) for a in (x, skip, bias, gamma, beta, y, mean, inv_std, summed)]
+
+    def call(start: int, count: int) -> None:
+        lib.carrack_layer_norm(*args, start, count, row_size, epsilon)
+
+    _split(call, rows, row_size)
+    return y, mean, inv_std, summed
+
+
+# -- GELU --------------------------------------------------------------------------------------------------------------
+def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = False,
+         out: np.ndarray | None = None) -> np.ndarray:
+    """gelu(x + bias) (bias over the last axis, or None): 0.5 x (1 + erf(x / sqrt 2)), or with `approximate` the
+    tanh form 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
+    lib = library()
+    x, bias = _operand(x), _operand(bias)
+    y = _output(out, x.shape, x, bias)
+    if x.size == 0:
+        return y
+    # without a bias the array is one long row, cut into pieces at any element
+    n = x.shape[-1] if bias is not None else x.size
+    rows = x.size // n
+    xp, yp, bp = _ptr(x), _ptr(y), _ptr(bias)
+    mode = int(approximate)
+    if bias is not None:
+        _split(lambda start, count: lib.carrack_gelu(xp, bp, yp, start, count, n, mode), rows, n)
+        return y
+    item = _F32.itemsize
+
+    def piece(start: int, count: int) -> None:
+        lib.carrack_gelu(xp + start * item, None, yp + start * item, 0, 1, count, mode)
+
+    _split(piece, n, 1)
+    return y
