@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,45 @@ def _cpu_fingerprint() -> str:
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor() + platform.machine()
+
+
+# -- weights prepared once per session -------------------------------------------------------------------------------
+_prepared_lock = threading.Lock()
+_prepared: dict[tuple, tuple[tuple, object]] = {}
+
+
+def prepared(tag: str, arrays: tuple, build):
+    """`build()` once for these exact constant arrays: the kernels of a session's programs (one per input-shape
+    signature) share one packed weight instead of packing it per program. The entry is dropped with its arrays."""
+    key = (tag,) + tuple(id(a) for a in arrays)
+    hit = _prepared.get(key)
+    if hit is not None and all(ref() is a for ref, a in zip(hit[0], arrays)):
+        return hit[1]
+    value = build()
+    try:
+        refs = tuple(weakref.ref(a, lambda _, key=key: _prepared.pop(key, None)) for a in arrays)
+    except TypeError:  # something that cannot be weakly referenced: not cached
+        return value
+    with _prepared_lock:
+        _prepared[key] = (refs, value)
+    return value
+
+
+def prepared_nbytes() -> int:
+    """Bytes held by prepared (packed) weights now, over every live session."""
+    with _prepared_lock:
+        values = [value for _, value in _prepared.values()]
+    return sum(_nbytes(v) for v in values)
+
+
+def _nbytes(obj, depth: int = 3) -> int:
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes if obj.base is None or not isinstance(obj.base, np.ndarray) else 0
+    if depth == 0 or obj is None:
+        return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o, depth - 1) for o in obj)
+    return sum(_nbytes(o, depth - 1) for o in vars(obj).values()) if hasattr(obj, "__dict__") else 0
 
 
 # -- threads -----------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Elementwise and pooling ops dequantize to float32, compute, and requantize (round half to even, saturate), which is
 what onnxruntime's reference semantics describe; its vectorised kernels may differ by one quantization step on
-near-tie values. Integer matmuls reuse quant.py's exact float32-chunked accumulation.
+near-tie values. Integer matmuls reuse quant.py's exact float32-chunked accumulation, or, for a constant weight
+that fits int8 after its zero-point shift, the native int8 GEMM (carrack/native/qgemm.c) with the same results.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from carrack import native
 from carrack.ops import quant, registry
 from carrack.ops.registry import Kernel, register
 
@@ -61,19 +63,34 @@ class QLinearAdd(Kernel):
 
     Computed as A * (a_scale / c_scale) + B * (b_scale / c_scale) + offset in float32 (fewer passes than
     dequantizing both sides; equal up to float32 rounding, so a near-tie may land one step away, as in onnxruntime).
+    Same-shape operands run natively (carrack/native/qconv.c) with the same float32 operations, bit-identical.
     """
 
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
+        return self.run_into(None, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
+
+    def run_into(self, out, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
         c = _scalar32(c_scale)
         ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
         offset = _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
+        dtype = _out_dtype(a, c_zero_point)
+        if a.shape == b.shape and a.size >= _NATIVE_ADD_MIN and native.enabled():
+            from carrack.native import qconv
+
+            y = qconv.qlinear_add(a, b, ka, kb, offset, dtype, out)
+            if y is not None:
+                return y
         value = a.astype(np.float32) * ka
         value = np.add(value, b.astype(np.float32) * kb, out=value if value.shape == np.broadcast_shapes(
             a.shape, b.shape) else None)
         value += offset
         np.rint(value, out=value)
-        lo, hi = quant.integer_range(_out_dtype(a, c_zero_point))
-        return np.clip(value, lo, hi, out=value).astype(_out_dtype(a, c_zero_point))
+        lo, hi = quant.integer_range(dtype)
+        return np.clip(value, lo, hi, out=value).astype(dtype)
+
+
+#: below this many elements the numpy QLinearAdd is as quick as a native call
+_NATIVE_ADD_MIN = 256
 
 
 @register("QLinearMul", domain=MS)
@@ -207,8 +224,13 @@ class QGemm(Kernel):
         self.alpha = np.float32(self.attr("alpha", 1.0))
         self.trans_a = bool(self.attr("transA", 0))
         self.trans_b = bool(self.attr("transB", 0))
+        self.native = quant.NativeWeight.of(self, 3, 5, transpose=self.trans_b)
 
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point=None, c=None, y_scale=None, y_zero_point=None):
+        if self.native is not None and self.native.matches(b, b_zero_point):
+            y = self._run_native(a.T if self.trans_a else a, a_scale, a_zero_point, b_scale, c, y_scale, y_zero_point)
+            if y is not None:
+                return y
         if self.trans_a:
             a = a.T
         if self.trans_b:
@@ -224,12 +246,37 @@ class QGemm(Kernel):
         dtype = np.dtype(y_zero_point.dtype) if y_zero_point is not None else np.dtype(np.uint8)
         return quantize(scaled, np.float32(1), y_zero_point, dtype)
 
+    def _run_native(self, a, a_scale, a_zero_point, b_scale, c, y_scale, y_zero_point) -> np.ndarray | None:
+        n = self.native.n
+        rows = quant.native_rows(a, a_zero_point, self.native.k) if a.ndim == 2 else None
+        if rows is None or (c is not None and (c.dtype != np.int32 or not (c.size == 1 or c.shape[-1] == c.size == n))):
+            return None
+        multiplier = self.alpha * _scalar32(a_scale) * _columns(b_scale)
+        if y_scale is None:
+            return quant.native_gemm(self.native, *rows, a.shape[:-1], out_dtype=np.float32, bias_i32=c,
+                                     scale=multiplier)
+        dtype = np.dtype(y_zero_point.dtype) if y_zero_point is not None else np.dtype(np.uint8)
+        if dtype not in (np.uint8, np.int8):
+            return None
+        return quant.native_gemm(self.native, *rows, a.shape[:-1], out_dtype=dtype, bias_i32=c,
+                                 multiplier=multiplier / _scalar32(y_scale),
+                                 y_zero_point=int(_scalar32(y_zero_point)))
+
 
 @register("MatMulIntegerToFloat", domain=MS)
 class MatMulIntegerToFloat(Kernel):
     """Y = (A - a_zp) @ (B - b_zp) * a_scale * b_scale + bias."""
 
+    def setup(self):
+        self.native = quant.NativeWeight.of(self, 1, 5)
+
     def run(self, a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
+        if self.native is not None and self.native.matches(b, b_zero_point):
+            rows = quant.native_rows(a, a_zero_point, self.native.k)
+            scale = _columns(a_scale) * _columns(b_scale)
+            if rows is not None and scale.size in (1, self.native.n) and _float32_columns(bias, self.native.n):
+                return quant.native_gemm(self.native, *rows, a.shape[:-1], out_dtype=np.float32, scale=scale,
+                                         bias_f32=bias)
         acc = quant.wrap_int32(quant.integer_matmul(a, a_zero_point, b, b_zero_point)).astype(np.float32)
         y = acc * (_columns(a_scale) * _columns(b_scale))
         return y if bias is None else y + bias.astype(np.float32)
@@ -250,11 +297,41 @@ def dynamic_quantize_shifted(x: np.ndarray) -> tuple[np.ndarray, np.float32, int
     return shifted, scale, zero_point
 
 
+def _float32_columns(bias: np.ndarray | None, n: int) -> bool:
+    """Whether a bias may go to the native epilogue: absent, or float32 [N] (numpy adds it without promotion)."""
+    return bias is None or (bias.dtype == np.float32 and bias.shape == (n,))
+
+
+def native_dynamic_matmul(weight: quant.NativeWeight, x: np.ndarray, w_scale: np.ndarray, bias: np.ndarray | None,
+                          out: np.ndarray | None = None) -> np.ndarray | None:
+    """x (float32 [..., K]) quantized as DynamicQuantizeLinear does, times the packed weight in int32, then
+    float32(acc) * (x_scale * w_scale) (+ bias), as the numpy paths compute it; None when it cannot serve the call
+    (a NaN or an infinity in x, parameters of other types or shapes)."""
+    from carrack.native import qgemm
+
+    if x.dtype != np.float32 or x.ndim < 1 or x.shape[-1] != weight.k or w_scale.dtype != np.float32 or \
+            w_scale.size not in (1, weight.n) or not _float32_columns(bias, weight.n):
+        return None
+    quantized = qgemm.dynamic_quantize_u8(x.reshape(-1, weight.k))
+    if quantized is None:
+        return None
+    rows, x_scale, x_zero_point = quantized
+    return quant.native_gemm(weight, rows, x_zero_point, x.shape[:-1], out, out_dtype=np.float32,
+                             scale=x_scale * w_scale.reshape(-1), bias_f32=bias)
+
+
 @register("DynamicQuantizeMatMul", domain=MS)
 class DynamicQuantizeMatMul(Kernel):
     """A quantized to uint8 as DynamicQuantizeLinear does, then MatMulIntegerToFloat against B."""
 
+    def setup(self):
+        self.native = quant.NativeWeight.of(self, 1, 3)
+
     def run(self, a, b, b_scale, b_zero_point=None, bias=None):
+        if self.native is not None and self.native.matches(b, b_zero_point) and self.native.k <= quant.NATIVE_EXACT_K:
+            y = native_dynamic_matmul(self.native, a, _columns(b_scale), bias)
+            if y is not None:
+                return y
         left, a_scale, a_zero_point = dynamic_quantize_shifted(a)
         right = b.astype(np.float32)
         if b_zero_point is not None:
@@ -337,6 +414,16 @@ def split_matmul(left: np.ndarray, right: np.ndarray, ends: list[int], float32_a
     return acc
 
 
+def float_weight(weight: np.ndarray) -> np.ndarray:
+    """A lowered kernel's shifted weight as float32 for the numpy path: the lowering keeps it as int8 when it fits;
+    a sealed (read-only) constant is widened once and the result shared."""
+    if weight.dtype == np.float32:
+        return weight
+    if not weight.flags.writeable:
+        return native.prepared("float32", (weight,), lambda: weight.astype(np.float32))
+    return weight.astype(np.float32)
+
+
 def requantize(acc: np.ndarray, multiplier: np.ndarray, y_zero_point: np.ndarray) -> np.ndarray:
     """saturate(round_half_even(float32(acc) * multiplier) + y_zero_point), as an int32 accumulator requantizes."""
     lo, hi = quant.integer_range(y_zero_point.dtype)
@@ -355,18 +442,35 @@ class QLinearMatMulExact(Kernel):
         self.x_zero_point = np.float32(self.required_attr("x_zero_point"))
         self.ends = list(self.required_attr("k_splits"))
         self.float32_accumulator = bool(self.attr("float32_accumulator", 0))
+        self.native = quant.NativeWeight.of(self, 1)
 
     def run(self, x, weight, bias, multiplier, y_zero_point):
+        return self.run_into(None, x, weight, bias, multiplier, y_zero_point)
+
+    def run_into(self, out, x, weight, bias, multiplier, y_zero_point):
+        if self.native is not None and self.native.matches(weight):
+            rows = quant.native_rows(x, np.asarray(int(self.x_zero_point)), self.native.k)
+            if rows is not None:  # the lowering made sure the int32 accumulator cannot wrap
+                return quant.native_gemm(self.native, *rows, x.shape[:-1], out, out_dtype=y_zero_point.dtype,
+                                         bias_i32=bias.astype(np.int32), multiplier=multiplier,
+                                         y_zero_point=int(y_zero_point.reshape(())))
         left = x.reshape(-1, x.shape[-1]).astype(np.float32)
         left -= self.x_zero_point
-        acc = split_matmul(left, weight, self.ends, self.float32_accumulator)
+        acc = split_matmul(left, float_weight(weight), self.ends, self.float32_accumulator)
         acc += bias.astype(acc.dtype, copy=False)
         return requantize(acc, multiplier, y_zero_point).reshape(x.shape[:-1] + (weight.shape[1],))
 
 
+#: input shapes per convolution whose native plans are kept
+_PLANS_KEPT = 16
+
+
 @register("QLinearConvExact", domain=CARRACK)
 class QLinearConvExact(Kernel):
-    """Lowered QDQ Conv: like QLinearMatMulExact with convolution geometry; `k_splits` cut input channels."""
+    """Lowered QDQ Conv: like QLinearMatMulExact with convolution geometry; `k_splits` cut input channels.
+
+    With a constant weight, 1-D/2-D convolutions run natively (carrack/native/qconv.py: int8 GEMM or the direct
+    depthwise kernel, bit-identical to the float path below, which serves the rest)."""
 
     def setup(self):
         self.x_zero_point = np.float32(self.required_attr("x_zero_point"))
@@ -376,18 +480,59 @@ class QLinearConvExact(Kernel):
         self.auto_pad = self.attr("auto_pad", "NOTSET")
         self.auto_pad = self.auto_pad.decode() if isinstance(self.auto_pad, bytes) else self.auto_pad
         self.pads, self.strides, self.dilations = self.attr("pads"), self.attr("strides"), self.attr("dilations")
+        self.native = self._native_conv()
+        self._plans: dict = {}  # input shape -> the native run's plan (None: the numpy path)
 
-    def run(self, x, weight, bias, multiplier, y_zero_point):
-        from carrack.ops.conv import conv_pads, convolve
+    def _native_conv(self):
+        graph = self.ctx.graph if self.ctx is not None else None
+        if graph is None or not native.enabled():
+            return None
+        constants = [graph.initializers.get(name) for name in self.node.inputs[1:4]]
+        if any(c is None for c in constants):
+            return None
+        from carrack.native.qconv import QuantizedConv
 
-        kernel = list(weight.shape[2:])
+        weight, bias, multiplier = constants
+        zero_point = int(self.x_zero_point)
+        return native.prepared(f"qconv:{self.group}:{zero_point}", (weight, bias, multiplier),
+                               lambda: QuantizedConv.prepare(weight, bias, multiplier, self.group, zero_point))
+
+    def geometry(self, spatial: tuple[int, ...], kernel: list[int]) -> dict:
+        from carrack.ops.conv import conv_pads
+
         nd = len(kernel)
         strides = list(self.strides or [1] * nd)
         dilations = list(self.dilations or [1] * nd)
-        geometry = {"strides": strides, "dilations": dilations, "group": self.group,
-                    "pads": conv_pads(self.auto_pad, self.pads, x.shape[2:], kernel, strides, dilations)}
+        return {"strides": strides, "dilations": dilations, "group": self.group,
+                "pads": conv_pads(self.auto_pad, self.pads, spatial, kernel, strides, dilations)}
+
+    def run(self, x, weight, bias, multiplier, y_zero_point):
+        return self.run_into(None, x, weight, bias, multiplier, y_zero_point)
+
+    def run_into(self, out, x, weight, bias, multiplier, y_zero_point):
+        if self.native is not None and x.dtype in (np.uint8, np.int8) and x.ndim == weight.ndim:
+            plan = self._plans.get(x.shape, False)
+            if plan is False:
+                plan = self._native_plan(x.shape, list(weight.shape[2:]))
+            if plan is not None:
+                return self.native.run(x, y_zero_point, plan, out)
+        return self._run_numpy(x, weight, bias, multiplier, y_zero_point,
+                               self.geometry(x.shape[2:], list(weight.shape[2:])))
+
+    def _native_plan(self, shape: tuple[int, ...], kernel: list[int]):
+        geometry = self.geometry(shape[2:], kernel)
+        plan = self.native.plan(shape, geometry["strides"], geometry["pads"], geometry["dilations"])
+        if len(self._plans) >= _PLANS_KEPT:  # inputs of ever new shapes: keep a bounded few
+            self._plans.clear()
+        self._plans[shape] = plan
+        return plan
+
+    def _run_numpy(self, x, weight, bias, multiplier, y_zero_point, geometry):
+        from carrack.ops.conv import convolve
+
         shifted = x.astype(np.float32)
         shifted -= self.x_zero_point
+        weight = float_weight(weight)
         start, acc = 0, None
         for end in self.ends:
             whole = start == 0 and end == weight.shape[1]
@@ -398,7 +543,7 @@ class QLinearConvExact(Kernel):
             else:
                 acc += part
             start = end
-        channel_shape = (-1,) + (1,) * nd
+        channel_shape = (-1,) + (1,) * (weight.ndim - 2)
         acc += bias.astype(acc.dtype, copy=False).reshape(channel_shape)
         return requantize(acc, multiplier.reshape(channel_shape), y_zero_point)
 
@@ -410,10 +555,18 @@ class DynamicQuantizedMatMul(Kernel):
 
     def setup(self):
         self.ends = list(self.required_attr("k_splits"))
+        self.native = quant.NativeWeight.of(self, 1)
 
     def run(self, x, weight, w_scale, bias=None):
+        return self.run_into(None, x, weight, w_scale, bias)
+
+    def run_into(self, out, x, weight, w_scale, bias=None):
+        if self.native is not None and self.native.matches(weight):
+            y = native_dynamic_matmul(self.native, x, w_scale, bias, out)  # the lowering ruled out int32 wrapping
+            if y is not None:
+                return y
         left, a_scale, _ = dynamic_quantize_shifted(x)
-        acc = split_matmul(left.reshape(-1, x.shape[-1]), weight, self.ends, False)
+        acc = split_matmul(left.reshape(-1, x.shape[-1]), float_weight(weight), self.ends, False)
         y = acc.astype(np.float32, copy=False) * (a_scale * w_scale)
         if bias is not None:
             y += bias

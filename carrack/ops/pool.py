@@ -97,6 +97,12 @@ class MaxPool(_WindowPool):
 
     def run(self, x):
         geometry = self.geometry(x)
+        if x.dtype in (np.uint8, np.int8) and (len(self.node.outputs) < 2 or not self.node.outputs[1]):
+            from carrack.native import qconv  # quantized models' pools: native when the library loads
+
+            y = qconv.maxpool_8bit(x, self.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape)
+            if y is not None:
+                return y
         taps = self.taps(x, geometry, _lowest(x.dtype))
         best = next(taps).copy()
         if len(self.node.outputs) < 2 or not self.node.outputs[1]:

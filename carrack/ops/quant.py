@@ -8,6 +8,10 @@ after zero-point subtraction, times the chunk length) fits, each chunk runs thro
 are added in float64 (exact below 2**53). Operands too wide for useful float32 chunks (16-bit types) go through
 float64 BLAS. The accumulator then wraps to int32 as the spec allows ("accumulation may overflow if and only if in
 32 bits").
+
+When the weight is a constant that fits int8 after its zero-point shift and the activations are 8-bit, the integer
+matmuls run on the native int8 GEMM instead (carrack/native/qgemm.c: VNNI where the CPU has it), whose wrapping
+int32 accumulation and fused epilogues give the same bits as the numpy path (`NativeWeight`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from carrack import native
 from carrack.ops.cast import cast_array, is_ml_float, onnx_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -115,6 +120,10 @@ class QuantizeLinear(Kernel):
 
     def run(self, x, y_scale, y_zero_point=None):
         out_dtype = self._output_dtype(y_zero_point)
+        if self.precision in (None, np.float32):
+            fast = _quantize_per_tensor_8bit(x, y_scale, y_zero_point, out_dtype)
+            if fast is not None:
+                return fast
         where = self.node.label()
         scale = expand_qparam(y_scale, x.shape, self.axis, self.block_size, where)
         precision = self.precision or _division_precision(x.dtype, y_scale.dtype)
@@ -133,6 +142,25 @@ class QuantizeLinear(Kernel):
             raise ValueError(f"{self.node.label()}: output_dtype {self.output_dtype} differs from the zero point's "
                              f"type {zero_point.dtype}")
         return zero_point.dtype
+
+
+def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_dtype: np.dtype) -> np.ndarray | None:
+    """The common case (float32 x, one float32 scale, 8-bit result) in float32 passes, equal to the general path:
+    rint(x / scale) + zero_point is exact in float32 below 2**24 and saturates alike above. None when it does not
+    apply, or for NaN inputs (their integer conversion is left to the general path)."""
+    if x.dtype != np.float32 or x.ndim == 0 or scale.dtype != np.float32 or scale.size != 1 \
+            or out_dtype not in (np.uint8, np.int8) or (zero_point is not None and np.size(zero_point) != 1):
+        return None
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = x / scale.reshape(())
+    np.rint(q, out=q)
+    if zero_point is not None:
+        q += np.float32(np.asarray(zero_point).reshape(()))
+    lo, hi = integer_range(out_dtype)
+    np.clip(q, lo, hi, out=q)
+    if np.isnan(q).any():
+        return None
+    return q.astype(out_dtype)
 
 
 def _divide(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -293,9 +321,105 @@ def integer_matmul(a: np.ndarray, a_zero_point, b: np.ndarray, b_zero_point) -> 
     return exact_matmul(left, right, bound)
 
 
+# -- the native int8 GEMM (carrack/native/qgemm.c) ------------------------------------------------------------------
+_8BIT = (np.dtype(np.uint8), np.dtype(np.int8))
+#: the largest K whose accumulation cannot leave int32 (|a - a_zp| <= 255 times an int8 weight <= 128): up to it,
+#: the native GEMM's wrapping int32 equals an exact (unwrapped) accumulation
+NATIVE_EXACT_K = (2**31 - 1) // (255 * 128)
+
+
+class NativeWeight:
+    """A kernel's constant 2-D weight input (minus its constant zero point) packed for the native int8 GEMM.
+
+    `of` returns None when native kernels are unavailable or the weight does not qualify (not a constant, not 2-D,
+    shifted values outside int8); `matches` tells at run time whether the inputs are still those constants (a run
+    may override an initializer that is also a graph input).
+    """
+
+    def __init__(self, packed, weight: np.ndarray, zero_point: np.ndarray | None):
+        self.packed = packed
+        self.k, self.n = packed.k, packed.n
+        self._weight, self._zero_point = weight, zero_point
+
+    @classmethod
+    def of(cls, kernel: Kernel, index: int, zero_point_index: int | None = None, *, transpose: bool = False
+           ) -> NativeWeight | None:
+        from carrack.native import qgemm
+
+        constants = kernel.ctx.graph.initializers if kernel.ctx is not None and kernel.ctx.graph is not None else {}
+        weight, zero_point = _constant_input(kernel, index, constants), None
+        if zero_point_index is not None and zero_point_index < len(kernel.node.inputs) and \
+                kernel.node.inputs[zero_point_index]:
+            zero_point = _constant_input(kernel, zero_point_index, constants)
+            if zero_point is None:
+                return None
+        if weight is None or weight.ndim != 2 or weight.dtype.kind not in "iuf" or qgemm.library() is None:
+            return None
+        shifted = weight.T if transpose else weight
+        if zero_point is not None and (zero_point.dtype.kind not in "iu"
+                                       or zero_point.size not in (1, shifted.shape[1])):
+            return None
+
+        def pack():
+            values = shifted if zero_point is None else \
+                shifted.astype(np.int32) - zero_point.astype(np.int32).reshape(-1)
+            int8 = qgemm.int8_weight(values)
+            return qgemm.PackedInt8Weight.pack(int8) if int8 is not None else None
+
+        arrays = (weight,) if zero_point is None else (weight, zero_point)
+        packed = native.prepared(f"int8-gemm:{transpose}", arrays, pack)  # shared by a session's programs
+        return cls(packed, weight, zero_point) if packed is not None else None
+
+    def matches(self, weight: np.ndarray, zero_point: np.ndarray | None = None) -> bool:
+        return weight is self._weight and zero_point is self._zero_point
+
+
+def _constant_input(kernel: Kernel, index: int, constants) -> np.ndarray | None:
+    names = kernel.node.inputs
+    value = constants.get(names[index]) if index < len(names) and names[index] else None
+    return value if isinstance(value, np.ndarray) else None
+
+
+def native_rows(a: np.ndarray, zero_point, k: int) -> tuple[np.ndarray, int] | None:
+    """8-bit activations [..., K] as the native GEMM's uint8 rows [M, K] and their zero point (int8 values move up
+    by 128, their zero point with them); None when they do not qualify (other types, a per-row zero point)."""
+    if a.dtype not in _8BIT or a.ndim < 1 or a.shape[-1] != k or (zero_point is not None and np.size(zero_point) != 1):
+        return None
+    zp = 0 if zero_point is None else int(np.asarray(zero_point).reshape(()))
+    rows = a.reshape(-1, k)
+    if a.dtype == np.int8:
+        return rows.view(np.uint8) ^ np.uint8(0x80), zp + 128
+    return rows, zp
+
+
+def native_output(out: np.ndarray | None, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """`out` when it is a usable buffer for a result (C-contiguous, of this shape and type), else a fresh array."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous and \
+            out.flags.writeable:
+        return out
+    return np.empty(shape, dtype)
+
+
+def native_gemm(weight: NativeWeight, rows: np.ndarray, a_zero_point: int, batch: tuple[int, ...],
+                out: np.ndarray | None = None, out_dtype=np.int32, **epilogue) -> np.ndarray:
+    """rows [M, K] (uint8) through the native GEMM into an array of shape batch + (N,)."""
+    from carrack.native import qgemm
+
+    y = native_output(out, batch + (weight.n,), np.dtype(out_dtype))
+    qgemm.qgemm(rows, weight.packed, a_zero_point=a_zero_point, out=y.reshape(-1, weight.n), **epilogue)
+    return y
+
+
 @register("MatMulInteger", since=10)
 class MatMulInteger(Kernel):
+    def setup(self):
+        self.native = NativeWeight.of(self, 1, 3)
+
     def run(self, a, b, a_zero_point=None, b_zero_point=None):
+        if self.native is not None and self.native.matches(b, b_zero_point):
+            rows = native_rows(a, a_zero_point, self.native.k)
+            if rows is not None:
+                return native_gemm(self.native, rows[0], rows[1], a.shape[:-1])
         return wrap_int32(integer_matmul(a, a_zero_point, b, b_zero_point))
 
 
@@ -303,10 +427,19 @@ class MatMulInteger(Kernel):
 class QLinearMatMul(Kernel):
     """Integer matmul, then requantization by a_scale * b_scale / y_scale (float32, as onnxruntime does)."""
 
+    def setup(self):
+        self.native = NativeWeight.of(self, 3, 5)
+
     def run(self, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point):
-        acc = integer_matmul(a, a_zero_point, b, b_zero_point)
         multiplier = (np.asarray(_row_param(a_scale, a), np.float32) * np.asarray(_column_param(b_scale, b), np.float32)
                       / _scalar(y_scale).astype(np.float32))
+        if (self.native is not None and self.native.matches(b, b_zero_point) and y_zero_point.dtype in _8BIT
+                and np.size(a_scale) == 1 and self.native.k <= NATIVE_EXACT_K):
+            rows = native_rows(a, a_zero_point, self.native.k)
+            if rows is not None:
+                return native_gemm(self.native, rows[0], rows[1], a.shape[:-1], out_dtype=y_zero_point.dtype,
+                                   multiplier=multiplier, y_zero_point=int(y_zero_point.reshape(())))
+        acc = integer_matmul(a, a_zero_point, b, b_zero_point)
         return _requantize(acc, multiplier, y_zero_point)
 
 
@@ -417,7 +550,71 @@ class ConvInteger(_IntegerConv):
 
 @register("QLinearConv", since=10)
 class QLinearConv(_IntegerConv):
+    """With constant weights and quantization parameters, 1-D/2-D convolutions run natively
+    (carrack/native/qconv.py: the same wrapping int32 accumulator and float32 requantization, bit-identical)."""
+
+    def setup(self):
+        super().setup()
+        self.native = self._native_conv()
+        self._plans: dict = {}  # input shape -> the native run's plan (None: the reference path)
+
+    def _native_conv(self):
+        graph = self.ctx.graph if self.ctx is not None else None
+        if graph is None:
+            return None
+        from carrack import native
+
+        if not native.enabled():
+            return None
+        names = list(self.node.inputs) + [""] * (9 - len(self.node.inputs))
+        x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale = (
+            graph.initializers.get(n) if n else None for n in names[1:7])
+        bias = graph.initializers.get(names[8]) if names[8] else np.zeros(0, np.int32)
+        if any(v is None for v in (x_scale, w, w_scale, y_scale, bias)) or w.ndim not in (3, 4):
+            return None
+        if (names[2] and x_zero_point is None) or (names[5] and w_zero_point is None):
+            return None
+        if np.size(x_scale) != 1 or np.size(y_scale) != 1 or (x_zero_point is not None and x_zero_point.size != 1):
+            return None
+        if self.kernel_shape is not None and list(self.kernel_shape) != list(w.shape[2:]):
+            return None
+        channels = w.shape[0]
+        try:
+            shifted = as_float64(w) - (0.0 if w_zero_point is None else _per_channel(w_zero_point, channels, w.ndim))
+            multiplier = (_scalar(x_scale).astype(np.float32)
+                          * _per_channel(w_scale, channels, 1).astype(np.float32).reshape(-1)
+                          / _scalar(y_scale).astype(np.float32)) * np.ones(channels, np.float32)
+        except ValueError:
+            return None
+        bias = bias.reshape(-1) if bias.size else np.zeros(channels, np.int32)
+        if bias.dtype != np.int32 or bias.size != channels or not np.all(np.isfinite(multiplier)):
+            return None
+        from carrack.native.qconv import QuantizedConv
+
+        x_zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
+        return QuantizedConv.prepare(shifted, bias, multiplier.astype(np.float32), self.group, x_zp)
+
+    def _native_plan(self, shape: tuple[int, ...], kernel: list[int]):
+        from carrack.ops.conv import conv_pads
+
+        nd = len(kernel)
+        strides = list(self.strides or [1] * nd)
+        dilations = list(self.dilations or [1] * nd)
+        pads = conv_pads(self.auto_pad, self.pads, shape[2:], kernel, strides, dilations)
+        plan = self.native.plan(shape, strides, pads, dilations)
+        if len(self._plans) >= 16:  # inputs of ever new shapes: keep a bounded few
+            self._plans.clear()
+        self._plans[shape] = plan
+        return plan
+
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B=None):
+        if self.native is not None and x.ndim == w.ndim and x.dtype in (np.uint8, np.int8) \
+                and y_zero_point.dtype in (np.uint8, np.int8) and y_zero_point.size == 1:
+            plan = self._plans.get(x.shape, False)
+            if plan is False:
+                plan = self._native_plan(x.shape, list(w.shape[2:]))
+            if plan is not None:
+                return self.native.run(x, y_zero_point, plan)
         acc = self.accumulate(x, x_zero_point, w, w_zero_point)
         if B is not None:
             acc = acc + as_float64(B).reshape((-1,) + (1,) * (acc.ndim - 2))

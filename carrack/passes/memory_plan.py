@@ -102,7 +102,8 @@ def fact_nbytes(fact: Fact) -> int | None:
 def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
     """Working memory a kernel needs beyond its output while it runs: a convolution's padded input and im2col
     columns (1x1 and depthwise convolutions need no columns)."""
-    if node.op_type not in ("Conv", "FusedConv", "ConvInteger", "QLinearConv") or len(node.inputs) < 2:
+    if node.op_type not in ("Conv", "FusedConv", "ConvInteger", "QLinearConv", "QLinearConvExact") \
+            or len(node.inputs) < 2:
         return 0
     x, w = facts.get(node.inputs[0]), facts.get(node.inputs[1])
     y = facts.get(node.outputs[0])
@@ -117,6 +118,8 @@ def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
     needs_padding = any(pads) or node.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
     padded = n * c * int(np.prod([d + 2 * (k // 2) for d, k in zip(spatial, kernel)])) * itemsize if needs_padding \
         else 0
+    if node.op_type in ("ConvInteger", "QLinearConv", "QLinearConvExact"):
+        padded += n * c * int(np.prod(spatial)) * 4  # the numpy path's float32 copy of the shifted input
     if all(k == 1 for k in kernel) or (group == c == m):
         return padded
     columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize

@@ -89,6 +89,14 @@ def _quantize_after(view: GraphView, name: str) -> Node | None:
     return q if zero_point.dtype in _QUANTIZED and scale.dtype == np.float32 else None
 
 
+def compact_weight(shifted: np.ndarray) -> np.ndarray:
+    """The zero-point-shifted weight as the lowered kernels keep it: int8 when every value fits (a quarter of the
+    float32 bytes; the native GEMM packs it, the numpy path widens it once), else float32 integers."""
+    if shifted.size and -128 <= shifted.min() and shifted.max() <= 127:
+        return np.ascontiguousarray(shifted, np.int8)
+    return np.ascontiguousarray(shifted, np.float32)
+
+
 def k_splits(weight_abs_rows: np.ndarray, activation_bound: int, limit: int = quant.FLOAT32_EXACT) -> list[int] | None:
     """Chunk ends along K such that activation_bound * sum_{k in chunk} |w[k, n]| <= limit for every column n.
 
@@ -178,7 +186,7 @@ def lower_qdq_linear(node: Node, view: GraphView, ctx: Context) -> bool:
     y_scale = np.float32(view.const(q.inputs[1]).reshape(()))
     multiplier = (np.float32(x.scale.reshape(())) * w_scale.astype(np.float32) / y_scale).astype(np.float32)
     inputs = [x.source,
-              view.add_initializer(node.name or "w", np.ascontiguousarray(shifted, np.float32)),
+              view.add_initializer(node.name or "w", compact_weight(shifted)),
               view.add_initializer((node.name or "w") + "_bias", bias if bias is not None else np.zeros(channels)),
               view.add_initializer((node.name or "w") + "_multiplier", multiplier),
               q.inputs[2]]
@@ -299,7 +307,7 @@ def lower_dynamic_matmul(mm: Node, view: GraphView, ctx: Context) -> bool:
         add, bias_value = bias
         old.append(add)
         out = add.outputs[0]
-    inputs = [dql.inputs[0], view.add_initializer(mm.name or "w", shifted),
+    inputs = [dql.inputs[0], view.add_initializer(mm.name or "w", compact_weight(shifted)),
               view.add_initializer((mm.name or "w") + "_scale", w_scale.astype(np.float32).reshape(-1))]
     if bias is not None:
         inputs.append(view.add_initializer((mm.name or "w") + "_bias", bias_value))

@@ -23,6 +23,7 @@ def sources(tmp_path, monkeypatch):
     monkeypatch.setenv("CARRACK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
+    monkeypatch.delenv("CARRACK_NATIVE", raising=False)  # these tests build on purpose, whatever the caller chose
     return source_dir
 
 

@@ -1,0 +1,310 @@
+"""Native kernels of quantized models (over qconv.c, and qgemm's int8 GEMM for the convolutions):
+
+* QuantizedConv: 1-D/2-D convolution of 8-bit NCHW activations with a constant int8 weight, int32 accumulation and
+  the requantized 8-bit output. Per image and group, output pixels go in blocks (A stays near the L2 cache and
+  memory stays bounded): qconv.c writes the block's rows A[p, (i, j, c)] (a plain transpose for 1x1 stride-1
+  convolutions), qgemm multiplies them by the packed weight [K, Cout] and requantizes in its epilogue into a
+  [pixels, Cout] block, and qconv.c transposes that into the NCHW output. Depthwise convolutions run qconv.c's
+  direct kernel instead. Bit for bit the numpy path's result: the accumulator is the exact integer (wrapping like
+  int32), requantized as clamp(rint(float32(acc) * multiplier) + zp).
+* qlinear_add: QLinearAdd's float32 formula for same-shape operands, in one pass.
+* maxpool_8bit: MaxPool on uint8/int8 values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from carrack import native
+from carrack.native import qgemm
+
+#: bytes of A (im2col rows) per block: about the L2 cache (qgemm blocks it further); fewer, larger blocks also
+#: spend less on Python per call
+BLOCK_BYTES = 1 << 20
+_ROW_ALIGN = 16  # block rows: whole 16-row tiles of the byte transposes
+
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_SIGNATURES = {
+    "qconv_transpose": ([_p, _i64, _i64, _i64, _p, _i64, _i32], None),
+    "qconv_band_bytes": ([_p, _i64], _i64),
+    "qconv_im2col": ([_p, _p, _i64, _i64, _i32, _i32, _p, _p, _i64], None),
+    "qconv_depthwise_scratch": ([_p], _i64),
+    "qconv_depthwise": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _p], None),
+    "qconv_qlinear_add": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p], None),
+    "qconv_pool_scratch": ([_p], _i64),
+    "qconv_maxpool": ([_p, _p, _i64, _i64, _i32, _p, _p], None),
+}
+#: elements per thread below which QLinearAdd stays on one thread
+_ADD_SPLIT = 1 << 16
+_EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
+_declared: set[int] = set()
+
+
+def library() -> ctypes.CDLL | None:
+    """qconv.c compiled, with its signatures declared (None when native kernels are unavailable)."""
+    lib = native.library("qconv")
+    if lib is not None and id(lib) not in _declared:
+        for name, (args, result) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+        _declared.add(id(lib))
+    return lib
+
+
+def transpose_u8(src: np.ndarray, dst: np.ndarray, mask: int = 0) -> None:
+    """dst[c, r] = src[r, c] ^ mask for 8-bit 2-D arrays with unit column strides (dst written in place)."""
+    lib = library()
+    rows, cols = src.shape
+    lib.qconv_transpose(native.pointer(src), rows, cols, src.strides[0], native.pointer(dst), dst.strides[0], mask)
+
+
+def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, offset: np.float32,
+                out_dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray | None:
+    """clamp(rint(a * ka + b * kb + offset)) in float32, for same-shape 8-bit a and b (the QLinearAdd formula);
+    None when the library is unavailable or the operands do not qualify (broadcasting, other types)."""
+    lib = library()
+    out_dtype = np.dtype(out_dtype)
+    if lib is None or a.shape != b.shape or a.dtype != b.dtype or a.dtype not in _EIGHT_BIT \
+            or out_dtype not in _EIGHT_BIT:
+        return None
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    y = out if out is not None and out.shape == a.shape and out.dtype == out_dtype and out.flags.c_contiguous \
+        else np.empty(a.shape, out_dtype)
+    n = a.size
+    parts = max(1, min(native.threads(), n // _ADD_SPLIT))
+    cuts = [n * i // parts for i in range(parts + 1)]
+    signed_in, signed_out = int(a.dtype == np.int8), int(out_dtype == np.int8)
+    a_at, b_at, y_at = a.ctypes.data, b.ctypes.data, y.ctypes.data
+    native.run_parallel([functools.partial(lib.qconv_qlinear_add, a_at + s, b_at + s, e - s, ka, kb, offset,
+                                           signed_in, signed_out, y_at + s)
+                         for s, e in zip(cuts[:-1], cuts[1:]) if e > s])
+    return y
+
+
+def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
+                 pads: Sequence[int], out_shape: Sequence[int]) -> np.ndarray | None:
+    """MaxPool of an 8-bit x [N, C, (H,) W] over windows that ignore padding, as the output shape and begin pads
+    say (ceil_mode's overhang is padding too); None when the library is unavailable or x does not qualify."""
+    lib = library()
+    nd = len(kernel)
+    if lib is None or x.dtype not in _EIGHT_BIT or nd not in (1, 2) or x.ndim != nd + 2 or min(pads) < 0:
+        return None
+    y = np.empty(x.shape[:2] + tuple(out_shape), x.dtype)
+    if y.size == 0:
+        return y
+    x = np.ascontiguousarray(x)
+
+    def lift(values: Sequence[int], fill: int = 1) -> list[int]:  # 1-D as 2-D of height 1
+        return [fill, *values] if nd == 1 else list(values)
+
+    (h, w), (kh, kw), (sh, sw), (dh, dw) = lift(x.shape[2:]), lift(kernel), lift(strides), lift(dilations)
+    (oh, ow), (pt, pl) = lift(out_shape), lift(pads[:nd], 0)
+    geometry = np.array([0, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl], np.int64)
+    planes = x.shape[0] * x.shape[1]
+    parts = max(1, min(native.threads(), x.size // _ADD_SPLIT))
+    cuts = [planes * i // parts for i in range(parts + 1)]
+    mask = 0x80 if x.dtype == np.int8 else 0
+    at = native.pointer(geometry)
+    scratch = np.empty((parts, 2 * int(lib.qconv_pool_scratch(at))), np.uint8)
+    native.run_parallel([functools.partial(lib.qconv_maxpool, x.ctypes.data, at, s, e, mask, scratch[i].ctypes.data,
+                                           y.ctypes.data) for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:]))
+                         if e > s])
+    return y
+
+
+class QuantizedConv:
+    """A convolution's constant integer weight prepared once for the native kernels.
+
+    weight: the zero-point-shifted weight [Cout, Cin/group, kh, kw] (integer values), bias: int32-valued [Cout],
+    multiplier: float32 [Cout] (x_scale * w_scale / y_scale).
+    """
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, multiplier: np.ndarray, group: int,
+                 x_zero_point: int, lib: ctypes.CDLL):
+        cout, per_group, kh, kw = weight.shape
+        self.lib, self.group, self.x_zero_point = lib, group, x_zero_point
+        self.cout, self.per_group, self.kernel = cout, per_group, (kh, kw)
+        self.bias = np.ascontiguousarray(bias, np.int32).reshape(cout)
+        self.multiplier = np.ascontiguousarray(multiplier, np.float32).reshape(cout)
+        self.depthwise = per_group == 1 and group > 1
+        if self.depthwise:
+            self.taps = np.ascontiguousarray(weight.reshape(cout, kh * kw), np.int32)
+            self.packed = []
+            return
+        m = cout // group
+        self.packed = []
+        for g in range(group):  # K ordered (i, j, c): a kernel row of a pixel is one contiguous copy in im2col
+            w = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(kh * kw * per_group, m)
+            self.packed.append(qgemm.PackedInt8Weight.pack(np.ascontiguousarray(w, np.int8)))
+
+    @classmethod
+    def prepare(cls, weight: np.ndarray, bias: np.ndarray, multiplier: np.ndarray, group: int,
+                x_zero_point: int) -> QuantizedConv | None:
+        """The prepared convolution, or None when the native path does not apply (library unavailable, not a 1-D
+        or 2-D convolution, a shifted weight outside int8 for the GEMM, or channels not divisible by group)."""
+        lib = library()
+        if lib is None or qgemm.library() is None or weight.ndim not in (3, 4) or group < 1:
+            return None
+        weight = np.asarray(weight)
+        if weight.ndim == 3:
+            weight = weight[:, :, None, :]
+        cout, per_group = weight.shape[:2]
+        if cout % group or not np.array_equal(weight, np.rint(weight)):
+            return None
+        bias = np.asarray(bias)
+        if np.size(bias) != cout or np.size(multiplier) != cout or np.abs(bias).max(initial=0) >= 2**31 \
+                or not np.array_equal(bias, np.rint(bias)):
+            return None
+        if per_group == 1 and group > 1:
+            if np.abs(weight).max(initial=0) > 2**15:  # the direct kernel's products must fit int32
+                return None
+        elif qgemm.int8_weight(weight) is None:
+            return None
+        return cls(weight, bias, multiplier, group, x_zero_point, lib)
+
+    # -- running -------------------------------------------------------------------------------------------------------
+    def plan(self, x_shape: Sequence[int], strides: Sequence[int], pads: Sequence[int],
+             dilations: Sequence[int]) -> ConvPlan | None:
+        """What a run on inputs of this shape needs (None when the input does not fit this weight); callers may
+        keep it per input shape."""
+        kh, kw = self.kernel
+        spatial = tuple(x_shape[2:])
+        if len(x_shape) == 3:  # 1-D: a 2-D convolution of height 1
+            x_shape = (*x_shape[:2], 1, x_shape[2])
+            strides, dilations, pads = (1, *strides), (1, *dilations), (0, pads[0], 0, pads[1])
+        if len(x_shape) != 4 or x_shape[1] != self.per_group * self.group:
+            return None
+        h, w = x_shape[2:]
+        oh = (h + pads[0] + pads[2] - dilations[0] * (kh - 1) - 1) // strides[0] + 1
+        ow = (w + pads[1] + pads[3] - dilations[1] * (kw - 1) - 1) // strides[1] + 1
+        if oh < 1 or ow < 1 or min(strides) < 1 or min(dilations) < 1 or min(pads) < 0:
+            return None
+        geometry = np.array([self.per_group, h, w, kh, kw, oh, ow, strides[0], strides[1], dilations[0],
+                             dilations[1], pads[0], pads[1]], np.int64)
+        transpose_only = kh == kw == 1 and strides[0] == strides[1] == 1 and not any(pads)
+        out_spatial = (oh, ow) if len(spatial) == 2 else (ow,)
+        return ConvPlan(self, geometry, out_spatial, transpose_only)
+
+    def run(self, x: np.ndarray, y_zero_point: np.ndarray, plan: ConvPlan, out: np.ndarray | None = None
+            ) -> np.ndarray:
+        """The requantized convolution of x (uint8/int8 [N, C, (H,) W], the shape `plan` was made for) as
+        y_zero_point's type, written into `out` when it is a C-contiguous array of the result's shape and type."""
+        y_dtype = np.dtype(y_zero_point.dtype)
+        shape = (x.shape[0], self.cout) + plan.out_spatial
+        y = out if out is not None and out.shape == shape and out.dtype == y_dtype and out.flags.c_contiguous \
+            else np.empty(shape, y_dtype)
+        if y.size == 0:
+            return y
+        mask = 0x80 if x.dtype == np.int8 else 0
+        x = np.ascontiguousarray(x).view(np.uint8)
+        zp = self.x_zero_point + (128 if mask else 0)
+        y_zp = int(np.asarray(y_zero_point).reshape(()))
+        if self.depthwise:
+            self._depthwise(x, plan, mask, zp, y_zp, y)
+        else:
+            plan.gemm(x, mask, zp, y_zp, y)
+        return y
+
+    def _depthwise(self, x: np.ndarray, plan: ConvPlan, mask: int, zp: int, y_zp: int, y: np.ndarray) -> None:
+        """qconv.c's direct kernel, output channels split over the threads (each with its own scratch)."""
+        mult = self.cout // self.group
+        image_in, image_out = x[0].size, y[0].size
+        signed = int(y.dtype == np.int8)
+        parts = max(1, min(native.threads(), self.cout))
+        cuts = [self.cout * i // parts for i in range(parts + 1)]
+        scratch = np.empty((parts, int(self.lib.qconv_depthwise_scratch(plan.geometry_pointer))), np.uint8)
+        x_at, y_at = x.ctypes.data, y.ctypes.data
+        fn, geometry = self.lib.qconv_depthwise, plan.geometry_pointer
+        taps, bias, multiplier = (native.pointer(a) for a in (self.taps, self.bias, self.multiplier))
+        for n in range(x.shape[0]):
+            native.run_parallel([functools.partial(fn, x_at + n * image_in, geometry, mult, c0, c1, taps, bias,
+                                                   multiplier, zp, mask, y_zp, signed, scratch[i].ctypes.data,
+                                                   y_at + n * image_out)
+                                 for i, (c0, c1) in enumerate(zip(cuts[:-1], cuts[1:])) if c0 < c1])
+
+
+class ConvPlan:
+    """A prepared convolution on one input shape: the geometry qconv.c reads, and the GEMM path's block sizes.
+    Immutable once made (runs in several threads may share it)."""
+
+    def __init__(self, conv: QuantizedConv, geometry: np.ndarray, out_spatial: tuple[int, ...], transpose_only: bool):
+        geometry.flags.writeable = False
+        self.conv, self.geometry, self.out_spatial = conv, geometry, out_spatial
+        self.geometry_pointer = native.pointer(geometry)
+        kh, kw = conv.kernel
+        self.pixels = int(geometry[5] * geometry[6])
+        self.plane_in = int(geometry[1] * geometry[2])
+        self.lda = _row_stride(kh * kw * conv.per_group)
+        self.ldc = _row_stride(conv.cout // conv.group)
+        self.transpose_only = transpose_only  # a 1x1 stride-1 unpadded convolution: A is x's transpose
+        width = max(self.lda, conv.cout // conv.group)  # A's rows and the GEMM's result rows both stay bounded
+        self._band_bytes: dict[int, int] = {}
+        rows = max(_ROW_ALIGN, BLOCK_BYTES // width // _ROW_ALIGN * _ROW_ALIGN)
+        while rows > _ROW_ALIGN and not transpose_only and self.band_bytes(min(rows, self.pixels)) > BLOCK_BYTES:
+            rows = max(_ROW_ALIGN, rows // 2 // _ROW_ALIGN * _ROW_ALIGN)  # strides skipping input rows: bound the band
+        self.rows = min(rows, self.pixels)
+
+    def band_bytes(self, pixels: int) -> int:
+        size = self._band_bytes.get(pixels)
+        if size is None:
+            size = self._band_bytes[pixels] = max(int(self.conv.lib.qconv_band_bytes(self.geometry_pointer, pixels)),
+                                                  1)
+        return size
+
+    def gemm(self, x: np.ndarray, mask: int, zp: int, y_zp: int, y: np.ndarray) -> None:
+        """Per image, group and block of output pixels: im2col (or transpose) rows into A, qgemm with the
+        requantizing epilogue into a [pixels, Cout/group] block, that block transposed into y's planes. With
+        several threads qgemm splits its own work, and each block's im2col and transpose are split by pixels."""
+        conv, lib = self.conv, self.conv.lib
+        m = conv.cout // conv.group
+        parts = max(1, min(native.threads(), self.rows // _ROW_ALIGN))
+        a = np.empty((self.rows, self.lda), np.uint8)
+        c = np.empty((self.rows, self.ldc), y.dtype)
+        a_at, c_at = a.ctypes.data, c.ctypes.data
+        bands = [None] * parts if self.transpose_only else [
+            np.empty(self.band_bytes(-(-self.rows // parts)), np.uint8) for _ in range(parts)]
+        band_at = [0 if b is None else b.ctypes.data for b in bands]
+        x_image, y_image = x[0].size, y[0].size
+        x_at, y_at = x.ctypes.data, y.ctypes.data
+        for n in range(x.shape[0]):
+            for g in range(conv.group):
+                x_group = x_at + n * x_image + g * conv.per_group * self.plane_in
+                y_group = y_at + n * y_image + g * m * self.pixels
+                bias, multiplier = conv.bias[g * m:(g + 1) * m], conv.multiplier[g * m:(g + 1) * m]
+                for p0 in range(0, self.pixels, self.rows):
+                    p1 = min(p0 + self.rows, self.pixels)
+                    split = _split(p0, p1, parts)
+                    if self.transpose_only:
+                        rows = [functools.partial(lib.qconv_transpose, x_group + s, conv.per_group, e - s,
+                                                  self.pixels, a_at + (s - p0) * self.lda, self.lda, mask)
+                                for s, e in split]
+                    else:
+                        rows = [functools.partial(lib.qconv_im2col, x_group, self.geometry_pointer, s, e, zp, mask,
+                                                  band, a_at + (s - p0) * self.lda, self.lda)
+                                for (s, e), band in zip(split, band_at)]
+                    native.run_parallel(rows)
+                    block = c[:p1 - p0, :m]
+                    qgemm.qgemm(a[:p1 - p0], conv.packed[g], a_zero_point=zp, bias_i32=bias, out=block,
+                                multiplier=multiplier, y_zero_point=y_zp)
+                    native.run_parallel([functools.partial(lib.qconv_transpose, c_at + (s - p0) * self.ldc, e - s, m,
+                                                           self.ldc, y_group + s, self.pixels, 0) for s, e in split])
+
+
+def _row_stride(width: int) -> int:
+    """Bytes between rows of a [pixels, width] buffer: width rounded up to 4 (the GEMM reads A in groups of 4), and
+    off a multiple of 256 (rows 2**k apart share few cache sets: transposes and the GEMM's row tiles thrash them)."""
+    stride = -(-width // 4) * 4
+    return stride + 64 if stride % 256 == 0 else stride
+
+
+def _split(p0: int, p1: int, parts: int) -> list[tuple[int, int]]:
+    """[p0, p1) in up to `parts` ranges of at least _ROW_ALIGN pixels."""
+    parts = min(parts, max(1, (p1 - p0) // _ROW_ALIGN))
+    if parts == 1:
+        return [(p0, p1)]
+    cuts = [p0 + (p1 - p0) * i // parts for i in range(parts + 1)]
+    return [(s, e) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]

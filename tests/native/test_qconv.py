@@ -1,0 +1,428 @@
+"""Native quantized convolution (carrack/native/qconv.py): bit-identical to the numpy path and to an int64 reference.
+
+QDQ Conv models (DequantizeLinear -> Conv -> QuantizeLinear, lowered to carrack's QLinearConvExact) run with
+CARRACK_NATIVE=1 and =0; both must equal the int64 accumulation requantized as the lowering specifies
+(clamp(rint(float32(acc) * multiplier) + zp), multiplier = x_scale * w_scale / y_scale in float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import carrack
+from carrack import native
+from carrack.native import qconv
+from carrack.ops import contrib_quant
+
+needs_native = pytest.mark.skipif(native.compiler() is None or not native.enabled(),
+                                  reason="no C compiler on this machine, or CARRACK_NATIVE=0")
+_ONNX = {np.dtype(np.uint8): TensorProto.UINT8, np.dtype(np.int8): TensorProto.INT8}
+
+
+# -- model and reference ---------------------------------------------------------------------------------------------
+def _qdq_conv(x_shape, x_dtype, w, w_scale, w_zp, bias, attrs, y_dtype, x_scale=0.05, y_scale=0.1, x_zp=3, y_zp=5):
+    """DequantizeLinear(x), DequantizeLinear(w) [axis 0], DequantizeLinear(bias) -> Conv -> QuantizeLinear."""
+    x_dtype, y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
+    per_channel = np.size(w_scale) > 1
+    inits = {"xs": np.float32(x_scale), "xz": np.array(x_zp, x_dtype), "w": w,
+             "ws": np.asarray(w_scale, np.float32), "wz": np.asarray(w_zp, w.dtype),
+             "ys": np.float32(y_scale), "yz": np.array(y_zp, y_dtype)}
+    nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"], axis=0),
+             helper.make_node("QuantizeLinear", ["yf", "ys", "yz"], ["y"])]
+    conv_inputs = ["xf", "wf"]
+    if bias is not None:
+        inits.update({"b": bias, "bs": (np.float32(x_scale) * np.asarray(w_scale, np.float32)).astype(np.float32),
+                      "bz": np.zeros(np.shape(w_scale), np.int32)})
+        nodes.append(helper.make_node("DequantizeLinear", ["b", "bs", "bz"], ["bf"], axis=0))
+        conv_inputs.append("bf")
+    nodes.append(helper.make_node("Conv", conv_inputs, ["yf"], **attrs))
+    if not per_channel:
+        inits["ws"], inits["wz"] = inits["ws"].reshape(()), inits["wz"].reshape(())
+        if bias is not None:
+            inits["bs"], inits["bz"] = inits["bs"].reshape(()), inits["bz"].reshape(())
+    graph = helper.make_graph(nodes, "qconv", [helper.make_tensor_value_info("x", _ONNX[x_dtype], x_shape)],
+                              [helper.make_tensor_value_info("y", _ONNX[y_dtype], None)],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+
+
+def _reference(x, x_zp, w, w_zp, bias, x_scale, w_scale, y_scale, y_zp, y_dtype, strides, pads, dilations, group):
+    """int64 convolution of the shifted integers, + bias, requantized in float32 like an int32 accumulator."""
+    nd = x.ndim - 2
+    xs = x.astype(np.int64) - x_zp
+    ws = w.astype(np.int64) - np.asarray(w_zp, np.int64).reshape((-1,) + (1,) * (nd + 1))
+    xs = np.pad(xs, [(0, 0), (0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)])  # zero = the zero point
+    m, cg, *kernel = w.shape
+    span = [dilations[i] * (kernel[i] - 1) + 1 for i in range(nd)]
+    win = np.lib.stride_tricks.sliding_window_view(xs, span, axis=tuple(range(2, 2 + nd)))
+    win = win[(Ellipsis,) + tuple(slice(None, None, d) for d in dilations)]
+    win = win[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
+    mg = m // group
+    parts = []
+    for g in range(group):
+        xw = np.moveaxis(win[:, g * cg:(g + 1) * cg], 1, 1 + nd)  # [n, *out, cg, *kernel]
+        xw = xw.reshape(xw.shape[:1 + nd] + (-1,))
+        parts.append(np.moveaxis(xw @ ws[g * mg:(g + 1) * mg].reshape(mg, -1).T, -1, 1))
+    acc = np.concatenate(parts, axis=1)
+    if bias is not None:
+        acc = acc + bias.astype(np.int64).reshape((-1,) + (1,) * nd)
+    multiplier = (np.float32(x_scale) * np.asarray(w_scale, np.float32) / np.float32(y_scale)).astype(np.float32)
+    y = acc.astype(np.int32).astype(np.float32) * multiplier.reshape((-1,) + (1,) * nd)
+    lo, hi = np.iinfo(y_dtype).min, np.iinfo(y_dtype).max
+    return np.clip(np.rint(y) + np.float32(y_zp), lo, hi).astype(y_dtype)
+
+
+def _run(model: bytes, x: np.ndarray, monkeypatch, native_on: bool, threads: int = 1) -> tuple[np.ndarray, int]:
+    """(the output, how many times the native convolution ran)."""
+    monkeypatch.setenv("CARRACK_NATIVE", "1" if native_on else "0")
+    calls = []
+    original = qconv.QuantizedConv.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(qconv.QuantizedConv, "run", counting)
+    options = carrack.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = carrack.InferenceSession(model, options)
+    assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) == 1
+    y = session.run(None, {"x": x})[0]
+    monkeypatch.setattr(qconv.QuantizedConv, "run", original)
+    return y, len(calls)
+
+
+CASES = {
+    # name: (x shape, cout, kernel, attrs, group)
+    "1x1": ((1, 16, 7, 9), 24, (1, 1), {}, 1),
+    "1x1_stride2": ((2, 16, 9, 9), 8, (1, 1), {"strides": [2, 2]}, 1),
+    "3x3_pad": ((1, 8, 10, 11), 16, (3, 3), {"pads": [1, 1, 1, 1]}, 1),
+    "3x3_stride2_asym_pad": ((1, 5, 13, 12), 6, (3, 3), {"pads": [1, 0, 2, 1], "strides": [2, 2]}, 1),
+    "7x7_stride2": ((1, 3, 23, 21), 16, (7, 7), {"pads": [3, 3, 3, 3], "strides": [2, 2]}, 1),
+    "3x3_dilated": ((1, 6, 12, 12), 4, (3, 3), {"pads": [2, 2, 2, 2], "dilations": [2, 2]}, 1),
+    "5x3_dilated_stride3": ((1, 4, 17, 15), 5, (5, 3), {"strides": [3, 2], "dilations": [1, 3], "pads": [2, 3, 1, 0]},
+                            1),
+    "same_upper": ((1, 4, 9, 10), 4, (3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, 1),
+    "grouped": ((1, 12, 8, 8), 8, (3, 3), {"pads": [1, 1, 1, 1]}, 4),
+    "depthwise": ((2, 16, 9, 11), 16, (3, 3), {"pads": [1, 1, 1, 1]}, 16),
+    "depthwise_mult2_stride2": ((1, 8, 11, 9), 16, (3, 3), {"pads": [1, 2, 1, 0], "strides": [2, 2]}, 8),
+    "depthwise_5x5_dilated": ((1, 4, 14, 14), 4, (5, 5), {"pads": [4, 4, 4, 4], "dilations": [2, 2]}, 4),
+    "depthwise_wide_stride2": ((1, 4, 9, 75), 4, (3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}, 4),
+    "depthwise_wide": ((1, 3, 5, 70), 3, (3, 3), {"pads": [1, 0, 1, 2]}, 3),
+    "conv1d": ((1, 6, 31), 8, (3,), {"pads": [1, 1], "strides": [2]}, 1),
+    "wide_many_blocks": ((1, 64, 40, 70), 8, (3, 3), {"pads": [1, 1, 1, 1]}, 1),
+}
+
+
+def _operands(case: str, x_dtype, extreme: bool, seed: int = 0):
+    shape, cout, kernel, attrs, group = CASES[case]
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(x_dtype)
+    if extreme:
+        x = np.where(rng.random(shape) < 0.5, info.min, info.max).astype(x_dtype)
+        w = np.where(rng.random((cout, shape[1] // group, *kernel)) < 0.5, -128, 127).astype(np.int8)
+    else:
+        x = rng.integers(info.min, int(info.max) + 1, shape).astype(x_dtype)
+        w = rng.integers(-128, 128, (cout, shape[1] // group, *kernel)).astype(np.int8)
+    return x, w, dict(attrs, group=group) if group > 1 else attrs, group
+
+
+@needs_native
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("x_dtype, y_dtype, extreme, per_channel",
+                         [(np.uint8, np.uint8, False, False), (np.int8, np.int8, False, True),
+                          (np.uint8, np.int8, True, True), (np.int8, np.uint8, True, False)])
+def test_native_matches_numpy_and_int64(case, x_dtype, y_dtype, extreme, per_channel, monkeypatch):
+    x, w, attrs, group = _operands(case, x_dtype, extreme)
+    cout, taps = w.shape[0], w[0].size
+    rng = np.random.default_rng(1)
+    x_zp = int(np.iinfo(x_dtype).min if extreme else np.iinfo(x_dtype).min + 100)  # extreme: |x - zp| up to 255
+    w_scale = rng.uniform(0.5, 2, cout).astype(np.float32) * 0.01 if per_channel else np.float32(0.01)
+    bias = rng.integers(-3000, 3000, cout).astype(np.int32)
+    y_scale = 0.05 * 0.01 * 60 * np.sqrt(taps)  # outputs spread over the whole 8-bit range, some saturating
+    model = _qdq_conv(x.shape, x_dtype, w, w_scale, np.zeros(np.shape(w_scale), np.int8), bias, attrs, y_dtype,
+                      x_zp=x_zp, y_scale=y_scale)
+    got, native_calls = _run(model, x, monkeypatch, True)
+    plain, numpy_calls = _run(model, x, monkeypatch, False)
+    assert native_calls == 1 and numpy_calls == 0
+    assert got.dtype == plain.dtype == np.dtype(y_dtype)
+    np.testing.assert_array_equal(got, plain)
+    nd = x.ndim - 2
+    strides, dilations = attrs.get("strides", [1] * nd), attrs.get("dilations", [1] * nd)
+    pads = attrs.get("pads", [0] * 2 * nd)
+    if attrs.get("auto_pad") == "SAME_UPPER":
+        from carrack.ops.conv import conv_pads
+
+        pads = conv_pads("SAME_UPPER", None, x.shape[2:], w.shape[2:], strides, dilations)
+    want = _reference(x, x_zp, w, 0, bias, 0.05, w_scale, y_scale, 5, np.dtype(y_dtype), strides, pads, dilations,
+                      group)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) > 2  # not everything saturated
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["3x3_pad", "depthwise", "1x1_stride2"])
+def test_threads_and_batches(case, monkeypatch):
+    x, w, attrs, group = _operands(case, np.uint8, False, seed=3)
+    x = np.concatenate([x, x[:, :, ::-1]])
+    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.int8(0), None, attrs, np.uint8,
+                      y_scale=0.05 * 0.01 * 60 * np.sqrt(w[0].size))
+    one, _ = _run(model, x, monkeypatch, True)
+    three, calls = _run(model, x, monkeypatch, True, threads=3)
+    plain, _ = _run(model, x, monkeypatch, False)
+    assert calls == 1
+    np.testing.assert_array_equal(one, plain)
+    np.testing.assert_array_equal(three, plain)
+
+
+@needs_native
+@pytest.mark.parametrize("case", ["3x3_stride2_asym_pad", "7x7_stride2", "1x1", "1x1_stride2", "5x3_dilated_stride3",
+                                  "wide_many_blocks"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_blocks(case, threads, monkeypatch):
+    """Blocks of 16 pixels (often part of an output row): each block's band and rows are rebuilt alone."""
+    monkeypatch.setattr(qconv, "BLOCK_BYTES", 1024)
+    x, w, attrs, group = _operands(case, np.int8, False, seed=4)
+    model = _qdq_conv(x.shape, np.int8, w, np.float32(0.01), np.int8(0), None, attrs, np.uint8,
+                      y_scale=0.05 * 0.01 * 60 * np.sqrt(w[0].size))
+    got, calls = _run(model, x, monkeypatch, True, threads=threads)
+    plain, _ = _run(model, x, monkeypatch, False)
+    assert calls == 1
+    np.testing.assert_array_equal(got, plain)
+
+
+@needs_native
+def test_weight_outside_int8_falls_back(monkeypatch):
+    """uint8 weights with zero point 0 shift to [0, 255]: not int8, so the numpy path runs (same answer)."""
+    x, _, attrs, _ = _operands("3x3_pad", np.uint8, False)
+    w = np.random.default_rng(5).integers(0, 256, (16, 8, 3, 3)).astype(np.uint8)
+    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.uint8(0), None, attrs, np.uint8, y_scale=2.0)
+    got, calls = _run(model, x, monkeypatch, True)
+    plain, _ = _run(model, x, monkeypatch, False)
+    assert calls == 0
+    np.testing.assert_array_equal(got, plain)
+
+
+@needs_native
+def test_uint8_weight_with_zero_point(monkeypatch):
+    """uint8 weights with zero point 128 shift into int8: native."""
+    x, _, attrs, _ = _operands("3x3_pad", np.uint8, False)
+    w = np.random.default_rng(6).integers(0, 256, (16, 8, 3, 3)).astype(np.uint8)
+    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.uint8(128), None, attrs, np.uint8,
+                      y_scale=0.05 * 0.01 * 60 * 9)
+    got, calls = _run(model, x, monkeypatch, True)
+    plain, _ = _run(model, x, monkeypatch, False)
+    assert calls == 1
+    np.testing.assert_array_equal(got, plain)
+
+
+@needs_native
+def test_noncontiguous_readonly_input():
+    rng = np.random.default_rng(7)
+    w = rng.integers(-128, 128, (8, 6, 3, 3)).astype(np.float32)
+    conv = qconv.QuantizedConv.prepare(w, np.arange(8.0), np.full(8, 0.002, np.float32), 1, 10)
+    base = rng.integers(0, 256, (1, 12, 10, 22)).astype(np.uint8)
+    x = base[:, ::2, :, ::2]
+    x.flags.writeable = False
+    plan = conv.plan(x.shape, [1, 1], [1, 1, 1, 1], [1, 1])
+    got = conv.run(x, np.array(7, np.uint8), plan)
+    want = conv.run(np.ascontiguousarray(x), np.array(7, np.uint8), plan)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(base[:, ::2, :, ::2], x)  # input untouched
+
+
+@needs_native
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 224), (15, 17), (16, 16), (64, 56), (130, 200), (17, 5)])
+def test_transpose(rows, cols):
+    src = np.random.default_rng(rows).integers(0, 256, (rows, cols + 3)).astype(np.uint8)[:, :cols]
+    dst = np.zeros((cols, rows + 5), np.uint8)
+    qconv.transpose_u8(src, dst, 0x80)
+    np.testing.assert_array_equal(dst[:, :rows], src.T ^ 0x80)
+    assert not dst[:, rows:].any()
+
+
+# -- QLinearAdd -----------------------------------------------------------------------------------------------------
+def _qlinear_add(monkeypatch, native_on, a, b, c_dtype):
+    monkeypatch.setenv("CARRACK_NATIVE", "1" if native_on else "0")
+    kernel = contrib_quant.QLinearAdd.__new__(contrib_quant.QLinearAdd)
+    return kernel.run(a, np.float32(0.02), np.array(3, a.dtype), b, np.float32(0.031), np.array(7, b.dtype),
+                      np.float32(0.027), np.array(5, c_dtype))
+
+
+@needs_native
+@pytest.mark.parametrize("in_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("out_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("shape", [(1, 64, 17, 19), (3, 5), (2, 1, 300000)])
+def test_qlinear_add_native_matches_numpy(in_dtype, out_dtype, shape, monkeypatch):
+    rng = np.random.default_rng(0)
+    info = np.iinfo(in_dtype)
+    a = rng.integers(info.min, int(info.max) + 1, shape).astype(in_dtype)
+    b = rng.integers(info.min, int(info.max) + 1, shape).astype(in_dtype)
+    a.flat[:4], b.flat[:4] = [info.min, info.max, info.min, info.max], [info.min, info.max, info.max, info.min]
+    got = _qlinear_add(monkeypatch, True, a, b, out_dtype)
+    want = _qlinear_add(monkeypatch, False, a, b, out_dtype)
+    assert got.dtype == want.dtype == np.dtype(out_dtype)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(_qlinear_add(monkeypatch, True, a.T, b.T, out_dtype), want.T)  # non-contiguous
+
+
+@needs_native
+def test_qlinear_add_broadcast_uses_numpy(monkeypatch):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, (2, 8, 5, 5)).astype(np.uint8)
+    b = rng.integers(0, 256, (1, 8, 1, 1)).astype(np.uint8)
+    np.testing.assert_array_equal(_qlinear_add(monkeypatch, True, a, b, np.uint8),
+                                  _qlinear_add(monkeypatch, False, a, b, np.uint8))
+
+
+# -- a model quantized by onnxruntime ----------------------------------------------------------------------------------
+def _float_cnn() -> onnx.ModelProto:
+    """conv 3x3 -> relu -> depthwise 3x3 stride 2 -> relu -> 1x1 -> relu, + residual, maxpool, GAP, Gemm."""
+    rng = np.random.default_rng(0)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], group=8),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"]),
+             helper.make_node("Relu", ["c3"], ["r3"]),
+             helper.make_node("Add", ["r2", "r3"], ["s"]),
+             helper.make_node("MaxPool", ["s"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("GlobalAveragePool", ["p"], ["g"]),
+             helper.make_node("Flatten", ["g"], ["f"]),
+             helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], transB=1)]
+    inits = [weight("w1", 8, 3, 3, 3), weight("b1", 8), weight("w2", 8, 1, 3, 3), weight("b2", 8),
+             weight("w3", 8, 8, 1, 1), weight("b3", 8), weight("wf", 4, 8), weight("bf", 4)]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 20, 20])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@needs_native
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantize_static_model_against_onnxruntime(per_channel, tmp_path, monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    quantization = pytest.importorskip("onnxruntime.quantization")
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": np.random.default_rng(i).normal(size=(1, 3, 20, 20)).astype(np.float32)}
+                                 for i in range(3)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    source, target = tmp_path / "cnn.onnx", tmp_path / "cnn_qdq.onnx"
+    onnx.save(_float_cnn(), str(source))
+    quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ,
+                                 per_channel=per_channel)
+    x = np.random.default_rng(9).normal(size=(1, 3, 20, 20)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CARRACK_NATIVE", flag)
+        session = carrack.InferenceSession(str(target))
+        assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 3
+        results[flag] = session.run(None, {"x": x})[0]
+    np.testing.assert_array_equal(results["1"], results["0"])
+    model = onnx.load(str(target))
+    last = next(n for n in model.graph.node if n.output[0] == "y")
+    step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
+    np.testing.assert_allclose(results["1"], want, rtol=0, atol=step * 1.001)
+
+
+# -- ONNX QLinearConv (QOperator format) with constant weights -------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("case", ["3x3_stride2_asym_pad", "depthwise_mult2_stride2", "grouped", "conv1d", "1x1"])
+@pytest.mark.parametrize("x_dtype, per_channel", [(np.uint8, False), (np.int8, True)])
+def test_qlinear_conv_native_matches_reference(case, x_dtype, per_channel, monkeypatch):
+    x, w, attrs, group = _operands(case, x_dtype, False, seed=11)
+    cout = w.shape[0]
+    rng = np.random.default_rng(12)
+    w_scale = (rng.uniform(0.5, 2, cout) * 0.01 if per_channel else np.array([0.01])).astype(np.float32)
+    inits = {"xs": np.float32(0.05), "xz": np.array(7, x_dtype), "w": w,
+             "ws": w_scale.reshape(-1 if per_channel else ()), "wz": np.zeros(cout if per_channel else (), np.int8),
+             "ys": np.float32(0.05 * 0.01 * 40 * np.sqrt(w[0].size)),
+             "yz": np.array(-3 if x_dtype == np.int8 else 120, x_dtype),
+             "b": rng.integers(-2000, 2000, cout).astype(np.int32)}
+    node = helper.make_node("QLinearConv", ["x", *inits], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", _ONNX[np.dtype(x_dtype)], x.shape)],
+                              [helper.make_tensor_value_info("y", _ONNX[np.dtype(x_dtype)], None)],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("CARRACK_NATIVE", flag)
+        session = carrack.InferenceSession(model)
+        kernels = [st.kernel for st in session._program.steps if st.node.op_type == "QLinearConv"]
+        assert len(kernels) == 1 and (kernels[0].native is not None) == (flag == "1")
+        results[flag] = session.run(None, {"x": x})[0]
+    np.testing.assert_array_equal(results["1"], results["0"])
+    assert len(np.unique(results["1"])) > 2
+
+
+# -- QuantizeLinear's float32 fast path ------------------------------------------------------------------------------
+@pytest.mark.parametrize("zero_point", [np.array(128, np.uint8), np.array(0, np.uint8), np.array(-128, np.int8),
+                                        np.array(127, np.int8), None])
+@pytest.mark.parametrize("scale", [0.0123, 1.0, 1e-30, 0.5])
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_quantize_linear_fast_path_matches_general(zero_point, scale, monkeypatch):
+    from carrack.ops import quant
+
+    rng = np.random.default_rng(0)
+    specials = [np.inf, -np.inf, 3e38, -3e38, 0.5, 1.5, 2.5, -0.5, -2.5, 1e-45, 16777217, 50331648, 127.5, 255.5]
+    x = np.concatenate([rng.standard_normal(5000) * 100, specials]).astype(np.float32).reshape(2, -1)
+    inputs = {"x": x, "s": np.float32(scale)}
+    if zero_point is not None:
+        inputs["z"] = zero_point
+    node = helper.make_node("QuantizeLinear", list(inputs), ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT if v.dtype == np.float32
+                                                                          else _ONNX[v.dtype], v.shape)
+                                            for k, v in inputs.items()],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+    fast = carrack.InferenceSession(model).run(None, inputs)[0]
+    monkeypatch.setattr(quant, "_quantize_per_tensor_8bit", lambda *args: None)
+    general = carrack.InferenceSession(model).run(None, inputs)[0]
+    assert fast.dtype == general.dtype
+    np.testing.assert_array_equal(fast, general)
+
+
+# -- MaxPool on 8-bit values ----------------------------------------------------------------------------------------
+POOLS = [({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, (1, 16, 56, 56)),
+         ({"kernel_shape": [2, 2], "strides": [2, 2]}, (2, 8, 9, 9)),
+         ({"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, (1, 4, 10, 11)),
+         ({"kernel_shape": [3, 2], "strides": [1, 3], "dilations": [2, 2], "pads": [2, 1, 0, 3]}, (1, 3, 12, 13)),
+         ({"kernel_shape": [5], "strides": [2], "pads": [2, 2]}, (2, 3, 17)),
+         ({"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]}, (1, 5, 7, 8)),
+         ({"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, (1, 2, 5, 300)),
+         ({"kernel_shape": [3, 3], "pads": [2, 2, 2, 2]}, (1, 2, 1, 1))]
+
+
+@needs_native
+@pytest.mark.parametrize("attrs, shape", POOLS)
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+def test_maxpool_8bit_native_matches_numpy(attrs, shape, dtype, monkeypatch):
+    from carrack.ir.graph import Node
+    from carrack.ops import pool
+
+    info = np.iinfo(dtype)
+    x = np.random.default_rng(len(shape)).integers(info.min, int(info.max) + 1, shape).astype(dtype)
+    kernel = pool.MaxPool(Node("MaxPool", ["x"], ["y"], attrs), 12, None)
+    calls = []
+    original = qconv.maxpool_8bit
+    monkeypatch.setattr(qconv, "maxpool_8bit", lambda *a: calls.append(1) or original(*a))
+    got = kernel.run(x)
+    monkeypatch.setenv("CARRACK_NATIVE", "0")
+    want = kernel.run(x)
+    assert calls and got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
