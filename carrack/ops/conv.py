@@ -6,11 +6,14 @@ convolutions reuse.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from carrack.native import convolution as native_conv
 from carrack.ops.registry import Kernel, register
 
 
@@ -48,15 +51,39 @@ def windows(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilati
     return view[(Ellipsis,) + step]
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """An activation applied to a convolution's result: `apply` overwrites its argument with it (numpy); `code`,
+    `alpha` and `beta` name it for the native kernels, which apply it before the result is stored (code -1: they
+    do not know it, `apply` runs after them)."""
+
+    apply: Callable[[np.ndarray], np.ndarray]
+    code: int = -1
+    alpha: float = 0.0
+    beta: float = 0.0
+
+    def native(self) -> native_conv.Activation:
+        return (self.code, self.alpha, self.beta) if self.code >= 0 else native_conv.NO_ACTIVATION
+
+
 def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequence[int],
              dilations: Sequence[int], group: int, bias: np.ndarray | None = None,
-             out: np.ndarray | None = None) -> np.ndarray:
-    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M].
+             out: np.ndarray | None = None, activation: Epilogue | None = None,
+             kernels: native_conv.NativeConvolution | None | Literal["auto"] = "auto") -> np.ndarray:
+    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M], then an
+    optional activation.
 
     ``pads`` is in ONNX order [x1_begin, x2_begin, ..., x1_end, x2_end, ...]. The result has the common dtype
     of x and w and is always a fresh array (or `out`, a C-contiguous buffer of the result's shape and dtype, when
-    given and usable), so callers may finish it in place.
+    given and usable), so callers may finish it in place. float32 convolutions run on the native `kernels` (by
+    default loaded here; None: numpy only) where they can.
     """
+    if kernels == "auto":
+        kernels = native_conv.load()
+    y = None if kernels is None else _native_convolve(kernels, x, w, strides, pads, dilations, group, bias, out,
+                                                      activation)
+    if y is not None:
+        return y
     out_dtype = np.result_type(x, w)
     dtype = _compute_dtype(out_dtype)
     x = x.astype(dtype, copy=False)
@@ -74,14 +101,86 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
         y = _convolve_2d(x, w, strides, pads, dilations, group, out)
     else:
         y = _convolve_nd(x, w, strides, pads, dilations, group)
+    act = native_conv.NO_ACTIVATION if activation is None else activation.native()
+    if (bias is not None or act[0]) and out_dtype == dtype and kernels is not None and kernels.bias_activation(
+            y, bias, act):
+        bias = None  # one native pass added it, and applied the activation where it knows it
+        activation = None if act[0] else activation
     if bias is not None:
         np.add(y, bias.astype(dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2)), out=y)
-    return y.astype(out_dtype, copy=False)
+    y = y.astype(out_dtype, copy=False)
+    return y if activation is None else activation.apply(y)
+
+
+def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: np.ndarray, strides: Sequence[int],
+                     pads: Sequence[int], dilations: Sequence[int], group: int, bias: np.ndarray | None,
+                     out: np.ndarray | None, activation: Epilogue | None) -> np.ndarray | None:
+    """float32 convolutions by the native kernels (1x1 and im2col convolutions as one matrix product, depthwise ones
+    directly), the bias and the activation applied before the one store; None: not done here (the numpy path then
+    runs)."""
+    if x.dtype != np.float32 or w.dtype != np.float32 or x.ndim < 3 or min(pads) < 0:
+        return None
+    act = native_conv.NO_ACTIVATION if activation is None else activation.native()
+    if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads):
+        if any(s != 1 for s in strides):
+            x = x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
+        y = kernels.pointwise(x, w, bias, out, group, act)
+    elif w.ndim == 3:  # 1-D: a height-1 image
+        into = out[:, :, None] if out is not None and out.ndim == 3 else None
+        y = _native_convolve_2d(kernels, x[:, :, None], w[:, :, None], [1, strides[0]], [0, pads[0], 0, pads[1]],
+                                [1, dilations[0]], group, bias, into, act)
+        y = None if y is None else y[:, :, 0]
+    elif w.ndim == 4:
+        y = _native_convolve_2d(kernels, x, w, strides, pads, dilations, group, bias, out, act)
+    else:
+        return None
+    if y is not None and activation is not None and activation.code < 0:
+        y = activation.apply(y)
+    return y
+
+
+def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w: np.ndarray,
+                        strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
+                        bias: np.ndarray | None, out: np.ndarray | None, act: native_conv.Activation
+                        ) -> np.ndarray | None:
+    n, c, h, wd = x.shape
+    m, cg, kh, kw = w.shape
+    if group == c and cg == 1:
+        return kernels.depthwise(x, w, bias, out, strides, pads, dilations, act)
+    out_shape = (_output_size(h, kh, strides[0], dilations[0], pads[0], pads[2]),
+                 _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
+    if (cg * group != c or m % group or n * m == 0 or 0 in out_shape or kh * kw == 0
+            or (bias is not None and bias.size != m)):
+        return None
+    if strides[1] <= 2 and cg >= DIRECT_MIN_CHANNELS:  # straight from the image, no columns
+        return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act)
+    if out is not None and not (out.shape == (n, m) + out_shape and out.dtype == np.float32
+                                and out.flags.c_contiguous and out.flags.writeable):
+        out = None
+    contiguous = np.ascontiguousarray(w)
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, dtype=np.float32)  # the C code reads it densely (constants may broadcast)
+    weights, constants = contiguous.reshape(m, -1), (native_conv.address(contiguous), native_conv.address(bias))
+    x = np.require(x, np.float32, ("C", "A"))
+
+    def product(columns: np.ndarray, block: np.ndarray) -> None:
+        if not kernels.gemm(columns, weights, bias, block, group, act, constants):
+            raise RuntimeError("the native convolution product refused its operands")
+
+    def fill(columns: np.ndarray, b: int, r0: int, r1: int) -> None:
+        kernels.im2col(x[b], columns, (kh, kw), out_shape[1], strides, dilations, pads, r0, r1)
+
+    return _im2col_2d(x, w, out_shape, strides, pads, dilations, group, out, product, fill)
 
 
 # at most this much im2col scratch at a time: small blocks stay in cache and keep peak memory low
 COLUMN_BYTES = 4 << 20
 _DEPTHWISE_BYTES = 1 << 20  # depthwise accumulators: sized to stay in the L2 cache
+NATIVE_COLUMN_BYTES = 512 << 10  # the native product's columns: a block stays in the L2 cache while it is used
+NATIVE_MIN_PIXELS = 512
+#: input channels per group from which the direct native convolution beats columns (its per-tap setup is paid
+#: once for all channels)
+DIRECT_MIN_CHANNELS = 4
 
 
 def _convolve_nd(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],
@@ -161,17 +260,26 @@ def _convolve_2d(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Seq
 
 
 def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
-               pads: Sequence[int], dilations: Sequence[int], group: int, into: np.ndarray | None = None
-               ) -> np.ndarray:
+               pads: Sequence[int], dilations: Sequence[int], group: int, into: np.ndarray | None = None,
+               product: Callable[[np.ndarray, np.ndarray], None] | None = None,
+               fill: Callable[[np.ndarray, int, int, int], None] | None = None) -> np.ndarray:
     """Columns [C, KH, KW, rows, OW] filled one kernel tap at a time (zeros where a tap reads padding), times
-    the weights [group, M/group, C/group * KH * KW]; a block of output rows at a time bounds the scratch."""
+    the weights [group, M/group, C/group * KH * KW]; a block of output rows at a time bounds the scratch.
+
+    `product(columns[1, C * KH * KW, pixels], block[1, M, pixels])` and `fill(columns[C * KH * KW, pixels],
+    image, r0, r1)`, when given, compute a block's product and fill its columns instead of numpy (the native
+    kernels; the product finishes the block with bias and activation too)."""
     n, c, h, wd = x.shape
     m, cg, kh, kw = w.shape
     oh, ow = out_shape
     row_ranges = [_valid_range(h, oh, pads[0], i * dilations[0], strides[0]) for i in range(kh)]
     col_ranges = [_valid_range(wd, ow, pads[1], j * dilations[1], strides[1]) for j in range(kw)]
     depth = cg * kh * kw
-    block = max(1, min(oh, COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
+    if product is None:
+        block = max(1, min(oh, COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
+    else:  # blocks of at least a few hundred pixels: each block is a call with its own overhead
+        block = max(-(-NATIVE_MIN_PIXELS // ow), min(oh, NATIVE_COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
+        block = min(block, oh, max(1, COLUMN_BYTES // (c * kh * kw * ow * x.itemsize)))
     scratch = np.empty(c * kh * kw * block * ow, dtype=x.dtype)
     weights = w.reshape(group, m // group, depth)
     out = _buffer(into, (n, group, m // group, oh * ow), x.dtype)
@@ -179,10 +287,16 @@ def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides
         for r0 in range(0, oh, block):
             r1 = min(oh, r0 + block)
             cols = scratch[:c * kh * kw * (r1 - r0) * ow].reshape(c, kh, kw, r1 - r0, ow)
-            for i, rows in enumerate(row_ranges):
-                for j, columns in enumerate(col_ranges):
-                    _fill_tap(cols[:, i, j], x[b], r0, r1, rows, columns, strides)
-            np.matmul(weights, cols.reshape(group, depth, -1), out=out[b, :, :, r0 * ow:r1 * ow])
+            if fill is not None:
+                fill(cols.reshape(c * kh * kw, -1), b, r0, r1)
+            else:
+                for i, rows in enumerate(row_ranges):
+                    for j, columns in enumerate(col_ranges):
+                        _fill_tap(cols[:, i, j], x[b], r0, r1, rows, columns, strides)
+            if product is None:
+                np.matmul(weights, cols.reshape(group, depth, -1), out=out[b, :, :, r0 * ow:r1 * ow])
+            else:
+                product(cols.reshape(1, c * kh * kw, -1), out[b].reshape(1, m, oh * ow)[:, :, r0 * ow:r1 * ow])
     return out.reshape(n, m, oh, ow)
 
 
@@ -331,15 +445,21 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 
 @register("Conv", since=1)
 class Conv(_ConvBase):
+    def setup(self):
+        super().setup()
+        self.native = native_conv.load()  # None: numpy only (CARRACK_NATIVE=0, no compiler)
+
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
 
-    def run_into(self, out, x, w, b=None):
-        """The convolution, written into `out` when it is a usable buffer for the result (else allocated)."""
+    def run_into(self, out, x, w, b=None, activation: Epilogue | None = None):
+        """The convolution (then `activation`), written into `out` when it is a usable buffer for the result (else
+        allocated)."""
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
-        return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b, out=out)
+        return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b, out=out,
+                        activation=activation, kernels=self.native)
 
 
 @register("ConvTranspose", since=1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
+from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import registry
+from carrack.ops.conv import Epilogue
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -38,6 +41,20 @@ def _activation(name: str, params: list[float]):
         lo, hi = params if len(params) == 2 else (-np.inf, np.inf)
         return lambda y: np.clip(y, y.dtype.type(lo), y.dtype.type(hi), out=y)
     raise ValueError(f"unsupported fused activation '{name}'")
+
+
+def _epilogue(name: str, params: list[float], apply: Callable[[np.ndarray], np.ndarray]) -> Epilogue:
+    """The activation for the convolution kernels: native code and parameters where the C kernels know it."""
+    code = ACTIVATIONS.get(name, -1) if name else -1
+    if name == "Clip":
+        alpha, beta = params if len(params) == 2 else (-np.inf, np.inf)
+    elif name == "LeakyRelu":
+        alpha, beta = (params[0] if params else 0.01), 0.0
+    elif name == "HardSigmoid":
+        alpha, beta = params if len(params) == 2 else (0.2, 0.5)
+    else:
+        alpha, beta = 0.0, 0.0
+    return Epilogue(apply, code, float(alpha), float(beta))
 
 
 def _sigmoid_inplace(y: np.ndarray) -> np.ndarray:
@@ -93,7 +110,20 @@ class _FusedIntoBase(_FusedBase):
 @register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
 class FusedConv(_FusedIntoBase):
+    """Conv + activation: the convolution applies the activation as it finishes its output (natively, before the
+    one store, where it can)."""
+
     base_op = "Conv"
+
+    def setup(self) -> None:
+        super().setup()
+        self.epilogue = _epilogue(self.attr("activation", ""), self.activation_params(), self.act)
+
+    def run(self, x, w, b=None):
+        return self.inner.run_into(None, x, w, b, activation=self.epilogue)
+
+    def run_into(self, out, x, w, b=None):
+        return self.inner.run_into(out, x, w, b, activation=self.epilogue)
 
 
 @register("FusedGemm", domain=MS)

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from carrack.native import convolution as native_conv
 from carrack.ops.conv import pad_spatial, same_pads
 from carrack.ops.registry import Kernel, register
 
@@ -62,6 +63,17 @@ class _WindowPool(Kernel):
         if self.auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
             self.fail(f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}")
         self.ceil_mode = bool(self.attr("ceil_mode", 0))
+        self.native = native_conv.load() if nd == 2 else None  # float32 2-D pools: None = numpy only
+
+    def native_pool(self, x: np.ndarray, geometry: PoolGeometry, mode: int) -> np.ndarray | None:
+        """The pool by the native kernel (float32 images); None when it cannot do it."""
+        if self.native is None or x.dtype != np.float32 or x.ndim != 4:
+            return None
+        if (mode != native_conv.POOL_MAX and list(self.kernel) == list(x.shape[2:]) and not any(geometry.pads)
+                and geometry.out_shape == [1, 1] and self.dilations == [1, 1]):
+            return self.native.plane_mean(x)  # a window over the whole image: a global average
+        return self.native.pool(x, self.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape,
+                                mode)
 
     def geometry(self, x: np.ndarray) -> PoolGeometry:
         return PoolGeometry(x.shape[2:], self.kernel, self.strides, self.dilations, self.pads, self.auto_pad,
@@ -101,6 +113,10 @@ class MaxPool(_WindowPool):
             from carrack.native import qconv  # quantized models' pools: native when the library loads
 
             y = qconv.maxpool_8bit(x, self.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape)
+            if y is not None:
+                return y
+        if len(self.node.outputs) < 2 or not self.node.outputs[1]:
+            y = self.native_pool(x, geometry, native_conv.POOL_MAX)
             if y is not None:
                 return y
         taps = self.taps(x, geometry, _lowest(x.dtype))
@@ -158,6 +174,10 @@ class AveragePool(_WindowPool):
 
     def run(self, x):
         geometry = self.geometry(x)
+        y = self.native_pool(x, geometry, native_conv.POOL_AVERAGE_PADS if self.count_include_pad
+                             else native_conv.POOL_AVERAGE)
+        if y is not None:
+            return y
         acc = np.float32 if x.dtype == np.float16 else x.dtype
         total = _sum(view.astype(acc, copy=False) for view in self.taps(x, geometry, 0))
         counts = _window_counts(geometry, x.shape[2:], self.kernel, self.strides, self.dilations,
@@ -181,7 +201,13 @@ class LpPool(_WindowPool):
 
 @register("GlobalAveragePool", since=1)
 class GlobalAveragePool(Kernel):
+    def setup(self):
+        self.native = native_conv.load()  # float32 inputs: None = numpy only
+
     def run(self, x):
+        y = None if self.native is None else self.native.plane_mean(x)
+        if y is not None:
+            return y
         acc = np.float32 if x.dtype == np.float16 else x.dtype
         return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=acc).astype(x.dtype)
 

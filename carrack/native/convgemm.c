@@ -1,0 +1,457 @@
+/* Convolution as a matrix product, float32, with the bias and the activation applied before the one store:
+ *
+ *     y[n, g * Mg + m, p] = act(bias[g * Mg + m] + sum_k w[g * Mg + m, k] * x[n, g * Kg + k, p])
+ *
+ * for 1x1 convolutions (x is the image, p its pixels) and for im2col columns (x the columns). The output is cut
+ * into tiles of up to 6 rows by 64 pixels, each accumulated in 24 vector registers over the whole depth (the
+ * 6 weights of a depth step are broadcast, the 64 pixels loaded once) and finished in registers: no pass over the
+ * output besides its store.
+ *
+ * dconv_f32 is the same product for a KxK convolution without columns: a depth step is one (kernel tap, input
+ * channel), its 64 pixels loaded straight from the image (masked where they read padding). im2col_f32 builds
+ * the columns of a block of output rows for the product, for convolutions with few input channels.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
+       ACT_SIGMOID = 6 };
+
+/* geometry, in the order of convgemm_f32's arguments: images, groups, output rows and depth per group,
+ * pixels, and the strides (in floats) of x's images and depth rows, y's images and rows, and w's rows */
+enum { G_N, G_GROUPS, G_MG, G_KG, G_P, G_XN, G_XK, G_YN, G_YM, G_WM, G_COUNT };
+
+#define MR 6  /* output rows per tile */
+#define NR 64 /* pixels per tile */
+#ifndef ROWS_OUTER_BYTES
+#define ROWS_OUTER_BYTES (512 * 1024)
+#endif
+
+typedef struct {
+    float a, b;
+    int act;
+} act_t;
+
+static inline float act_scalar(float v, act_t f) {
+    switch (f.act) {
+    case ACT_RELU: return v < 0.0f ? 0.0f : v;
+    case ACT_CLIP: v = v < f.a ? f.a : v; return v > f.b ? f.b : v;
+    case ACT_LEAKY: return v < 0.0f ? v * f.a : v;
+    case ACT_HARDSIGMOID: {
+        float s = v * f.a + f.b;
+        s = s < 0.0f ? 0.0f : s;
+        return s > 1.0f ? 1.0f : s;
+    }
+    case ACT_HARDSWISH: {
+        float s = v * (1.0f / 6.0f) + 0.5f;
+        s = s < 0.0f ? 0.0f : s;
+        return v * (s > 1.0f ? 1.0f : s);
+    }
+    case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
+    default: return v;
+    }
+}
+
+#if defined(__AVX512F__)
+/* e^x for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then scale by 2^n */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN stays NaN */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* the activation of 16 lanes; NaN stays NaN as in numpy (max/min return their second operand on NaN) */
+static __m512 act512_any(__m512 v, act_t f) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    switch (f.act) {
+    case ACT_RELU: return _mm512_max_ps(zero, v);
+    case ACT_CLIP: return _mm512_min_ps(_mm512_set1_ps(f.b), _mm512_max_ps(_mm512_set1_ps(f.a), v));
+    case ACT_LEAKY:
+        return _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v, _mm512_set1_ps(f.a));
+    case ACT_HARDSIGMOID: {
+        __m512 s = _mm512_fmadd_ps(v, _mm512_set1_ps(f.a), _mm512_set1_ps(f.b));
+        return _mm512_min_ps(one, _mm512_max_ps(zero, s));
+    }
+    case ACT_HARDSWISH: {
+        __m512 s = _mm512_fmadd_ps(v, _mm512_set1_ps(1.0f / 6.0f), _mm512_set1_ps(0.5f));
+        return _mm512_mul_ps(v, _mm512_min_ps(one, _mm512_max_ps(zero, s)));
+    }
+    case ACT_SIGMOID:
+        return _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, v))));
+    default: return v;
+    }
+}
+
+/* The same, inline for none / Relu / Clip (a clamp to [lo, hi]: -inf/inf, 0/inf, a/b), a call for the rest:
+ * the stores of a small tile would otherwise spend as long in calls as in its multiply-adds. */
+static inline __attribute__((always_inline)) __m512 act512(__m512 v, act_t f) {
+    if (f.act > ACT_CLIP) return act512_any(v, f);
+    const float lo = f.act == ACT_NONE ? -INFINITY : f.act == ACT_RELU ? 0.0f : f.a;
+    const float hi = f.act == ACT_CLIP ? f.b : INFINITY;
+    return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), v));
+}
+
+static inline __mmask16 tail_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* lanes l of a 16-lane vector with lo <= l < hi */
+static inline __mmask16 range_mask(int64_t lo, int64_t hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* Per row i of a tile: its accumulators a<i>0..a<i>3 (named variables, not an array, so that they stay in
+ * registers), initialised to the bias, updated, and stored through the activation. */
+#define ROW_INIT(i)                                                                                                \
+    __m512 a##i##0, a##i##1, a##i##2, a##i##3;                                                                     \
+    a##i##0 = a##i##1 = a##i##2 = a##i##3 = _mm512_set1_ps(bias && mr > i ? bias[i] : 0.0f);
+#define ROW_FMA(i)                                                                                                 \
+    if (mr > i) {                                                                                                  \
+        const __m512 wb = _mm512_set1_ps(w[i * ldw + wk]);                                                         \
+        a##i##0 = _mm512_fmadd_ps(wb, x0, a##i##0);                                                                \
+        if (nv > 1) a##i##1 = _mm512_fmadd_ps(wb, x1, a##i##1);                                                    \
+        if (nv > 2) a##i##2 = _mm512_fmadd_ps(wb, x2, a##i##2);                                                    \
+        if (nv > 3) a##i##3 = _mm512_fmadd_ps(wb, x3, a##i##3);                                                    \
+    }
+#define ROW_STORE(i)                                                                                               \
+    if (mr > i) {                                                                                                  \
+        float *yr = y + i * ldy;                                                                                   \
+        _mm512_mask_storeu_ps(yr, nv == 1 ? last : 0xFFFF, act512(a##i##0, f));                                    \
+        if (nv > 1) _mm512_mask_storeu_ps(yr + 16, nv == 2 ? last : 0xFFFF, act512(a##i##1, f));                  \
+        if (nv > 2) _mm512_mask_storeu_ps(yr + 32, nv == 3 ? last : 0xFFFF, act512(a##i##2, f));                  \
+        if (nv > 3) _mm512_mask_storeu_ps(yr + 48, last, act512(a##i##3, f));                                      \
+    }
+
+/* one tile of mr rows by nv vectors of pixels (the last one `last` lanes wide); mr and nv are constants where
+ * inlined */
+static inline __attribute__((always_inline)) void tile(const float *w, int64_t ldw, const float *x, int64_t ldx,
+                                                       float *y, int64_t ldy, const float *bias, int64_t depth,
+                                                       const int mr, const int nv, __mmask16 last, act_t f) {
+    ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
+    const __mmask16 m0 = nv == 1 ? last : 0xFFFF, m1 = nv == 2 ? last : 0xFFFF, m2 = nv == 3 ? last : 0xFFFF;
+    for (int64_t k = 0; k < depth; k++) {
+        const float *xr = x + k * ldx;
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, xr);
+        const __m512 x1 = nv > 1 ? _mm512_maskz_loadu_ps(m1, xr + 16) : x0;
+        const __m512 x2 = nv > 2 ? _mm512_maskz_loadu_ps(m2, xr + 32) : x0;
+        const __m512 x3 = nv > 3 ? _mm512_maskz_loadu_ps(last, xr + 48) : x0;
+        const int64_t wk = k;
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+
+#define TILE_NV(mr)                                                                                                \
+    switch (nv) {                                                                                                  \
+    case 1: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 1, last, f); break;                                      \
+    case 2: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 2, last, f); break;                                      \
+    case 3: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 3, last, f); break;                                      \
+    default: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 4, last, f); break;                                     \
+    }
+
+static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, int64_t ldy,
+                     const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
+    const int nv = (int)((cols + 15) / 16);
+    const __mmask16 last = tail_mask(cols - 16 * (nv - 1));
+    switch (rows) {
+    case 1: TILE_NV(1) break;
+    case 2: TILE_NV(2) break;
+    case 3: TILE_NV(3) break;
+    case 4: TILE_NV(4) break;
+    case 5: TILE_NV(5) break;
+    default: TILE_NV(6) break;
+    }
+}
+
+/* Direct convolution (column stride 1 or 2): a tile's 4 vectors each cover up to 16 outputs of one output row
+ * (pos[v]: where its tap (0, 0) reads in a plane, row[v] / col[v]: its input row and column, lanes[v]: its
+ * outputs, 0 for none, out[v]: where they go in an output plane). Each (kernel tap, input channel) is one depth
+ * step of the product: the 4 vectors are loaded straight from the image, masked where they read padding. */
+typedef struct {
+    int64_t h, w, cg, kh, kw, dh, dw;
+    int64_t pos[4], row[4], col[4], out[4];
+    __mmask16 lanes[4];
+} dtile_t;
+
+#define DROW_STORE(i)                                                                                              \
+    if (mr > i) {                                                                                                  \
+        float *yr = y + i * ldy;                                                                                   \
+        _mm512_mask_storeu_ps(yr + T->out[0], T->lanes[0], act512(a##i##0, f));                                   \
+        _mm512_mask_storeu_ps(yr + T->out[1], T->lanes[1], act512(a##i##1, f));                                   \
+        _mm512_mask_storeu_ps(yr + T->out[2], T->lanes[2], act512(a##i##2, f));                                   \
+        _mm512_mask_storeu_ps(yr + T->out[3], T->lanes[3], act512(a##i##3, f));                                   \
+    }
+
+/* one vector of a direct tile: 16 columns (stride 1) or the even ones of 32 (stride 2), 0 in the padding */
+static inline __attribute__((always_inline)) __m512 dload(const float *p, __mmask16 lo, __mmask16 hi,
+                                                          const int sw) {
+    if (sw == 1) return _mm512_maskz_loadu_ps(lo, p);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo, p), even, _mm512_maskz_loadu_ps(hi, p + 16));
+}
+
+/* Where each (kernel tap, vector) of a pixel group reads, and which lanes: worked out once per pixel group (for all
+ * the row tiles that share it) */
+typedef struct {
+    __mmask16 lo[4], hi[4];
+    int64_t off[4];
+    int any;
+} dtap_t;
+
+static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
+    for (int64_t i = 0; i < T->kh; i++)
+        for (int64_t j = 0; j < T->kw; j++) {
+            dtap_t *tp = taps + i * T->kw + j;
+            tp->any = 0;
+            for (int v = 0; v < 4; v++) {
+                const int64_t r = T->row[v] + i * T->dh, c = T->col[v] + j * T->dw;
+                const int inside = r >= 0 && r < T->h && T->lanes[v];
+                tp->lo[v] = inside ? range_mask(-c, T->w - c) : 0;
+                tp->hi[v] = inside && sw == 2 ? range_mask(-c - 16, T->w - c - 16) : 0;
+                tp->off[v] = inside ? T->pos[v] + i * T->dh * T->w + j * T->dw : 0;
+                tp->any |= tp->lo[v] | tp->hi[v];
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void dtile(const float *w, int64_t ldw, const float *img,
+                                                        const dtile_t *T, const dtap_t *taps, float *y, int64_t ldy,
+                                                        const float *bias, const int mr, const int sw, act_t f) {
+    const int nv = 4;
+    ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
+    const int64_t plane = T->h * T->w, count = T->kh * T->kw;
+    for (int64_t tap = 0; tap < count; tap++) {
+        const dtap_t *tp = taps + tap;
+        if (!tp->any) continue;
+        const __mmask16 l0 = tp->lo[0], l1 = tp->lo[1], l2 = tp->lo[2], l3 = tp->lo[3];
+        const __mmask16 h0 = tp->hi[0], h1 = tp->hi[1], h2 = tp->hi[2], h3 = tp->hi[3];
+        const float *xc = img;
+        for (int64_t ci = 0; ci < T->cg; ci++, xc += plane) {
+            const __m512 x0 = dload(xc + tp->off[0], l0, h0, sw), x1 = dload(xc + tp->off[1], l1, h1, sw);
+            const __m512 x2 = dload(xc + tp->off[2], l2, h2, sw), x3 = dload(xc + tp->off[3], l3, h3, sw);
+            const int64_t wk = ci * count + tap;
+            ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+        }
+    }
+    DROW_STORE(0) DROW_STORE(1) DROW_STORE(2) DROW_STORE(3) DROW_STORE(4) DROW_STORE(5)
+}
+
+#define DTILE_SW(mr)                                                                                               \
+    (sw == 1 ? dtile(w, ldw, img, T, taps, y, ldy, bias, mr, 1, f) : dtile(w, ldw, img, T, taps, y, ldy, bias, mr, 2, f))
+
+static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
+                      float *y, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
+    switch (rows) {
+    case 1: DTILE_SW(1); break;
+    case 2: DTILE_SW(2); break;
+    case 3: DTILE_SW(3); break;
+    case 4: DTILE_SW(4); break;
+    case 5: DTILE_SW(5); break;
+    default: DTILE_SW(6); break;
+    }
+}
+
+#else
+static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, int64_t ldy,
+                     const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
+    for (int64_t i = 0; i < rows; i++) {
+        float *restrict yr = y + i * ldy;
+        const float b = bias ? bias[i] : 0.0f;
+        for (int64_t p = 0; p < cols; p++) yr[p] = b;
+        for (int64_t k = 0; k < depth; k++) {
+            const float *restrict xr = x + k * ldx;
+            const float wk = w[i * ldw + k];
+            for (int64_t p = 0; p < cols; p++) yr[p] += wk * xr[p];
+        }
+        if (f.act != ACT_NONE)
+            for (int64_t p = 0; p < cols; p++) yr[p] = act_scalar(yr[p], f);
+    }
+}
+#endif
+
+#if !defined(__AVX512F__)
+typedef struct {
+    int64_t h, w, cg, kh, kw, dh, dw;
+    int64_t pos[4], row[4], col[4], out[4];
+    int64_t lanes[4]; /* outputs of each vector */
+} dtile_t;
+
+static inline int64_t tail_mask(int64_t n) { return n < 0 ? 0 : n > 16 ? 16 : n; }
+
+typedef int dtap_t; /* the vector code's per-tap masks: not needed here */
+
+static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
+    (void)T, (void)sw, (void)taps;
+}
+
+static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
+                      float *y, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
+    (void)taps;
+    const int64_t plane = T->h * T->w;
+    for (int64_t r = 0; r < rows; r++)
+        for (int v = 0; v < 4; v++)
+            for (int64_t l = 0; l < T->lanes[v]; l++) {
+                float acc = bias ? bias[r] : 0.0f;
+                for (int64_t ci = 0; ci < T->cg; ci++)
+                    for (int64_t i = 0; i < T->kh; i++) {
+                        const int64_t ih = T->row[v] + i * T->dh;
+                        if (ih < 0 || ih >= T->h) continue;
+                        for (int64_t j = 0; j < T->kw; j++) {
+                            const int64_t iw = T->col[v] + l * sw + j * T->dw;
+                            if (iw >= 0 && iw < T->w)
+                                acc += w[r * ldw + (ci * T->kh + i) * T->kw + j] * img[ci * plane + ih * T->w + iw];
+                        }
+                    }
+                y[r * ldy + T->out[v] + l] = f.act == ACT_NONE ? acc : act_scalar(acc, f);
+            }
+}
+#endif
+
+/* How the output pixels are cut into tiles of 4 vectors: output rows of up to 16 pixels go 4 rows to a tile,
+ * rows of up to 32 go 2 to a tile, longer rows 64 pixels at a time. */
+static int64_t dgroups(int64_t oh, int64_t ow, int64_t *rows_per, int64_t *chunks) {
+    *rows_per = ow <= 16 ? 4 : ow <= 32 ? 2 : 1;
+    *chunks = *rows_per == 1 ? (ow + 63) / 64 : 1;
+    return (oh + *rows_per - 1) / *rows_per * *chunks;
+}
+
+int64_t dconv_tiles_f32(int64_t oh, int64_t ow) {
+    int64_t rows_per, chunks;
+    return dgroups(oh, ow, &rows_per, &chunks);
+}
+
+/* Tiles [begin, end) of a direct convolution (column stride sw 1 or 2) of x[N, G * Cg, H, W] by
+ * w[G * Mg, Cg, KH, KW] into y[N, G * Mg, OH, OW]: tiles go image by image, group by group, pixel group by
+ * pixel group (dconv_tiles_f32 of them) and down the output rows. bias may be NULL. Returns 0, or -1 when out of
+ * memory. */
+int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_, int64_t groups,
+               int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t kh, int64_t kw, int64_t oh, int64_t ow,
+               int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t begin, int64_t end,
+               int64_t act, float alpha, float beta) {
+    (void)n_;
+    const act_t f = {alpha, beta, (int)act};
+    int64_t rows_per, chunks;
+    const int64_t pixel_groups = dgroups(oh, ow, &rows_per, &chunks), row_tiles = (mg + MR - 1) / MR;
+    const int64_t ldw = cg * kh * kw, plane = h * wd;
+    dtile_t T = {h, wd, cg, kh, kw, dh, dw, {0}, {0}, {0}, {0}, {0}};
+    dtap_t *taps = malloc((size_t)(kh * kw) * sizeof(dtap_t));
+    if (!taps) return -1;
+    int64_t tapped = -1; /* the pixel group `taps` describes */
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t rt = t % row_tiles, pg = t / row_tiles % pixel_groups;
+        const int64_t gi = t / (row_tiles * pixel_groups) % groups, n = t / (row_tiles * pixel_groups * groups);
+        const int64_t m = gi * mg + rt * MR, rows = mg - rt * MR < MR ? mg - rt * MR : MR;
+        for (int v = 0; v < 4; v++) { /* the vectors' outputs: row o, pixels p .. p + 15 */
+            const int64_t o = pg / chunks * rows_per + (rows_per == 1 ? 0 : rows_per == 4 ? v : v / 2);
+            const int64_t p = (pg % chunks) * 64 + (rows_per == 1 ? 16 * v : rows_per == 2 ? 16 * (v % 2) : 0);
+            const int64_t count = o < oh ? (ow - p < 16 ? ow - p : 16) : 0;
+            T.lanes[v] = count > 0 ? tail_mask(count) : 0;
+            T.row[v] = o * sh - pt;
+            T.col[v] = p * sw - pl;
+            T.pos[v] = T.row[v] * wd + T.col[v];
+            T.out[v] = count > 0 ? o * ow + p : 0;
+        }
+        if (pg != tapped) dtaps(&T, sw, taps), tapped = pg;
+        dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps,
+                  y + (n * groups * mg + m) * oh * ow, oh * ow, bias ? bias + m : NULL, rows, sw, f);
+    }
+    free(taps);
+    return 0;
+}
+
+/* Tiles [begin, end) of the output (see the header): tiles go image by image, group by group, pixel panel by
+ * panel, and down the output rows within a panel. bias may be NULL. */
+void convgemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_, int64_t groups_,
+                  int64_t mg_, int64_t kg_, int64_t p_, int64_t xn, int64_t xk, int64_t yn, int64_t ym, int64_t wm,
+                  int64_t begin, int64_t end, int64_t act, float alpha, float beta) {
+    const int64_t g[G_COUNT] = {n_, groups_, mg_, kg_, p_, xn, xk, yn, ym, wm};
+    const int64_t groups = g[G_GROUPS], mg = g[G_MG], kg = g[G_KG], pixels = g[G_P];
+    const int64_t row_tiles = (mg + MR - 1) / MR, panels = (pixels + NR - 1) / NR;
+    const act_t f = {alpha, beta, (int)act};
+    /* a group's x that fits in the L2 cache is read there again by each band of rows, which then writes its
+     * rows from left to right (few store streams); a larger x goes panel by panel, each panel kept in cache for
+     * every band of rows */
+    const int rows_outer = kg * pixels * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t rt = t % row_tiles, panel = t / row_tiles % panels;
+        if (rows_outer) rt = t / panels % row_tiles, panel = t % panels;
+        const int64_t gi = t / (row_tiles * panels) % groups, n = t / (row_tiles * panels * groups);
+        const int64_t m = gi * mg + rt * MR, p = panel * NR;
+        const int64_t rows = mg - rt * MR < MR ? mg - rt * MR : MR, cols = pixels - p < NR ? pixels - p : NR;
+        tile_any(w + m * g[G_WM], g[G_WM], x + n * g[G_XN] + gi * kg * g[G_XK] + p, g[G_XK],
+                 y + n * g[G_YN] + m * g[G_YM] + p, g[G_YM], bias ? bias + m : NULL, kg, rows, cols, f);
+    }
+}
+
+
+/* dst[o] = row[first + o * stride] where that lies in [0, w), else 0, for o < n */
+static void gather_row(float *dst, const float *row, int64_t w, int64_t first, int64_t stride, int64_t n) {
+#if defined(__AVX512F__)
+    if (stride <= 2) {
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        for (int64_t o = 0; o < n; o += 16) {
+            const int64_t c = first + o * stride; /* input column of lane 0 */
+            __m512 v;
+            if (stride == 1) {
+                v = c >= 0 && c + 16 <= w ? _mm512_loadu_ps(row + c)
+                                          : _mm512_maskz_loadu_ps(range_mask(-c, w - c), row + c);
+            } else {
+                __m512 lo, hi;
+                if (c >= 0 && c + 32 <= w) {
+                    lo = _mm512_loadu_ps(row + c);
+                    hi = _mm512_loadu_ps(row + c + 16);
+                } else {
+                    lo = _mm512_maskz_loadu_ps(range_mask(-c, w - c), row + c);
+                    hi = _mm512_maskz_loadu_ps(range_mask(-c - 16, w - c - 16), row + c + 16);
+                }
+                v = _mm512_permutex2var_ps(lo, even, hi);
+            }
+            _mm512_mask_storeu_ps(dst + o, tail_mask(n - o), v);
+        }
+        return;
+    }
+#endif
+    for (int64_t o = 0; o < n; o++) {
+        const int64_t c = first + o * stride;
+        dst[o] = c >= 0 && c < w ? row[c] : 0.0f;
+    }
+}
+
+/* Rows [begin, end) of the columns of output rows [r0, r1) of image x[C, H, W]: column row (c, i, j) holds, for
+ * each output (r, o), x[c, r * sh - pt + i * dh, o * sw - pl + j * dw] (0 in the padding), at
+ * cols[(c * KH + i) * KW + j][(r - r0) * OW + o]. */
+void im2col_f32(const float *x, float *cols, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t ow,
+                int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t r0, int64_t r1,
+                int64_t begin, int64_t end) {
+    (void)c;
+    const int64_t rows = r1 - r0;
+    for (int64_t k = begin; k < end; k++) {
+        const int64_t ci = k / (kh * kw), i = k / kw % kh, j = k % kw;
+        const float *image = x + ci * h * w;
+        float *dst = cols + k * rows * ow;
+        for (int64_t r = r0; r < r1; r++, dst += ow) {
+            const int64_t ih = r * sh - pt + i * dh;
+            if (ih < 0 || ih >= h)
+                memset(dst, 0, (size_t)ow * sizeof(float));
+            else
+                gather_row(dst, image + ih * w, w, j * dw - pl, sw, ow);
+        }
+    }
+}

@@ -1,0 +1,287 @@
+"""The native convolution kernels (dwconv.c, convgemm.c) behind carrack.ops.conv, with their fused bias and activation.
+
+`load()` gives the kernels (None when native kernels are off or cannot be built): a convolution kernel calls it once
+at setup. Each method returns None (or False) when it cannot serve a call (a case the C code does not cover) and the
+caller keeps its numpy path. Results are written into `out` when it is a usable buffer (C-contiguous, aligned,
+writable float32 of the result's shape, not overlapping an input), else into a fresh array. These calls are made per
+layer of small networks, where Python overhead is a real share of the time: they avoid numpy calls that cost
+microseconds (np.prod, ctypes objects) on the way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+
+from carrack import native
+
+#: activation codes of the C kernels (the numpy side keeps its own functions for the rest, e.g. Tanh, Gelu)
+ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "HardSwish": 5, "Sigmoid": 6}
+#: multiply-adds a thread should get at least before work is split: ~50-100 us of work, against the 10-30 us a
+#: hand-off to the Python thread pool costs
+MIN_TASK_WORK = 1 << 22
+GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile
+
+Activation = tuple[int, float, float]  # (code, alpha, beta)
+NO_ACTIVATION: Activation = (0, 0.0, 0.0)
+
+_F32 = np.dtype(np.float32)
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _declare(lib: ctypes.CDLL, name: str, restype, *argtypes) -> None:
+    fn = getattr(lib, name)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+
+
+def load() -> NativeConvolution | None:
+    """The native convolution kernels, or None (native kernels off, no compiler, build failed)."""
+    dw, gemm = native.library("dwconv"), native.library("convgemm")
+    if dw is None or gemm is None:
+        return None
+    kernels = getattr(gemm, "carrack_convolution", None)
+    if kernels is None or kernels.dw is not dw:
+        kernels = NativeConvolution(dw, gemm)
+        gemm.carrack_convolution = kernels
+    return kernels
+
+
+def _ranges(count: int, work_per_item: int) -> list[tuple[int, int]]:
+    """[begin, end) slices of `count` items, one per thread with enough work to be worth a thread."""
+    if count * work_per_item < 2 * MIN_TASK_WORK:  # not worth asking for the thread count
+        return [(0, count)]
+    parts = max(1, min(native.threads(), count, (count * work_per_item) // MIN_TASK_WORK))
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+
+
+def _run(fn, ranges: list[tuple[int, int]], head: tuple, tail: tuple) -> list:
+    """fn(*head, begin, end, *tail) over the ranges, on the pool when there are several; the results."""
+    if len(ranges) == 1:
+        return [fn(*head, *ranges[0], *tail)]
+    results: list = []
+    native.run_parallel([partial(lambda lo, hi: results.append(fn(*head, lo, hi, *tail)), lo, hi)
+                         for lo, hi in ranges])
+    return results
+
+
+def _usable(out: np.ndarray | None, shape: tuple[int, ...], *inputs: np.ndarray) -> bool:
+    if out is None or out.shape != shape or out.dtype != _F32:
+        return False
+    flags = out.flags
+    if not (flags.c_contiguous and flags.aligned and flags.writeable):
+        return False
+    for a in inputs:
+        if np.may_share_memory(out, a):
+            return False
+    return True
+
+
+def _operand(a: np.ndarray) -> np.ndarray:
+    """a as a C-contiguous aligned float32 array (a copy only when it is not one)."""
+    flags = a.flags
+    return a if flags.c_contiguous and flags.aligned and a.dtype == _F32 else np.require(a, _F32, ("C", "A"))
+
+
+def _bias(bias: np.ndarray | None, m: int) -> tuple[np.ndarray | None, bool]:
+    """(bias as contiguous float32 [m], usable)."""
+    if bias is None:
+        return None, True
+    bias = _operand(bias)
+    return bias, bias.size == m and bias.ndim == 1
+
+
+_addresses: dict[int, tuple[np.ndarray, int]] = {}
+_MAX_ADDRESSES = 4096
+
+
+def address(a: np.ndarray | None) -> int | None:
+    """a's data address; remembered for read-only arrays (a session's constant weights), whose numpy lookup would
+    cost a microsecond per call. The entry holds the array, so its id cannot be reused while it is remembered."""
+    if a is None:
+        return None
+    if a.flags.writeable:
+        return a.ctypes.data
+    hit = _addresses.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    if len(_addresses) >= _MAX_ADDRESSES:
+        _addresses.clear()
+    data = a.ctypes.data
+    _addresses[id(a)] = (a, data)
+    return data
+
+
+class NativeConvolution:
+    """The loaded libraries, with the argument types declared."""
+
+    def __init__(self, dw: ctypes.CDLL, gemm: ctypes.CDLL):
+        self.dw, self.gemm_lib = dw, gemm
+        _declare(dw, "dwconv2d_f32", _i64, _ptr, _ptr, _ptr, _ptr, *[_i64] * 17, _f32, _f32)
+        _declare(dw, "bias_act_f32", None, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _f32)
+        _declare(dw, "pool2d_f32", _i64, _ptr, _ptr, *[_i64] * 17)
+        _declare(dw, "plane_mean_f32", None, _ptr, _ptr, _i64, _i64, _i64)
+        _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
+        _declare(gemm, "im2col_f32", None, _ptr, _ptr, *[_i64] * 16)
+        _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
+        _declare(gemm, "dconv_tiles_f32", _i64, _i64, _i64)
+        self._dwconv, self._bias_act, self._gemm = dw.dwconv2d_f32, dw.bias_act_f32, gemm.convgemm_f32
+        self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
+        self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
+
+    def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
+                  strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
+                  activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
+        """y[N, C * k, OH, OW] = act(depthwise conv(x[N, C, H, W], w[C * k, 1, KH, KW]) + bias), pads >= 0 in
+        ONNX order [top, left, bottom, right]; None when the native kernel cannot do it."""
+        if x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or min(pads) < 0:
+            return None
+        n, c, h, wd = x.shape
+        m, cg, kh, kw = w.shape
+        if cg != 1 or c == 0 or m % c or kh * kw == 0:
+            return None
+        (sh, sw), (dh, dw) = strides, dilations
+        oh = max(0, (h + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1)
+        ow = max(0, (wd + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1)
+        b, ok = _bias(bias, m)
+        if not ok:
+            return None
+        x, w = _operand(x), _operand(w)
+        shape = (n, m, oh, ow)
+        y = out if _usable(out, shape, x) else np.empty(shape, _F32)
+        if y.size == 0:
+            return y
+        head = (address(x), address(w), address(b), y.ctypes.data, c, m // c, h, wd, kh, kw, oh, ow, sh, sw,
+                dh, dw, pads[0], pads[1])
+        failed = _run(self._dwconv, _ranges(n * c, (m // c) * oh * ow * kh * kw), head, activation)
+        return None if any(failed) else y
+
+    def gemm(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, y: np.ndarray, groups: int,
+             activation: Activation = NO_ACTIVATION, constants: tuple[int | None, int | None] | None = None) -> bool:
+        """y[N, G * Mg, P] = act(w[G * Mg, Kg] @ x[N, G * Kg, P] (group by group) + bias) for aligned float32
+        arrays whose last axis is contiguous (y writable, not overlapping x or w); False when not done.
+        `constants`: the addresses of w and bias when the caller has them (from `address` of the arrays it was
+        given: views made per call, such as reshapes, have none worth remembering)."""
+        for a in (x, w, y):
+            if a.dtype != _F32 or a.strides[-1] != 4 or not a.flags.aligned:
+                return False
+        n, k, pixels = x.shape
+        m, kg = w.shape
+        b, ok = _bias(bias, m)
+        if not ok or not y.flags.writeable or y.shape != (n, m, pixels) or k != kg * groups or m % groups:
+            return False
+        if y.size == 0:
+            return True
+        xs, ys = x.strides, y.strides
+        tiles = n * groups * -(-(m // groups) // GEMM_ROWS) * -(-pixels // GEMM_PIXELS)
+        wa, ba = constants or (address(w), address(b))
+        head = (address(x), wa, ba, y.ctypes.data, n, groups, m // groups, kg, pixels, xs[0] >> 2, xs[1] >> 2,
+                ys[0] >> 2, ys[1] >> 2, w.strides[0] >> 2)
+        _run(self._gemm, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * max(kg, 1)), head, activation)
+        return True
+
+    def pointwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
+                  groups: int, activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
+        """y[N, M, *spatial] = act(1x1 convolution of x[N, C, *spatial] with w[M, C / groups, 1...] + bias); None
+        when the native kernel cannot do it."""
+        if x.dtype != _F32 or w.dtype != _F32 or x.ndim < 3:
+            return None
+        n, c = x.shape[:2]
+        m = w.shape[0]
+        x, w = _operand(x), _operand(w)
+        b, ok = _bias(bias, m)
+        if not ok:
+            return None
+        shape = (n, m) + x.shape[2:]
+        y = out if _usable(out, shape, x, w) else np.empty(shape, _F32)
+        pixels = math.prod(x.shape[2:])
+        if not self.gemm(x.reshape(n, c, pixels), w.reshape(m, -1), b, y.reshape(n, m, pixels), groups, activation,
+                         (address(w), address(b))):
+            return None
+        return y
+
+    def bias_activation(self, y: np.ndarray, bias: np.ndarray | None, activation: Activation) -> bool:
+        """y[N, C, *spatial] = act(y + bias[C]) in place, in one pass; False when the native kernel cannot."""
+        if y.dtype != _F32 or not y.flags.c_contiguous or not y.flags.aligned or not y.flags.writeable or y.ndim < 2:
+            return False
+        b, ok = _bias(bias, y.shape[1])
+        if not ok:
+            return False
+        planes = y.shape[0] * y.shape[1]
+        size = y.size // planes if planes else 0
+        _run(self._bias_act, _ranges(planes, size * 4), (y.ctypes.data, address(b), y.shape[1], size), activation)
+        return True
+
+    def direct(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
+               strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
+               activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
+        """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias) read straight from the image (no
+        columns) for column strides 1 and 2; None when the native kernel cannot do it."""
+        if x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or strides[1] > 2 or min(pads) < 0:
+            return None
+        n, c, h, wd = x.shape
+        m, cg, kh, kw = w.shape
+        (sh, sw), (dh, dw) = strides, dilations
+        oh = (h + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1
+        ow = (wd + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1
+        b, ok = _bias(bias, m)
+        if not ok or cg * group != c or m % group or min(oh, ow, n, m, kh * kw) <= 0:
+            return None
+        x, w = _operand(x), _operand(w)
+        shape = (n, m, oh, ow)
+        y = out if _usable(out, shape, x, w) else np.empty(shape, _F32)
+        tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow)
+        head = (address(x), address(w), address(b), y.ctypes.data, n, group, m // group, cg, h, wd, kh, kw, oh,
+                ow, sh, sw, dh, dw, pads[0], pads[1])
+        failed = _run(self._dconv, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw), head, activation)
+        return None if any(failed) else y
+
+    def im2col(self, image: np.ndarray, cols: np.ndarray, kernel: Sequence[int], out_width: int,
+               strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int], r0: int, r1: int) -> None:
+        """cols[C * KH * KW, (r1 - r0) * OW] = the columns of output rows [r0, r1) of image[C, H, W] (C-contiguous
+        aligned float32 arrays): what each kernel tap reads for each output, 0 in the padding."""
+        c, h, w = image.shape
+        (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+        head = (image.ctypes.data, cols.ctypes.data, c, h, w, kh, kw, out_width, sh, sw, dh, dw, pads[0], pads[1],
+                r0, r1)
+        _run(self._im2col, _ranges(c * kh * kw, (r1 - r0) * out_width * 4), head, ())
+
+    def pool(self, x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
+             pads: Sequence[int], out_shape: Sequence[int], mode: int) -> np.ndarray | None:
+        """2-D pool of x[N, C, H, W] into [N, C, *out_shape]: mode POOL_MAX, POOL_AVERAGE (dividing by the taps
+        inside the image) or POOL_AVERAGE_PADS (inside the image and its explicit `pads`); output windows past
+        the end pads (ceil_mode) read padding. None when the native kernel cannot do it."""
+        if x.dtype != _F32 or x.ndim != 4 or len(kernel) != 2 or min(pads) < 0:
+            return None
+        n, c, h, w = x.shape
+        x = _operand(x)
+        y = np.empty((n, c, *out_shape), _F32)
+        if y.size == 0:
+            return y
+        oh, ow = out_shape
+        (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
+        head = (address(x), y.ctypes.data, h, w, kh, kw, oh, ow, sh, sw, dh, dw, *pads)
+        failed = _run(self._pool, _ranges(n * c, oh * ow * kh * kw), head, (mode,))
+        return None if any(failed) else y
+
+    def plane_mean(self, x: np.ndarray) -> np.ndarray | None:
+        """The mean over the spatial axes of x[N, C, *spatial] (float32), as [N, C, 1, ...]; None when the native
+        kernel cannot do it."""
+        if x.dtype != _F32 or x.ndim < 3:
+            return None
+        x = _operand(x)
+        planes = x.shape[0] * x.shape[1]
+        size = x.size // planes if planes else 0
+        y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), _F32)
+        if size == 0 or planes == 0:
+            return None if size == 0 and planes else y
+        _run(self._mean, _ranges(planes, size), (address(x), y.ctypes.data, size), ())
+        return y
+
+
+POOL_MAX, POOL_AVERAGE, POOL_AVERAGE_PADS = 0, 1, 2

@@ -1,0 +1,768 @@
+/* Depthwise 2-D convolution and 2-D pools, float32 NCHW; the convolution applies its bias and activation before
+ * the one store of each output.
+ *
+ * 3x3 kernels of stride 1 or 2 (MobileNet, ShuffleNet) and pools of column stride 1 or 2 read straight from the
+ * image with AVX-512: masked loads read the padding as zeros (or -inf), the taps of a kernel row come from lane
+ * shifts (stride 1) or even/odd lane permutes (stride 2) of the same few loads.
+ *
+ * Everything else (any kernel, stride and dilation, and builds without AVX-512) copies each input plane, a band
+ * of rows at a time, into its stride phases with the padding written out (phase (a, b) holds padded pixel
+ * (r * sh + a, t * sw + b) at row r, column t). Every kernel tap then reads one contiguous run of one phase per
+ * output row: a unit-stride multiply-add over output columns with no bounds checks. Narrow outputs (7x7 maps) are
+ * computed on the phase plane's full width, several rows per run, and cropped while copied out.
+ *
+ * Also here: bias_act_f32, the bias + activation pass over a [planes, pixels] result (for outputs computed
+ * elsewhere, e.g. by numpy).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
+       ACT_SIGMOID = 6 };
+
+/* geometry, in the order of dwconv2d_f32's arguments */
+enum { G_C, G_MULT, G_H, G_W, G_KH, G_KW, G_OH, G_OW, G_SH, G_SW, G_DH, G_DW, G_PT, G_PL, G_COUNT };
+
+#define BAND_FLOATS 65536 /* phase planes of one band: 256 KiB, inside the L2 cache */
+#define FLAT_FLOATS 1024  /* outputs per run of the narrow-output path */
+#define SLACK 160         /* readable floats past a phase plane's last row: the last vectors' overrun */
+
+typedef struct {
+    float a, b;
+    int act;
+} act_t;
+
+static inline float act_scalar(float v, act_t f) {
+    switch (f.act) {
+    case ACT_RELU: return v < 0.0f ? 0.0f : v;
+    case ACT_CLIP: v = v < f.a ? f.a : v; return v > f.b ? f.b : v;
+    case ACT_LEAKY: return v < 0.0f ? v * f.a : v;
+    case ACT_HARDSIGMOID: {
+        float s = v * f.a + f.b;
+        s = s < 0.0f ? 0.0f : s;
+        return s > 1.0f ? 1.0f : s;
+    }
+    case ACT_HARDSWISH: {
+        float s = v * (1.0f / 6.0f) + 0.5f;
+        s = s < 0.0f ? 0.0f : s;
+        return v * (s > 1.0f ? 1.0f : s);
+    }
+    case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
+    default: return v;
+    }
+}
+
+static void act_row(float *restrict y, int64_t n, act_t f) {
+    if (f.act == ACT_NONE) return;
+    for (int64_t i = 0; i < n; i++) y[i] = act_scalar(y[i], f);
+}
+
+#if defined(__AVX512F__)
+/* e^x for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then scale by 2^n */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x)); /* NaN stays NaN */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* the activation of 16 lanes; NaN stays NaN as in numpy (max/min return their second operand on NaN) */
+static __m512 act512_any(__m512 v, act_t f) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    switch (f.act) {
+    case ACT_RELU: return _mm512_max_ps(zero, v);
+    case ACT_CLIP: return _mm512_min_ps(_mm512_set1_ps(f.b), _mm512_max_ps(_mm512_set1_ps(f.a), v));
+    case ACT_LEAKY:
+        return _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), v, _mm512_set1_ps(f.a));
+    case ACT_HARDSIGMOID: {
+        __m512 s = _mm512_fmadd_ps(v, _mm512_set1_ps(f.a), _mm512_set1_ps(f.b));
+        return _mm512_min_ps(one, _mm512_max_ps(zero, s));
+    }
+    case ACT_HARDSWISH: {
+        __m512 s = _mm512_fmadd_ps(v, _mm512_set1_ps(1.0f / 6.0f), _mm512_set1_ps(0.5f));
+        return _mm512_mul_ps(v, _mm512_min_ps(one, _mm512_max_ps(zero, s)));
+    }
+    case ACT_SIGMOID:
+        return _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, v))));
+    default: return v;
+    }
+}
+
+/* The same, inline for none / Relu / Clip (a clamp to [lo, hi]: -inf/inf, 0/inf, a/b), a call for the rest:
+ * the stores of a small tile would otherwise spend as long in calls as in its multiply-adds. */
+static inline __attribute__((always_inline)) __m512 act512(__m512 v, act_t f) {
+    if (f.act > ACT_CLIP) return act512_any(v, f);
+    const float lo = f.act == ACT_NONE ? -INFINITY : f.act == ACT_RELU ? 0.0f : f.a;
+    const float hi = f.act == ACT_CLIP ? f.b : INFINITY;
+    return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), v));
+}
+
+static inline __mmask16 tail_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* dst[r * dst_stride + i] = act(bias + sum_t w[t] * src[t][r * src_stride + i]) for r < rows, i < n; `taps` is
+ * a constant where inlined for 3x3 kernels, so the weights and the tap pointers stay in registers */
+static inline __attribute__((always_inline)) void taps_run(float *dst, int64_t dst_stride, const float *const *src,
+                                                           int64_t src_stride, const float *w, int64_t taps,
+                                                           int64_t rows, int64_t n, float bias, act_t f) {
+    const float *s[64];
+    float wt[64];
+    for (int64_t t = 0; t < taps; t++) {
+        s[t] = src[t];
+        wt[t] = w[t];
+    }
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int64_t r = 0; r < rows; r++, dst += dst_stride) {
+        const int64_t row = r * src_stride;
+        for (int64_t i = 0; i < n; i += 64) {
+            const __mmask16 m0 = tail_mask(n - i), m1 = tail_mask(n - i - 16), m2 = tail_mask(n - i - 32),
+                            m3 = tail_mask(n - i - 48);
+            __m512 a0 = b, a1 = b, a2 = b, a3 = b;
+            for (int64_t t = 0; t < taps; t++) {
+                const __m512 wv = _mm512_set1_ps(wt[t]);
+                const float *p = s[t] + row + i;
+                a0 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m0, p), a0);
+                a1 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m1, p + 16), a1);
+                a2 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m2, p + 32), a2);
+                a3 = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m3, p + 48), a3);
+            }
+            _mm512_mask_storeu_ps(dst + i, m0, act512(a0, f));
+            _mm512_mask_storeu_ps(dst + i + 16, m1, act512(a1, f));
+            _mm512_mask_storeu_ps(dst + i + 32, m2, act512(a2, f));
+            _mm512_mask_storeu_ps(dst + i + 48, m3, act512(a3, f));
+        }
+    }
+}
+
+static void taps_run_any(float *dst, int64_t dst_stride, const float *const *src, int64_t src_stride,
+                         const float *w, int64_t taps, int64_t rows, int64_t n, float bias, act_t f) {
+    if (taps == 9) {
+        taps_run(dst, dst_stride, src, src_stride, w, 9, rows, n, bias, f);
+    } else if (taps <= 64) {
+        taps_run(dst, dst_stride, src, src_stride, w, taps, rows, n, bias, f);
+    } else { /* huge kernels: 64 taps at a time, then the rest through dst */
+        taps_run(dst, dst_stride, src, src_stride, w, 64, rows, n, bias, (act_t){0.0f, 0.0f, ACT_NONE});
+        for (int64_t r = 0; r < rows; r++) {
+            float *d = dst + r * dst_stride;
+            for (int64_t t = 64; t < taps; t++)
+                for (int64_t i = 0; i < n; i++) d[i] += w[t] * src[t][r * src_stride + i];
+            act_row(d, n, f);
+        }
+    }
+}
+
+static void act_run(float *y, int64_t n, const float bias, act_t f) {
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_mask_storeu_ps(y + i, m, act512(_mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), b), f));
+    }
+}
+#else
+static void taps_run_any(float *dst, int64_t dst_stride, const float *const *src, int64_t src_stride,
+                         const float *w, int64_t taps, int64_t rows, int64_t n, float bias, act_t f) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *restrict d = dst + r * dst_stride;
+        for (int64_t i = 0; i < n; i++) d[i] = bias;
+        for (int64_t t = 0; t < taps; t++) {
+            const float *restrict s = src[t] + r * src_stride;
+            const float wt = w[t];
+            for (int64_t i = 0; i < n; i++) d[i] += wt * s[i];
+        }
+        act_row(d, n, f);
+    }
+}
+
+static void act_run(float *restrict y, int64_t n, const float bias, act_t f) {
+    for (int64_t i = 0; i < n; i++) y[i] += bias;
+    act_row(y, n, f);
+}
+#endif
+
+/* rows [r0, r0 + rows) of phase (a, b) of the padded image (padding = `pad`), each plane_w wide */
+static int fill_phase(float *dst, const float *img, const int64_t *g, int64_t r0, int64_t rows, int64_t plane_w,
+                      int64_t a, int64_t b, float pad) {
+    int nan = 0;
+    const int64_t h = g[G_H], w = g[G_W], sh = g[G_SH], sw = g[G_SW];
+    const int64_t first = b - g[G_PL]; /* input column of phase column 0 */
+    const int64_t lo = first >= 0 ? 0 : (-first + sw - 1) / sw;
+    int64_t hi = w - 1 - first < 0 ? 0 : (w - 1 - first) / sw + 1;
+    if (hi > plane_w) hi = plane_w;
+    for (int64_t r = 0; r < rows; r++) {
+        float *d = dst + r * plane_w;
+        const int64_t ih = (r0 + r) * sh + a - g[G_PT];
+        if (ih < 0 || ih >= h || hi <= lo) {
+            for (int64_t t = 0; t < plane_w; t++) d[t] = pad;
+            continue;
+        }
+        const float *s = img + ih * w + first;
+        for (int64_t t = 0; t < lo; t++) d[t] = pad;
+        if (sw == 1) {
+            memcpy(d + lo, s + lo, (size_t)(hi - lo) * sizeof(float));
+        } else {
+            for (int64_t t = lo; t < hi; t++) d[t] = s[t * sw];
+        }
+        for (int64_t t = lo; t < hi; t++) nan |= d[t] != d[t];
+        for (int64_t t = hi; t < plane_w; t++) d[t] = pad;
+    }
+    return nan;
+}
+
+#if defined(__AVX512F__)
+/* the lanes l of a 16-lane vector with lo <= l < hi */
+static inline __mmask16 range_mask(int64_t lo, int64_t hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* Row r of both column phases (column stride 1 or 2) in one pass, masked loads writing the padding: padded
+ * column c = column c - pl of the input row (row NULL: a padding row). Returns whether the row holds a NaN. */
+static int fill_row512(float *d0, float *d1, const float *row, int64_t w, int64_t pl, int64_t plane_w, int64_t sw,
+                       float pad) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 padding = _mm512_set1_ps(pad);
+    __mmask16 nan = 0;
+    for (int64_t t = 0; t < plane_w; t += 16) {
+        const __mmask16 out = tail_mask(plane_w - t);
+        if (!row) {
+            _mm512_mask_storeu_ps(d0 + t, out, padding);
+            if (d1) _mm512_mask_storeu_ps(d1 + t, out, padding);
+            continue;
+        }
+        const int64_t c = sw * t - pl; /* input column of lane 0 */
+        __m512 lo, hi;
+        if (c >= 0 && c + 16 * sw <= w) { /* inside the row: no masks to work out */
+            lo = _mm512_loadu_ps(row + c);
+            hi = sw == 2 ? _mm512_loadu_ps(row + c + 16) : lo;
+        } else {
+            lo = _mm512_mask_loadu_ps(padding, range_mask(-c, w - c), row + c);
+            hi = sw == 2 ? _mm512_mask_loadu_ps(padding, range_mask(-c - 16, w - c - 16), row + c + 16) : lo;
+        }
+        nan |= _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q);
+        if (sw == 1) {
+            _mm512_mask_storeu_ps(d0 + t, out, lo);
+            continue;
+        }
+        _mm512_mask_storeu_ps(d0 + t, out, _mm512_permutex2var_ps(lo, even, hi));
+        if (d1) _mm512_mask_storeu_ps(d1 + t, out, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+    return nan != 0;
+}
+#endif
+
+/* Where a plane's stride phases go in the scratch memory, and where each kernel tap reads them. */
+typedef struct {
+    int64_t g[G_COUNT];
+    int64_t taps, ext_h, ext_w, plane_w, band, stride, flat, flat_floats;
+    int64_t slot[64];   /* phase (a * sw + b) -> its place in the scratch, or -1 when no tap reads it */
+    int64_t *offset;    /* per tap: offset of its first read from the scratch start */
+    const float **src;  /* per tap: where it reads for the current rows */
+    float *scratch;     /* the phase planes of one band of rows, then `tmp` */
+    float *tmp;         /* the narrow-output path's rows */
+} layout_t;
+
+static void layout_free(layout_t *L) {
+    free(L->scratch);
+    free(L->src);
+    free(L->offset);
+}
+
+/* the layout of geometry g; -1 when out of memory or the strides have over 64 phases (the caller keeps numpy) */
+static int layout_init(layout_t *L, const int64_t *g) {
+    const int64_t kh = g[G_KH], kw = g[G_KW], oh = g[G_OH], ow = g[G_OW], sh = g[G_SH], sw = g[G_SW];
+    const int64_t dh = g[G_DH], dw = g[G_DW];
+    int64_t phases = 0;
+    memcpy(L->g, g, sizeof(L->g));
+    L->taps = kh * kw;
+    L->ext_h = (kh - 1) * dh / sh;
+    L->ext_w = (kw - 1) * dw / sw;
+    L->plane_w = ow + L->ext_w;
+    L->scratch = NULL;
+    L->src = NULL;
+    L->offset = NULL;
+    if (sh * sw > 64) return -1;
+    for (int64_t p = 0; p < sh * sw; p++) L->slot[p] = -1;
+    for (int64_t i = 0; i < kh; i++)
+        for (int64_t j = 0; j < kw; j++) L->slot[(i * dh % sh) * sw + j * dw % sw] = 0;
+    for (int64_t p = 0; p < sh * sw; p++)
+        if (L->slot[p] == 0) L->slot[p] = ++phases;
+    for (int64_t p = 0; p < sh * sw; p++) L->slot[p] -= 1;
+    L->band = BAND_FLOATS / (phases * L->plane_w) - L->ext_h;
+    L->band = L->band < 1 ? 1 : L->band > oh ? oh : L->band;
+    L->stride = (L->band + L->ext_h) * L->plane_w + L->ext_w + SLACK;
+    L->flat = (ow + 16 - 1) / 16 * 16 - ow > L->ext_w + ow / 8; /* narrow rows: run over the full width */
+    L->flat_floats = L->plane_w > FLAT_FLOATS ? L->plane_w : FLAT_FLOATS;
+    L->scratch = malloc(((size_t)(phases * L->stride) + (size_t)L->flat_floats + SLACK) * sizeof(float));
+    L->src = malloc((size_t)L->taps * sizeof(float *));
+    L->offset = malloc((size_t)L->taps * sizeof(int64_t));
+    if (!L->scratch || !L->src || !L->offset) {
+        layout_free(L);
+        return -1;
+    }
+    L->tmp = L->scratch + phases * L->stride;
+    for (int64_t p = 0; p < phases; p++) /* read (into lanes that are dropped) past the last row */
+        memset(L->scratch + p * L->stride + L->stride - SLACK - L->ext_w, 0, (size_t)(SLACK + L->ext_w) * 4);
+    for (int64_t i = 0; i < kh; i++)
+        for (int64_t j = 0; j < kw; j++)
+            L->offset[i * kw + j] = L->slot[(i * dh % sh) * sw + j * dw % sw] * L->stride
+                                    + i * dh / sh * L->plane_w + j * dw / sw;
+    return 0;
+}
+
+/* rows [r0, r0 + rows) of every phase the taps read, from the image img; whether they hold a NaN */
+static int fill_band(layout_t *L, const float *img, int64_t r0, int64_t rows, float pad) {
+    const int64_t *g = L->g;
+    const int64_t sh = g[G_SH], sw = g[G_SW], plane_w = L->plane_w;
+    int nan = 0;
+#if defined(__AVX512F__)
+    if (sw <= 2) {
+        for (int64_t a = 0; a < sh; a++) {
+            const int64_t s0 = L->slot[a * sw], s1 = sw == 2 ? L->slot[a * sw + 1] : -1;
+            float *d0 = s0 >= 0 ? L->scratch + s0 * L->stride : NULL;
+            float *d1 = s1 >= 0 ? L->scratch + s1 * L->stride : NULL;
+            if (!d0 && !d1) continue;
+            if (!d0) { /* only the odd columns: the shared pass writes both */
+                nan |= fill_phase(d1, img, g, r0, rows, plane_w, a, 1, pad);
+                continue;
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t ih = (r0 + r) * sh + a - g[G_PT];
+                const float *row = ih >= 0 && ih < g[G_H] ? img + ih * g[G_W] : NULL;
+                nan |= fill_row512(d0 + r * plane_w, d1 ? d1 + r * plane_w : NULL, row, g[G_W], g[G_PL], plane_w,
+                                   sw, pad);
+            }
+        }
+        return nan;
+    }
+#endif
+    for (int64_t p = 0; p < sh * sw; p++)
+        if (L->slot[p] >= 0)
+            nan |= fill_phase(L->scratch + L->slot[p] * L->stride, img, g, r0, rows, plane_w, p / sw, p % sw, pad);
+    return nan;
+}
+
+#if defined(__AVX512F__)
+/* lanes k.. of lo followed by the first k of hi */
+#define ALIGNR(hi, lo, k) _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), k))
+
+/* One plane of a 3x3, stride 1, dilation 1 depthwise convolution straight from the image: no phase planes. Each
+ * kernel row reads three vectors of its input row (masked loads read the padding as zeros; a row outside the
+ * image reads `zero`), and the shifted taps come from lane shifts across them. */
+static void dw3x3s1_plane(float *out, const float *img, const float *wt, float bias, int64_t h, int64_t w,
+                          int64_t oh, int64_t ow, int64_t pt, int64_t pl, const float *zero, act_t f) {
+    const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
+    const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
+    const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int64_t o = 0; o < oh; o++, out += ow) {
+        const int64_t i0 = o - pt;
+        const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
+        const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
+        const float *r2 = i0 + 2 >= 0 && i0 + 2 < h ? img + (i0 + 2) * w : zero;
+        for (int64_t c0 = 0; c0 < ow; c0 += 32) {
+            const int64_t c = c0 - pl; /* input column of lane 0 */
+            const __mmask16 ma = range_mask(-c, w - c), mb = range_mask(-c - 16, w - c - 16),
+                            mc = range_mask(-c - 32, w - c - 32);
+            __m512 a0 = b, a1 = b;
+#define DW3_ROW(r, wl, wm, wr, two)                                                                                \
+    do {                                                                                                           \
+        const __m512 x0 = _mm512_maskz_loadu_ps(ma, (r) + c), x1 = _mm512_maskz_loadu_ps(mb, (r) + c + 16);       \
+        a0 = _mm512_fmadd_ps(wl, x0, a0);                                                                          \
+        a0 = _mm512_fmadd_ps(wm, ALIGNR(x1, x0, 1), a0);                                                           \
+        a0 = _mm512_fmadd_ps(wr, ALIGNR(x1, x0, 2), a0);                                                           \
+        if (two) {                                                                                                 \
+            const __m512 x2 = _mm512_maskz_loadu_ps(mc, (r) + c + 32);                                             \
+            a1 = _mm512_fmadd_ps(wl, x1, a1);                                                                      \
+            a1 = _mm512_fmadd_ps(wm, ALIGNR(x2, x1, 1), a1);                                                       \
+            a1 = _mm512_fmadd_ps(wr, ALIGNR(x2, x1, 2), a1);                                                       \
+        }                                                                                                          \
+    } while (0)
+            if (ow - c0 > 16) {
+                DW3_ROW(r0, w0, w1, w2, 1);
+                DW3_ROW(r1, w3, w4, w5, 1);
+                DW3_ROW(r2, w6, w7, w8, 1);
+                _mm512_mask_storeu_ps(out + c0 + 16, tail_mask(ow - c0 - 16), act512(a1, f));
+            } else { /* the last 16 columns or fewer: one vector */
+                DW3_ROW(r0, w0, w1, w2, 0);
+                DW3_ROW(r1, w3, w4, w5, 0);
+                DW3_ROW(r2, w6, w7, w8, 0);
+            }
+#undef DW3_ROW
+            _mm512_mask_storeu_ps(out + c0, tail_mask(ow - c0), act512(a0, f));
+        }
+    }
+}
+
+/* The same for stride 2: a kernel row reads 33 input columns per 16 outputs; lane permutes pick the even
+ * columns (left tap), the odd ones (middle tap) and the even ones one further on (right tap). */
+static void dw3x3s2_plane(float *out, const float *img, const float *wt, float bias, int64_t h, int64_t w,
+                          int64_t oh, int64_t ow, int64_t pt, int64_t pl, const float *zero, act_t f) {
+    const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
+    const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
+    const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
+    const __m512 b = _mm512_set1_ps(bias);
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t o = 0; o < oh; o++, out += ow) {
+        const int64_t i0 = 2 * o - pt;
+        const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
+        const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
+        const float *r2 = i0 + 2 >= 0 && i0 + 2 < h ? img + (i0 + 2) * w : zero;
+        for (int64_t c0 = 0; c0 < ow; c0 += 16) {
+            const int64_t c = 2 * c0 - pl; /* input column of lane 0 */
+            const __mmask16 ma = range_mask(-c, w - c), mb = range_mask(-c - 16, w - c - 16),
+                            mc = range_mask(-c - 32, w - c - 32) & 1;
+            __m512 p = b, q = _mm512_setzero_ps(), u = q; /* one partial sum per kernel row */
+#define DW3S2_ROW(r, wl, wm, wr, a)                                                                                \
+    do {                                                                                                           \
+        const __m512 x0 = _mm512_maskz_loadu_ps(ma, (r) + c), x1 = _mm512_maskz_loadu_ps(mb, (r) + c + 16);       \
+        const __m512 x2 = _mm512_maskz_loadu_ps(mc, (r) + c + 32);                                                 \
+        const __m512 e = _mm512_permutex2var_ps(x0, even, x1);                                                     \
+        a = _mm512_fmadd_ps(wl, e, a);                                                                             \
+        a = _mm512_fmadd_ps(wm, _mm512_permutex2var_ps(x0, odd, x1), a);                                           \
+        a = _mm512_fmadd_ps(wr, ALIGNR(x2, e, 1), a);                                                              \
+    } while (0)
+            DW3S2_ROW(r0, w0, w1, w2, p);
+            DW3S2_ROW(r1, w3, w4, w5, q);
+            DW3S2_ROW(r2, w6, w7, w8, u);
+#undef DW3S2_ROW
+            _mm512_mask_storeu_ps(out + c0, tail_mask(ow - c0), act512(_mm512_add_ps(_mm512_add_ps(p, q), u), f));
+        }
+    }
+}
+#endif
+
+/* Output planes of the input planes [begin, end) of x[N * C, H, W] (contiguous) into y[N * C * mult, OH, OW];
+ * w[C * mult, KH * KW], bias[C * mult] or NULL; the geometry in the order of the G_ names. Returns 0, or -1 when
+ * out of memory. */
+int64_t dwconv2d_f32(const float *x, const float *w, const float *bias, float *y, int64_t channels,
+                     int64_t mult, int64_t h, int64_t w_, int64_t kh, int64_t kw, int64_t oh, int64_t ow,
+                     int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t begin,
+                     int64_t end, int64_t act, float alpha, float beta) {
+    const int64_t g[G_COUNT] = {channels, mult, h, w_, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl};
+    const act_t f = {alpha, beta, (int)act};
+    layout_t L;
+    if (end <= begin || oh <= 0 || ow <= 0) return 0;
+#if defined(__AVX512F__)
+    if (kh == 3 && kw == 3 && sh == sw && (sh == 1 || sh == 2) && dh == 1 && dw == 1) {
+        float *zero = calloc((size_t)(w_ + 64), sizeof(float));
+        if (!zero) return -1;
+        for (int64_t q = begin; q < end; q++) {
+            const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
+            for (int64_t k = 0; k < mult; k++) {
+                const int64_t m = (first_out + k) % (channels * mult);
+                (sh == 1 ? dw3x3s1_plane : dw3x3s2_plane)(y + (first_out + k) * oh * ow, x + q * h * w_, w + m * 9,
+                                                          bias ? bias[m] : 0.0f, h, w_, oh, ow, pt, pl, zero, f);
+            }
+        }
+        free(zero);
+        return 0;
+    }
+#endif
+    if (layout_init(&L, g)) return -1;
+    const int64_t taps = L.taps, plane_w = L.plane_w, rows_per_run = L.flat_floats / plane_w;
+    for (int64_t q = begin; q < end; q++) {
+        const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
+        for (int64_t o0 = 0; o0 < oh; o0 += L.band) {
+            const int64_t rows = oh - o0 < L.band ? oh - o0 : L.band;
+            fill_band(&L, x + q * h * w_, o0, rows + L.ext_h, 0.0f);
+            for (int64_t k = 0; k < mult; k++) {
+                const int64_t m = first_out + k;
+                const float *wm = w + (m % (channels * mult)) * taps;
+                const float b = bias ? bias[m % (channels * mult)] : 0.0f;
+                float *out = y + m * oh * ow + o0 * ow;
+                if (!L.flat) {
+                    for (int64_t t = 0; t < taps; t++) L.src[t] = L.scratch + L.offset[t];
+                    taps_run_any(out, ow, L.src, plane_w, wm, taps, rows, ow, b, f);
+                    continue;
+                }
+                for (int64_t r = 0; r < rows; r += rows_per_run) {
+                    const int64_t n = rows - r < rows_per_run ? rows - r : rows_per_run;
+                    for (int64_t t = 0; t < taps; t++) L.src[t] = L.scratch + L.offset[t] + r * plane_w;
+                    taps_run_any(L.tmp, 0, L.src, 0, wm, taps, 1, n * plane_w, b, f);
+                    for (int64_t i = 0; i < n; i++)
+                        memcpy(out + (r + i) * ow, L.tmp + i * plane_w, (size_t)ow * sizeof(float));
+                }
+            }
+        }
+    }
+    layout_free(&L);
+    return 0;
+}
+
+/* how many taps of a window starting at `start` (stride apart by `dilation`) fall in [lo, hi) */
+static int64_t taps_inside(int64_t start, int64_t taps, int64_t dilation, int64_t lo, int64_t hi) {
+    int64_t count = 0;
+    for (int64_t t = 0; t < taps; t++) count += start + t * dilation >= lo && start + t * dilation < hi;
+    return count;
+}
+
+enum { POOL_MAX = 0, POOL_AVERAGE = 1, POOL_AVERAGE_PADS = 2, POOL_MAX_NAN = 3 /* max over a plane with NaN */ };
+
+#if defined(__AVX512F__)
+/* Up to 4 vectors of one output row of a pool: the maximum (with `nan`, NaN where a tap is NaN, as numpy's
+ * maximum: max_ps alone drops it) or the mean; `taps`, `mode` and `nan` are constants where inlined. */
+static inline __attribute__((always_inline)) void pool_block(float *dst, const float *const *src, int64_t at,
+                                                             int64_t taps, int64_t n, const int mode, const int nan,
+                                                             __m512 rows_in, const float *cols_in) {
+    const __mmask16 m0 = tail_mask(n), m1 = tail_mask(n - 16), m2 = tail_mask(n - 32), m3 = tail_mask(n - 48);
+    const __m512 init = _mm512_set1_ps(mode == POOL_MAX ? -INFINITY : 0.0f);
+    __m512 a0 = init, a1 = init, a2 = init, a3 = init;
+    __mmask16 n0 = 0, n1 = 0, n2 = 0, n3 = 0;
+    for (int64_t t = 0; t < taps; t++) {
+        const float *p = src[t] + at;
+        const __m512 v0 = _mm512_maskz_loadu_ps(m0, p), v1 = _mm512_maskz_loadu_ps(m1, p + 16);
+        const __m512 v2 = _mm512_maskz_loadu_ps(m2, p + 32), v3 = _mm512_maskz_loadu_ps(m3, p + 48);
+        if (mode == POOL_MAX) {
+            a0 = _mm512_max_ps(a0, v0), a1 = _mm512_max_ps(a1, v1);
+            a2 = _mm512_max_ps(a2, v2), a3 = _mm512_max_ps(a3, v3);
+            if (nan) {
+                n0 |= _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q), n1 |= _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+                n2 |= _mm512_cmp_ps_mask(v2, v2, _CMP_UNORD_Q), n3 |= _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
+            }
+        } else {
+            a0 = _mm512_add_ps(a0, v0), a1 = _mm512_add_ps(a1, v1);
+            a2 = _mm512_add_ps(a2, v2), a3 = _mm512_add_ps(a3, v3);
+        }
+    }
+    if (mode == POOL_MAX && nan) {
+        const __m512 q = _mm512_set1_ps(NAN);
+        a0 = _mm512_mask_mov_ps(a0, n0, q), a1 = _mm512_mask_mov_ps(a1, n1, q);
+        a2 = _mm512_mask_mov_ps(a2, n2, q), a3 = _mm512_mask_mov_ps(a3, n3, q);
+    } else if (mode != POOL_MAX) {
+        a0 = _mm512_div_ps(a0, _mm512_mul_ps(rows_in, _mm512_maskz_loadu_ps(m0, cols_in)));
+        a1 = _mm512_div_ps(a1, _mm512_mul_ps(rows_in, _mm512_maskz_loadu_ps(m1, cols_in + 16)));
+        a2 = _mm512_div_ps(a2, _mm512_mul_ps(rows_in, _mm512_maskz_loadu_ps(m2, cols_in + 32)));
+        a3 = _mm512_div_ps(a3, _mm512_mul_ps(rows_in, _mm512_maskz_loadu_ps(m3, cols_in + 48)));
+    }
+    _mm512_mask_storeu_ps(dst, m0, a0);
+    _mm512_mask_storeu_ps(dst + 16, m1, a1);
+    _mm512_mask_storeu_ps(dst + 32, m2, a2);
+    _mm512_mask_storeu_ps(dst + 48, m3, a3);
+}
+
+static inline __attribute__((always_inline)) void pool_row_t(float *dst, const float *const *src, int64_t taps,
+                                                             int64_t n, const int mode, const int nan,
+                                                             float rows_in, const float *cols_in) {
+    const __m512 r = _mm512_set1_ps(rows_in);
+    for (int64_t i = 0; i < n; i += 64) pool_block(dst + i, src, i, taps, n - i, mode, nan, r, cols_in + i);
+}
+
+/* one output row of a pool: the maximum (NaN if any tap is NaN, as numpy's maximum) or the mean */
+static void pool_row(float *dst, const float *const *src, int64_t taps, int64_t n, int64_t mode, int nan,
+                     float rows_in, const float *cols_in) {
+    if (mode != POOL_MAX)
+        taps == 9 ? pool_row_t(dst, src, 9, n, POOL_AVERAGE, 0, rows_in, cols_in)
+                  : pool_row_t(dst, src, taps, n, POOL_AVERAGE, 0, rows_in, cols_in);
+    else if (nan)
+        pool_row_t(dst, src, taps, n, POOL_MAX, 1, rows_in, cols_in);
+    else
+        taps == 9 ? pool_row_t(dst, src, 9, n, POOL_MAX, 0, rows_in, cols_in)
+                  : pool_row_t(dst, src, taps, n, POOL_MAX, 0, rows_in, cols_in);
+}
+#else
+/* one output row of a pool: the maximum (NaN if any tap is NaN, as numpy's maximum) or the mean */
+static void pool_row(float *dst, const float *const *src, int64_t taps, int64_t n, int64_t mode, int nan,
+                     float rows_in, const float *cols_in) {
+    (void)nan;
+    for (int64_t i = 0; i < n; i++) dst[i] = mode == POOL_MAX ? -INFINITY : 0.0f;
+    for (int64_t t = 0; t < taps; t++) {
+        const float *s = src[t];
+        if (mode == POOL_MAX)
+            for (int64_t i = 0; i < n; i++) dst[i] = s[i] > dst[i] || s[i] != s[i] ? s[i] : dst[i]; /* NaN sticks */
+        else
+            for (int64_t i = 0; i < n; i++) dst[i] += s[i];
+    }
+    if (mode != POOL_MAX)
+        for (int64_t i = 0; i < n; i++) dst[i] /= rows_in * cols_in[i];
+}
+#endif
+
+#if defined(__AVX512F__)
+/* max(a, b), NaN when either is NaN (numpy's maximum; max_ps alone returns b when a is NaN) */
+static inline __m512 max_nan512(__m512 a, __m512 b) {
+    return _mm512_mask_mov_ps(_mm512_max_ps(a, b), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
+}
+
+/* whether x[:n] may hold a NaN: x * 0 is NaN for NaN (and for infinities, which only cost the slower path) */
+static int has_nan(const float *x, int64_t n) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 a = zero, b = zero;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), zero, a);
+        b = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), zero, b);
+    }
+    for (; i < n; i += 16) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask(n - i), x + i), zero, a);
+    a = _mm512_add_ps(a, b);
+    return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+}
+
+/* One plane of a pool with column stride 1 or 2 straight from the image: per output vector and kernel tap, a
+ * masked load (two and a lane permute for stride 2) of the input row, the padding read as -inf (max) or 0 (sum);
+ * rows outside the image are skipped. masks[v * kw + j]: the lanes tap column j reads for output vector v (lo
+ * and hi halves). */
+static inline __attribute__((always_inline)) void pool_plane(float *out, const float *img, int64_t h, int64_t w,
+                                                             int64_t kh, int64_t kw, int64_t oh, int64_t ow,
+                                                             int64_t sh, int64_t dh, int64_t dw, int64_t pt,
+                                                             int64_t pl, const __mmask16 *masks, const int sw,
+                                                             const int mode, int64_t pb, const float *cols_in) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512 pad = _mm512_set1_ps(mode == POOL_MAX || mode == POOL_MAX_NAN ? -INFINITY : 0.0f);
+    const int pads_count = mode == POOL_AVERAGE_PADS;
+    for (int64_t o = 0; o < oh; o++, out += ow) {
+        const int64_t top = o * sh - pt;
+        int64_t count = taps_inside(top, kh, dh, pads_count ? -pt : 0, pads_count ? h + pb : h);
+        const __m512 rows_in = _mm512_set1_ps((float)(count > 0 ? count : 1));
+        for (int64_t c0 = 0; c0 < ow; c0 += 64) { /* 4 vectors at a time: 4 independent chains */
+            const int64_t v0 = c0 / 16, nv = (ow - c0 + 15) / 16 < 4 ? (ow - c0 + 15) / 16 : 4;
+            __m512 a0 = pad, a1 = pad, a2 = pad, a3 = pad;
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t ih = top + i * dh;
+                if (ih < 0 || ih >= h) continue;
+                const float *row = img + ih * w + c0 * sw - pl;
+                for (int64_t j = 0; j < kw; j++) {
+                    const __mmask16 *mk = masks + 2 * (v0 * kw + j);
+#define POOL_TAP(a, v)                                                                                             \
+    if (v < nv) {                                                                                                  \
+        const float *p = row + 16 * sw * v + j * dw;                                                               \
+        __m512 x = _mm512_mask_loadu_ps(pad, mk[2 * v * kw], p);                                                   \
+        if (sw == 2) x = _mm512_permutex2var_ps(x, even, _mm512_mask_loadu_ps(pad, mk[2 * v * kw + 1], p + 16));   \
+        a = mode == POOL_MAX_NAN ? max_nan512(a, x) : mode == POOL_MAX ? _mm512_max_ps(a, x) : _mm512_add_ps(a, x); \
+    }
+                    POOL_TAP(a0, 0) POOL_TAP(a1, 1) POOL_TAP(a2, 2) POOL_TAP(a3, 3)
+#undef POOL_TAP
+                }
+            }
+#define POOL_STORE(a, v)                                                                                           \
+    if (v < nv) {                                                                                                  \
+        const __mmask16 m = tail_mask(ow - c0 - 16 * v);                                                           \
+        if (mode == POOL_AVERAGE || mode == POOL_AVERAGE_PADS)                                                     \
+            a = _mm512_div_ps(a, _mm512_mul_ps(rows_in, _mm512_maskz_loadu_ps(m, cols_in + c0 + 16 * v)));         \
+        _mm512_mask_storeu_ps(out + c0 + 16 * v, m, a);                                                            \
+    }
+            POOL_STORE(a0, 0) POOL_STORE(a1, 1) POOL_STORE(a2, 2) POOL_STORE(a3, 3)
+#undef POOL_STORE
+        }
+    }
+}
+
+#define POOL_PLANE(sw_, mode_)                                                                                     \
+    pool_plane(y + q * oh * ow, x + q * h * w, h, w, kh, kw, oh, ow, sh, dh, dw, pt, pl, masks, sw_, mode_, pb,     \
+               cols_in)
+#endif
+
+/* 2-D max or average pool of the planes [begin, end) of x[planes, H, W] into y[planes, OH, OW]: pt, pl, pb, pr
+ * are the explicit pads, and OH, OW may reach past the end ones (ceil_mode); an average divides by the taps inside
+ * the image (POOL_AVERAGE) or inside the image and its explicit pads (POOL_AVERAGE_PADS), at least 1. Returns 0,
+ * or -1 when out of memory. */
+int64_t pool2d_f32(const float *x, float *y, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t oh, int64_t ow,
+                   int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t pb, int64_t pr,
+                   int64_t begin, int64_t end, int64_t mode) {
+    const int64_t g[G_COUNT] = {1, 1, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl};
+    layout_t L;
+    if (end <= begin || oh <= 0 || ow <= 0) return 0;
+    float *cols_in = malloc((size_t)ow * sizeof(float));
+    if (!cols_in) return -1;
+    const int pads_count = mode == POOL_AVERAGE_PADS;
+    for (int64_t j = 0; j < ow; j++) {
+        const int64_t count = taps_inside(j * sw - pl, kw, dw, pads_count ? -pl : 0, pads_count ? w + pr : w);
+        cols_in[j] = (float)(count > 0 ? count : 1);
+    }
+#if defined(__AVX512F__)
+    if (sw <= 2) { /* straight from the image */
+        const int64_t vectors = (ow + 15) / 16;
+        __mmask16 *masks = malloc((size_t)(2 * vectors * kw) * sizeof(__mmask16));
+        if (!masks) {
+            free(cols_in);
+            return -1;
+        }
+        for (int64_t v = 0; v < vectors; v++)
+            for (int64_t j = 0; j < kw; j++) {
+                const int64_t c = v * 16 * sw - pl + j * dw; /* input column of lane 0 */
+                masks[2 * (v * kw + j)] = range_mask(-c, w - c);
+                masks[2 * (v * kw + j) + 1] = range_mask(-c - 16, w - c - 16);
+            }
+        for (int64_t q = begin; q < end; q++) {
+            if (mode == POOL_MAX && has_nan(x + q * h * w, h * w)) /* max_ps alone would drop it */
+                sw == 1 ? POOL_PLANE(1, POOL_MAX_NAN) : POOL_PLANE(2, POOL_MAX_NAN);
+            else if (mode == POOL_MAX)
+                sw == 1 ? POOL_PLANE(1, POOL_MAX) : POOL_PLANE(2, POOL_MAX);
+            else if (mode == POOL_AVERAGE)
+                sw == 1 ? POOL_PLANE(1, POOL_AVERAGE) : POOL_PLANE(2, POOL_AVERAGE);
+            else
+                sw == 1 ? POOL_PLANE(1, POOL_AVERAGE_PADS) : POOL_PLANE(2, POOL_AVERAGE_PADS);
+        }
+        free(masks);
+        free(cols_in);
+        return 0;
+    }
+#endif
+    if (layout_init(&L, g)) {
+        free(cols_in);
+        return -1;
+    }
+    const float pad = mode == POOL_MAX ? -INFINITY : 0.0f;
+    for (int64_t q = begin; q < end; q++) {
+        for (int64_t o0 = 0; o0 < oh; o0 += L.band) {
+            const int64_t rows = oh - o0 < L.band ? oh - o0 : L.band;
+            const int nan = fill_band(&L, x + q * h * w, o0, rows + L.ext_h, pad);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t o = o0 + r;
+                int64_t count = taps_inside(o * sh - pt, kh, dh, pads_count ? -pt : 0, pads_count ? h + pb : h);
+                count = count > 0 ? count : 1;
+                for (int64_t t = 0; t < L.taps; t++) L.src[t] = L.scratch + L.offset[t] + r * L.plane_w;
+                pool_row(y + (q * oh + o) * ow, L.src, L.taps, ow, mode, nan, (float)count, cols_in);
+            }
+        }
+    }
+    free(cols_in);
+    layout_free(&L);
+    return 0;
+}
+
+/* y[p, :] = act(y[p, :] + bias[p % channels]) for planes p in [begin, end) of `size` values each (bias may be
+ * NULL) */
+void bias_act_f32(float *y, const float *bias, int64_t channels, int64_t size, int64_t begin, int64_t end,
+                  int64_t act, float alpha, float beta) {
+    const act_t f = {alpha, beta, (int)act};
+    for (int64_t p = begin; p < end; p++) act_run(y + p * size, size, bias ? bias[p % channels] : 0.0f, f);
+}
+
+/* y[p] = mean of x[p, :size] for planes p in [begin, end) (global average pooling) */
+void plane_mean_f32(const float *x, float *y, int64_t size, int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+        const float *row = x + p * size;
+#if defined(__AVX512F__)
+        __m512 a = _mm512_setzero_ps(), b = a;
+        int64_t i = 0;
+        for (; i + 32 <= size; i += 32) {
+            a = _mm512_add_ps(a, _mm512_loadu_ps(row + i));
+            b = _mm512_add_ps(b, _mm512_loadu_ps(row + i + 16));
+        }
+        for (; i < size; i += 16) a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(tail_mask(size - i), row + i));
+        const float total = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#else
+        float total = 0.0f;
+        for (int64_t i = 0; i < size; i++) total += row[i];
+#endif
+        y[p] = total / (float)size;
+    }
+}
