@@ -15,6 +15,7 @@ Usage: python benchmarks/quantized.py [--runs 5] [--only bert_base,resnet50]
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -95,6 +96,7 @@ def median_ms(run, runs: int) -> float:
 def carrack_session(path: Path):
     from carrack import native
 
+    gc.collect()  # earlier sessions' packed weights go with them, not during this one's creation
     packed_before = native.prepared_nbytes()
     session = carrack.InferenceSession(str(path))
     # the optimized graph's weights plus what kernels packed from them at session creation (int8 GEMM panels)

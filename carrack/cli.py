@@ -107,7 +107,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ms = np.array(times) * 1000
     print(f"latency over {args.iters} runs: median {np.median(ms):.1f} ms, min {ms.min():.1f} ms, "
           f"max {ms.max():.1f} ms")
+    print(f"native kernels: {_native_summary()}")
     return 0
+
+
+def _native_summary() -> str:
+    from carrack import native
+
+    states = native.status()
+    loaded = [name for name, state in states.items() if state == "loaded"]
+    if len(loaded) == len(states):
+        return f"all {len(states)} compiled for this CPU ({', '.join(loaded)})"
+    missing = {name: state for name, state in states.items() if state != "loaded"}
+    return f"{len(loaded)} of {len(states)} compiled; " + "; ".join(f"{k}: {v}" for k, v in missing.items())
 
 
 def _load_inputs(items: Sequence[str]) -> dict[str, np.ndarray]:
