@@ -75,6 +75,7 @@ class Program:
                              for o in graph.outputs]
         self.n_slots = len(self.slot_of)
         self._assign_release()
+        self._dependencies = None
         self.arena_plan: MemoryPlan | None = None
         self.arena_bytes = 0
         self._plan = self._compile_plan()
@@ -122,7 +123,17 @@ class Program:
         self.steps = [Step(st.kernel, st.node, st.ins, st.outs, st.captures, tuple(release.get(i, ())))
                       for i, st in enumerate(self.steps)]
 
-    def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None) -> list[Any]:
+    def dependencies(self):
+        """Which steps wait on which (for running independent steps concurrently), computed once."""
+        if self._dependencies is None:
+            from carrack.runtime.concurrent import Dependencies
+
+            self._dependencies = Dependencies(self)
+        return self._dependencies
+
+    def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None,
+            concurrency: int = 1) -> list[Any]:
+        """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads."""
         env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
         for s, v in self.constants.items():
             env[s] = v
@@ -131,6 +142,11 @@ class Program:
                 env[s] = v
         for name, s in self.capture_slots:
             env[s] = outer[name]  # type: ignore[index]
+        if concurrency > 1 and profiler is None and len(self.steps) > 1:
+            from carrack.runtime.concurrent import run_concurrently
+
+            run_concurrently(self, env, concurrency, _execute_step)
+            return [env[s] for s in self.output_slots]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
         arena = None if self.arena_plan is None or profiler is not None else aligned_empty(
@@ -219,6 +235,17 @@ class Program:
                 guard = False  # a planned view: its source's bytes stay reserved while it is read
             plan.append((st, call, gather, arity, single, st.release, into, guard))
         return plan
+
+
+def _execute_step(step: Step, env: list[Any]) -> None:
+    """One step outside the sequential loop (concurrent runs): allocate its results, store them in env."""
+    try:
+        result = step.kernel.execute([env[s] if s >= 0 else None for s in step.ins], _scope(step, env))
+    except CarrackError:
+        raise
+    except Exception as e:  # noqa: BLE001 - name the node that failed
+        raise RunFailure(f"{step.node.label()} failed: {type(e).__name__}: {e}") from e
+    _store(step.outs, result, env)
 
 
 def _off_arena(value: Any, arena: np.ndarray) -> Any:

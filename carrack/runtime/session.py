@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from carrack.passes.optimizer import optimize, specialize
 from carrack.runtime.allocator import retain_freed_memory
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
-from carrack.runtime.options import RunOptions, SessionOptions
+from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
 from carrack.runtime.profiler import Profiler
 from carrack.runtime.program import BuildContext, Program
 
@@ -72,6 +73,7 @@ class InferenceSession:
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
         self._options = sess_options or SessionOptions()
+        self._concurrency = _inter_op_threads(self._options)
         if self._options.enable_cpu_mem_arena:
             retain_freed_memory()
         self._source_model: Model = load_model(path_or_bytes)
@@ -134,7 +136,7 @@ class InferenceSession:
         # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
         with limited_blas_threads(self._options.intra_op_num_threads or None):
             if self._profiler is None:
-                results = program.run(inputs)
+                results = program.run(inputs, concurrency=self._concurrency)
             else:
                 t0 = time.perf_counter_ns()
                 results = program.run(inputs, profiler=self._profiler)
@@ -271,3 +273,11 @@ def _may_omit(v: ValueInfo) -> bool:
 
 
 __all__ = ["InferenceSession", "ModelMetadata", "NodeArg", "SequenceType", "np"]
+
+
+def _inter_op_threads(options: SessionOptions) -> int:
+    """How many nodes a run may compute at once: 1 unless execution_mode is ORT_PARALLEL, then
+    inter_op_num_threads (0: one per core), as onnxruntime's parallel executor."""
+    if options.execution_mode != ExecutionMode.ORT_PARALLEL:
+        return 1
+    return options.inter_op_num_threads or os.cpu_count() or 1
