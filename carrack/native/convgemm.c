@@ -5,7 +5,8 @@
  * for 1x1 convolutions (x is the image, p its pixels) and for im2col columns (x the columns). The output is cut
  * into tiles of up to 6 rows by 64 pixels, each accumulated in 24 vector registers over the whole depth (the
  * 6 weights of a depth step are broadcast, the 64 pixels loaded once) and finished in registers: no pass over the
- * output besides its store.
+ * output besides its store. A residual z (NULL for none, laid out like y) is added there too, before the activation:
+ * y = act(w x + bias + z), onnxruntime's FusedConv with its Z input.
  *
  * dconv_f32 is the same product for a KxK convolution without columns: a depth step is one (kernel tap, input
  * channel), its 64 pixels loaded straight from the image (masked where they read padding). im2col_f32 builds
@@ -133,16 +134,24 @@ static inline __mmask16 range_mask(int64_t lo, int64_t hi) {
 #define ROW_STORE(i)                                                                                               \
     if (mr > i) {                                                                                                  \
         float *yr = y + i * ldy;                                                                                   \
-        _mm512_mask_storeu_ps(yr, nv == 1 ? last : 0xFFFF, act512(a##i##0, f));                                    \
-        if (nv > 1) _mm512_mask_storeu_ps(yr + 16, nv == 2 ? last : 0xFFFF, act512(a##i##1, f));                  \
-        if (nv > 2) _mm512_mask_storeu_ps(yr + 32, nv == 3 ? last : 0xFFFF, act512(a##i##2, f));                  \
+        if (z) {                                                                                                   \
+            const float *zr = z + i * ldy;                                                                         \
+            a##i##0 = _mm512_add_ps(a##i##0, _mm512_maskz_loadu_ps(m0, zr));                                      \
+            if (nv > 1) a##i##1 = _mm512_add_ps(a##i##1, _mm512_maskz_loadu_ps(m1, zr + 16));                      \
+            if (nv > 2) a##i##2 = _mm512_add_ps(a##i##2, _mm512_maskz_loadu_ps(m2, zr + 32));                      \
+            if (nv > 3) a##i##3 = _mm512_add_ps(a##i##3, _mm512_maskz_loadu_ps(last, zr + 48));                    \
+        }                                                                                                          \
+        _mm512_mask_storeu_ps(yr, m0, act512(a##i##0, f));                                                         \
+        if (nv > 1) _mm512_mask_storeu_ps(yr + 16, m1, act512(a##i##1, f));                                        \
+        if (nv > 2) _mm512_mask_storeu_ps(yr + 32, m2, act512(a##i##2, f));                                        \
         if (nv > 3) _mm512_mask_storeu_ps(yr + 48, last, act512(a##i##3, f));                                      \
     }
 
 /* one tile of mr rows by nv vectors of pixels (the last one `last` lanes wide); mr and nv are constants where
  * inlined */
 static inline __attribute__((always_inline)) void tile(const float *w, int64_t ldw, const float *x, int64_t ldx,
-                                                       float *y, int64_t ldy, const float *bias, int64_t depth,
+                                                       float *y, const float *z, int64_t ldy, const float *bias,
+                                                       int64_t depth,
                                                        const int mr, const int nv, __mmask16 last, act_t f) {
     ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
     const __mmask16 m0 = nv == 1 ? last : 0xFFFF, m1 = nv == 2 ? last : 0xFFFF, m2 = nv == 3 ? last : 0xFFFF;
@@ -160,14 +169,14 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t l
 
 #define TILE_NV(mr)                                                                                                \
     switch (nv) {                                                                                                  \
-    case 1: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 1, last, f); break;                                      \
-    case 2: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 2, last, f); break;                                      \
-    case 3: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 3, last, f); break;                                      \
-    default: tile(w, ldw, x, ldx, y, ldy, bias, depth, mr, 4, last, f); break;                                     \
+    case 1: tile(w, ldw, x, ldx, y, z, ldy, bias, depth, mr, 1, last, f); break;                                      \
+    case 2: tile(w, ldw, x, ldx, y, z, ldy, bias, depth, mr, 2, last, f); break;                                      \
+    case 3: tile(w, ldw, x, ldx, y, z, ldy, bias, depth, mr, 3, last, f); break;                                      \
+    default: tile(w, ldw, x, ldx, y, z, ldy, bias, depth, mr, 4, last, f); break;                                     \
     }
 
-static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, int64_t ldy,
-                     const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
+static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, const float *z,
+                     int64_t ldy, const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
     const int nv = (int)((cols + 15) / 16);
     const __mmask16 last = tail_mask(cols - 16 * (nv - 1));
     switch (rows) {
@@ -193,6 +202,13 @@ typedef struct {
 #define DROW_STORE(i)                                                                                              \
     if (mr > i) {                                                                                                  \
         float *yr = y + i * ldy;                                                                                   \
+        if (z) {                                                                                                   \
+            const float *zr = z + i * ldy;                                                                         \
+            a##i##0 = _mm512_add_ps(a##i##0, _mm512_maskz_loadu_ps(T->lanes[0], zr + T->out[0]));                 \
+            a##i##1 = _mm512_add_ps(a##i##1, _mm512_maskz_loadu_ps(T->lanes[1], zr + T->out[1]));                 \
+            a##i##2 = _mm512_add_ps(a##i##2, _mm512_maskz_loadu_ps(T->lanes[2], zr + T->out[2]));                 \
+            a##i##3 = _mm512_add_ps(a##i##3, _mm512_maskz_loadu_ps(T->lanes[3], zr + T->out[3]));                 \
+        }                                                                                                          \
         _mm512_mask_storeu_ps(yr + T->out[0], T->lanes[0], act512(a##i##0, f));                                   \
         _mm512_mask_storeu_ps(yr + T->out[1], T->lanes[1], act512(a##i##1, f));                                   \
         _mm512_mask_storeu_ps(yr + T->out[2], T->lanes[2], act512(a##i##2, f));                                   \
@@ -232,7 +248,8 @@ static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
 }
 
 static inline __attribute__((always_inline)) void dtile(const float *w, int64_t ldw, const float *img,
-                                                        const dtile_t *T, const dtap_t *taps, float *y, int64_t ldy,
+                                                        const dtile_t *T, const dtap_t *taps, float *y,
+                                                        const float *z, int64_t ldy,
                                                         const float *bias, const int mr, const int sw, act_t f) {
     const int nv = 4;
     ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
@@ -254,10 +271,11 @@ static inline __attribute__((always_inline)) void dtile(const float *w, int64_t 
 }
 
 #define DTILE_SW(mr)                                                                                               \
-    (sw == 1 ? dtile(w, ldw, img, T, taps, y, ldy, bias, mr, 1, f) : dtile(w, ldw, img, T, taps, y, ldy, bias, mr, 2, f))
+    (sw == 1 ? dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, 1, f)                                              \
+             : dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, 2, f))
 
 static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
-                      float *y, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
+                      float *y, const float *z, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
     switch (rows) {
     case 1: DTILE_SW(1); break;
     case 2: DTILE_SW(2); break;
@@ -269,8 +287,8 @@ static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile
 }
 
 #else
-static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, int64_t ldy,
-                     const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
+static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, const float *z,
+                     int64_t ldy, const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
     for (int64_t i = 0; i < rows; i++) {
         float *restrict yr = y + i * ldy;
         const float b = bias ? bias[i] : 0.0f;
@@ -280,6 +298,8 @@ static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, f
             const float wk = w[i * ldw + k];
             for (int64_t p = 0; p < cols; p++) yr[p] += wk * xr[p];
         }
+        if (z)
+            for (int64_t p = 0; p < cols; p++) yr[p] += z[i * ldy + p];
         if (f.act != ACT_NONE)
             for (int64_t p = 0; p < cols; p++) yr[p] = act_scalar(yr[p], f);
     }
@@ -302,7 +322,7 @@ static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
 }
 
 static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
-                      float *y, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
+                      float *y, const float *z, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
     (void)taps;
     const int64_t plane = T->h * T->w;
     for (int64_t r = 0; r < rows; r++)
@@ -319,6 +339,7 @@ static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile
                                 acc += w[r * ldw + (ci * T->kh + i) * T->kw + j] * img[ci * plane + ih * T->w + iw];
                         }
                     }
+                if (z) acc += z[r * ldy + T->out[v] + l];
                 y[r * ldy + T->out[v] + l] = f.act == ACT_NONE ? acc : act_scalar(acc, f);
             }
 }
@@ -341,7 +362,8 @@ int64_t dconv_tiles_f32(int64_t oh, int64_t ow) {
  * w[G * Mg, Cg, KH, KW] into y[N, G * Mg, OH, OW]: tiles go image by image, group by group, pixel group by
  * pixel group (dconv_tiles_f32 of them) and down the output rows. bias may be NULL. Returns 0, or -1 when out of
  * memory. */
-int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_, int64_t groups,
+int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+               int64_t groups,
                int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t kh, int64_t kw, int64_t oh, int64_t ow,
                int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t begin, int64_t end,
                int64_t act, float alpha, float beta) {
@@ -369,8 +391,9 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, i
             T.out[v] = count > 0 ? o * ow + p : 0;
         }
         if (pg != tapped) dtaps(&T, sw, taps), tapped = pg;
-        dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps,
-                  y + (n * groups * mg + m) * oh * ow, oh * ow, bias ? bias + m : NULL, rows, sw, f);
+        const int64_t at = (n * groups * mg + m) * oh * ow;
+        dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps, y + at, z ? z + at : NULL,
+                  oh * ow, bias ? bias + m : NULL, rows, sw, f);
     }
     free(taps);
     return 0;
@@ -378,7 +401,8 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, i
 
 /* Tiles [begin, end) of the output (see the header): tiles go image by image, group by group, pixel panel by
  * panel, and down the output rows within a panel. bias may be NULL. */
-void convgemm_f32(const float *x, const float *w, const float *bias, float *y, int64_t n_, int64_t groups_,
+void convgemm_f32(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+                  int64_t groups_,
                   int64_t mg_, int64_t kg_, int64_t p_, int64_t xn, int64_t xk, int64_t yn, int64_t ym, int64_t wm,
                   int64_t begin, int64_t end, int64_t act, float alpha, float beta) {
     const int64_t g[G_COUNT] = {n_, groups_, mg_, kg_, p_, xn, xk, yn, ym, wm};
@@ -395,8 +419,9 @@ void convgemm_f32(const float *x, const float *w, const float *bias, float *y, i
         const int64_t gi = t / (row_tiles * panels) % groups, n = t / (row_tiles * panels * groups);
         const int64_t m = gi * mg + rt * MR, p = panel * NR;
         const int64_t rows = mg - rt * MR < MR ? mg - rt * MR : MR, cols = pixels - p < NR ? pixels - p : NR;
-        tile_any(w + m * g[G_WM], g[G_WM], x + n * g[G_XN] + gi * kg * g[G_XK] + p, g[G_XK],
-                 y + n * g[G_YN] + m * g[G_YM] + p, g[G_YM], bias ? bias + m : NULL, kg, rows, cols, f);
+        const int64_t at = n * g[G_YN] + m * g[G_YM] + p;
+        tile_any(w + m * g[G_WM], g[G_WM], x + n * g[G_XN] + gi * kg * g[G_XK] + p, g[G_XK], y + at,
+                 z ? z + at : NULL, g[G_YM], bias ? bias + m : NULL, kg, rows, cols, f);
     }
 }
 

@@ -82,6 +82,16 @@ def _usable(out: np.ndarray | None, shape: tuple[int, ...], *inputs: np.ndarray)
     return True
 
 
+def _residual_fits(z: np.ndarray, like: np.ndarray | tuple[int, ...]) -> bool:
+    """Whether z can be read as the residual of a result: float32, aligned, of its shape (and strides, for an
+    array; C-contiguous for a shape)."""
+    if z.dtype != _F32 or not z.flags.aligned:
+        return False
+    if isinstance(like, np.ndarray):
+        return z.shape == like.shape and all(a == b for a, b, d in zip(z.strides, like.strides, z.shape) if d > 1)
+    return z.shape == like and z.flags.c_contiguous
+
+
 def _operand(a: np.ndarray) -> np.ndarray:
     """a as a C-contiguous aligned float32 array (a copy only when it is not one)."""
     flags = a.flags
@@ -126,9 +136,9 @@ class NativeConvolution:
         _declare(dw, "bias_act_f32", None, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _f32)
         _declare(dw, "pool2d_f32", _i64, _ptr, _ptr, *[_i64] * 17)
         _declare(dw, "plane_mean_f32", None, _ptr, _ptr, _i64, _i64, _i64)
-        _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
+        _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
         _declare(gemm, "im2col_f32", None, _ptr, _ptr, *[_i64] * 16)
-        _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
+        _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
         _declare(gemm, "dconv_tiles_f32", _i64, _i64, _i64)
         self._dwconv, self._bias_act, self._gemm = dw.dwconv2d_f32, dw.bias_act_f32, gemm.convgemm_f32
         self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
@@ -162,14 +172,17 @@ class NativeConvolution:
         return None if any(failed) else y
 
     def gemm(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, y: np.ndarray, groups: int,
-             activation: Activation = NO_ACTIVATION, constants: tuple[int | None, int | None] | None = None) -> bool:
-        """y[N, G * Mg, P] = act(w[G * Mg, Kg] @ x[N, G * Kg, P] (group by group) + bias) for aligned float32
-        arrays whose last axis is contiguous (y writable, not overlapping x or w); False when not done.
-        `constants`: the addresses of w and bias when the caller has them (from `address` of the arrays it was
-        given: views made per call, such as reshapes, have none worth remembering)."""
+             activation: Activation = NO_ACTIVATION, constants: tuple[int | None, int | None] | None = None,
+             z: np.ndarray | None = None) -> bool:
+        """y[N, G * Mg, P] = act(w[G * Mg, Kg] @ x[N, G * Kg, P] (group by group) + bias + z) for aligned float32
+        arrays whose last axis is contiguous (y writable, not overlapping x, w or z; z, when given, strided like
+        y); False when not done. `constants`: the addresses of w and bias when the caller has them (from `address`
+        of the arrays it was given: views made per call, such as reshapes, have none worth remembering)."""
         for a in (x, w, y):
             if a.dtype != _F32 or a.strides[-1] != 4 or not a.flags.aligned:
                 return False
+        if z is not None and not _residual_fits(z, y):
+            return False
         n, k, pixels = x.shape
         m, kg = w.shape
         b, ok = _bias(bias, m)
@@ -180,15 +193,17 @@ class NativeConvolution:
         xs, ys = x.strides, y.strides
         tiles = n * groups * -(-(m // groups) // GEMM_ROWS) * -(-pixels // GEMM_PIXELS)
         wa, ba = constants or (address(w), address(b))
-        head = (address(x), wa, ba, y.ctypes.data, n, groups, m // groups, kg, pixels, xs[0] >> 2, xs[1] >> 2,
+        head = (address(x), wa, ba, y.ctypes.data, address(z), n, groups, m // groups, kg, pixels, xs[0] >> 2,
+                xs[1] >> 2,
                 ys[0] >> 2, ys[1] >> 2, w.strides[0] >> 2)
         _run(self._gemm, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * max(kg, 1)), head, activation)
         return True
 
     def pointwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
-                  groups: int, activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
-        """y[N, M, *spatial] = act(1x1 convolution of x[N, C, *spatial] with w[M, C / groups, 1...] + bias); None
-        when the native kernel cannot do it."""
+                  groups: int, activation: Activation = NO_ACTIVATION, z: np.ndarray | None = None
+                  ) -> np.ndarray | None:
+        """y[N, M, *spatial] = act(1x1 convolution of x[N, C, *spatial] with w[M, C / groups, 1...] + bias + z);
+        None when the native kernel cannot do it (z, when given: C-contiguous float32 of y's shape)."""
         if x.dtype != _F32 or w.dtype != _F32 or x.ndim < 3:
             return None
         n, c = x.shape[:2]
@@ -198,10 +213,12 @@ class NativeConvolution:
         if not ok:
             return None
         shape = (n, m) + x.shape[2:]
-        y = out if _usable(out, shape, x, w) else np.empty(shape, _F32)
+        if z is not None and not _residual_fits(z, shape):
+            return None
+        y = out if _usable(out, shape, x, w, *(() if z is None else (z,))) else np.empty(shape, _F32)
         pixels = math.prod(x.shape[2:])
         if not self.gemm(x.reshape(n, c, pixels), w.reshape(m, -1), b, y.reshape(n, m, pixels), groups, activation,
-                         (address(w), address(b))):
+                         (address(w), address(b)), None if z is None else z.reshape(n, m, pixels)):
             return None
         return y
 
@@ -219,9 +236,10 @@ class NativeConvolution:
 
     def direct(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
-               activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
-        """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias) read straight from the image (no
-        columns) for column strides 1 and 2; None when the native kernel cannot do it."""
+               activation: Activation = NO_ACTIVATION, z: np.ndarray | None = None) -> np.ndarray | None:
+        """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias + z) read straight from the image (no
+        columns) for column strides 1 and 2; None when the native kernel cannot do it (z, when given: C-contiguous
+        float32 of y's shape)."""
         if x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or strides[1] > 2 or min(pads) < 0:
             return None
         n, c, h, wd = x.shape
@@ -234,10 +252,12 @@ class NativeConvolution:
             return None
         x, w = _operand(x), _operand(w)
         shape = (n, m, oh, ow)
-        y = out if _usable(out, shape, x, w) else np.empty(shape, _F32)
+        if z is not None and not _residual_fits(z, shape):
+            return None
+        y = out if _usable(out, shape, x, w, *(() if z is None else (z,))) else np.empty(shape, _F32)
         tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow)
-        head = (address(x), address(w), address(b), y.ctypes.data, n, group, m // group, cg, h, wd, kh, kw, oh,
-                ow, sh, sw, dh, dw, pads[0], pads[1])
+        head = (address(x), address(w), address(b), y.ctypes.data, address(z), n, group, m // group, cg, h, wd, kh,
+                kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
         failed = _run(self._dconv, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw), head, activation)
         return None if any(failed) else y
 

@@ -69,9 +69,10 @@ class Epilogue:
 def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequence[int],
              dilations: Sequence[int], group: int, bias: np.ndarray | None = None,
              out: np.ndarray | None = None, activation: Epilogue | None = None,
-             kernels: native_conv.NativeConvolution | None | Literal["auto"] = "auto") -> np.ndarray:
-    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M], then an
-    optional activation.
+             kernels: native_conv.NativeConvolution | None | Literal["auto"] = "auto",
+             residual: np.ndarray | None = None) -> np.ndarray:
+    """N-D cross-correlation of x[N, C, *spatial] with w[M, C/group, *kernel], plus an optional bias[M] and an
+    optional `residual` (broadcast to the result), then an optional activation.
 
     ``pads`` is in ONNX order [x1_begin, x2_begin, ..., x1_end, x2_end, ...]. The result has the common dtype
     of x and w and is always a fresh array (or `out`, a C-contiguous buffer of the result's shape and dtype, when
@@ -80,10 +81,15 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
     """
     if kernels == "auto":
         kernels = native_conv.load()
-    y = None if kernels is None else _native_convolve(kernels, x, w, strides, pads, dilations, group, bias, out,
-                                                      activation)
+    z = _native_residual(residual, out)
+    y = None if kernels is None or z is False else _native_convolve(kernels, x, w, strides, pads, dilations, group,
+                                                                    bias, out, activation, z)
     if y is not None:
         return y
+    if residual is not None:  # the numpy way: the convolution and bias, then the residual, then the activation
+        y = convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=group, bias=bias, kernels=kernels)
+        y = np.add(y, residual, out=y) if np.broadcast_shapes(y.shape, residual.shape) == y.shape else y + residual
+        return y if activation is None else activation.apply(y)
     out_dtype = np.result_type(x, w)
     dtype = _compute_dtype(out_dtype)
     x = x.astype(dtype, copy=False)
@@ -112,9 +118,20 @@ def convolve(x: np.ndarray, w: np.ndarray, *, strides: Sequence[int], pads: Sequ
     return y if activation is None else activation.apply(y)
 
 
+def _native_residual(residual: np.ndarray | None, out: np.ndarray | None) -> np.ndarray | None | bool:
+    """The residual as the native kernels read it (C-contiguous aligned float32, not overlapping `out`); None for
+    none, False when the native kernels cannot take it."""
+    if residual is None:
+        return None
+    if residual.dtype != np.float32 or (out is not None and np.may_share_memory(out, residual)):
+        return False
+    return np.require(residual, np.float32, ("C", "A"))
+
+
 def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: np.ndarray, strides: Sequence[int],
                      pads: Sequence[int], dilations: Sequence[int], group: int, bias: np.ndarray | None,
-                     out: np.ndarray | None, activation: Epilogue | None) -> np.ndarray | None:
+                     out: np.ndarray | None, activation: Epilogue | None, z: np.ndarray | None = None
+                     ) -> np.ndarray | None:
     """float32 convolutions by the native kernels (1x1 and im2col convolutions as one matrix product, depthwise ones
     directly), the bias and the activation applied before the one store; None: not done here (the numpy path then
     runs)."""
@@ -124,14 +141,14 @@ def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: n
     if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads):
         if any(s != 1 for s in strides):
             x = x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
-        y = kernels.pointwise(x, w, bias, out, group, act)
+        y = kernels.pointwise(x, w, bias, out, group, act, z)
     elif w.ndim == 3:  # 1-D: a height-1 image
         into = out[:, :, None] if out is not None and out.ndim == 3 else None
         y = _native_convolve_2d(kernels, x[:, :, None], w[:, :, None], [1, strides[0]], [0, pads[0], 0, pads[1]],
-                                [1, dilations[0]], group, bias, into, act)
+                                [1, dilations[0]], group, bias, into, act, None if z is None else z[:, :, None])
         y = None if y is None else y[:, :, 0]
     elif w.ndim == 4:
-        y = _native_convolve_2d(kernels, x, w, strides, pads, dilations, group, bias, out, act)
+        y = _native_convolve_2d(kernels, x, w, strides, pads, dilations, group, bias, out, act, z)
     else:
         return None
     if y is not None and activation is not None and activation.code < 0:
@@ -141,30 +158,33 @@ def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: n
 
 def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w: np.ndarray,
                         strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
-                        bias: np.ndarray | None, out: np.ndarray | None, act: native_conv.Activation
-                        ) -> np.ndarray | None:
+                        bias: np.ndarray | None, out: np.ndarray | None, act: native_conv.Activation,
+                        z: np.ndarray | None = None) -> np.ndarray | None:
     n, c, h, wd = x.shape
     m, cg, kh, kw = w.shape
     if group == c and cg == 1:
-        return kernels.depthwise(x, w, bias, out, strides, pads, dilations, act)
+        return None if z is not None else kernels.depthwise(x, w, bias, out, strides, pads, dilations, act)
     out_shape = (_output_size(h, kh, strides[0], dilations[0], pads[0], pads[2]),
                  _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
     if (cg * group != c or m % group or n * m == 0 or 0 in out_shape or kh * kw == 0
-            or (bias is not None and bias.size != m)):
+            or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape)):
         return None
-    if strides[1] <= 2 and cg >= DIRECT_MIN_CHANNELS:  # straight from the image, no columns
-        return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act)
+    if _direct_pays(strides, cg, m // group, out_shape[1]):  # straight from the image, no columns
+        return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
     if out is not None and not (out.shape == (n, m) + out_shape and out.dtype == np.float32
-                                and out.flags.c_contiguous and out.flags.writeable):
+                                and out.flags.c_contiguous and out.flags.writeable
+                                and not np.may_share_memory(out, x)):
         out = None
+    residual = None if z is None else z.reshape(n, m, -1)
     contiguous = np.ascontiguousarray(w)
     if bias is not None:
         bias = np.ascontiguousarray(bias, dtype=np.float32)  # the C code reads it densely (constants may broadcast)
     weights, constants = contiguous.reshape(m, -1), (native_conv.address(contiguous), native_conv.address(bias))
     x = np.require(x, np.float32, ("C", "A"))
 
-    def product(columns: np.ndarray, block: np.ndarray) -> None:
-        if not kernels.gemm(columns, weights, bias, block, group, act, constants):
+    def product(columns: np.ndarray, block: np.ndarray, b: int, p0: int) -> None:
+        zb = None if residual is None else residual[b:b + 1, :, p0:p0 + block.shape[2]]
+        if not kernels.gemm(columns, weights, bias, block, group, act, constants, zb):
             raise RuntimeError("the native convolution product refused its operands")
 
     def fill(columns: np.ndarray, b: int, r0: int, r1: int) -> None:
@@ -181,6 +201,18 @@ NATIVE_MIN_PIXELS = 512
 #: input channels per group from which the direct native convolution beats columns (its per-tap setup is paid
 #: once for all channels)
 DIRECT_MIN_CHANNELS = 4
+#: output row length from which the direct convolution fills its vectors well enough (else columns, unless the
+#: layer has fewer output channels per group than DIRECT_MAX_SMALL_CHANNELS)
+DIRECT_MIN_WIDTH = 24
+DIRECT_MAX_SMALL_CHANNELS = 128
+
+
+def _direct_pays(strides: Sequence[int], cg: int, mg: int, out_width: int) -> bool:
+    """Whether the direct native convolution beats columns + product: for unit strides (its stride-2 loads cost a
+    permute per vector) with enough input channels, and output rows long enough to fill its vectors (short rows
+    leave lanes idle) unless the layer is small (columns then cost more than the idle lanes)."""
+    return (strides[0] == strides[1] == 1 and cg >= DIRECT_MIN_CHANNELS
+            and (out_width >= DIRECT_MIN_WIDTH or mg < DIRECT_MAX_SMALL_CHANNELS))
 
 
 def _convolve_nd(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],
@@ -261,14 +293,14 @@ def _convolve_2d(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Seq
 
 def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides: Sequence[int],
                pads: Sequence[int], dilations: Sequence[int], group: int, into: np.ndarray | None = None,
-               product: Callable[[np.ndarray, np.ndarray], None] | None = None,
+               product: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None,
                fill: Callable[[np.ndarray, int, int, int], None] | None = None) -> np.ndarray:
     """Columns [C, KH, KW, rows, OW] filled one kernel tap at a time (zeros where a tap reads padding), times
     the weights [group, M/group, C/group * KH * KW]; a block of output rows at a time bounds the scratch.
 
-    `product(columns[1, C * KH * KW, pixels], block[1, M, pixels])` and `fill(columns[C * KH * KW, pixels],
-    image, r0, r1)`, when given, compute a block's product and fill its columns instead of numpy (the native
-    kernels; the product finishes the block with bias and activation too)."""
+    `product(columns[1, C * KH * KW, pixels], block[1, M, pixels], image, first pixel)` and
+    `fill(columns[C * KH * KW, pixels], image, r0, r1)`, when given, compute a block's product and fill its columns
+    instead of numpy (the native kernels; the product finishes the block with bias, residual and activation too)."""
     n, c, h, wd = x.shape
     m, cg, kh, kw = w.shape
     oh, ow = out_shape
@@ -296,7 +328,8 @@ def _im2col_2d(x: np.ndarray, w: np.ndarray, out_shape: tuple[int, int], strides
             if product is None:
                 np.matmul(weights, cols.reshape(group, depth, -1), out=out[b, :, :, r0 * ow:r1 * ow])
             else:
-                product(cols.reshape(1, c * kh * kw, -1), out[b].reshape(1, m, oh * ow)[:, :, r0 * ow:r1 * ow])
+                product(cols.reshape(1, c * kh * kw, -1), out[b].reshape(1, m, oh * ow)[:, :, r0 * ow:r1 * ow], b,
+                        r0 * ow)
     return out.reshape(n, m, oh, ow)
 
 
@@ -452,14 +485,14 @@ class Conv(_ConvBase):
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
 
-    def run_into(self, out, x, w, b=None, activation: Epilogue | None = None):
-        """The convolution (then `activation`), written into `out` when it is a usable buffer for the result (else
-        allocated)."""
+    def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
+        """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
+        the result (else allocated)."""
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
         return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b, out=out,
-                        activation=activation, kernels=self.native)
+                        activation=activation, kernels=self.native, residual=residual)
 
 
 @register("ConvTranspose", since=1)

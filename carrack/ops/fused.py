@@ -17,6 +17,8 @@ MS = "com.microsoft"
 
 def _activation(name: str, params: list[float]):
     """The activation as a function that overwrites its argument (a fresh result the fused kernel owns)."""
+    if not name:
+        return lambda y: y
     if name == "Relu":
         from carrack.ops.activations import relu
 
@@ -45,7 +47,7 @@ def _activation(name: str, params: list[float]):
 
 def _epilogue(name: str, params: list[float], apply: Callable[[np.ndarray], np.ndarray]) -> Epilogue:
     """The activation for the convolution kernels: native code and parameters where the C kernels know it."""
-    code = ACTIVATIONS.get(name, -1) if name else -1
+    code = ACTIVATIONS.get(name, -1)
     if name == "Clip":
         alpha, beta = params if len(params) == 2 else (-np.inf, np.inf)
     elif name == "LeakyRelu":
@@ -110,8 +112,8 @@ class _FusedIntoBase(_FusedBase):
 @register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
 class FusedConv(_FusedIntoBase):
-    """Conv + activation: the convolution applies the activation as it finishes its output (natively, before the
-    one store, where it can)."""
+    """Conv (+ Z) + activation: act(conv(X, W) + B + Z), onnxruntime's FusedConv. The convolution adds Z and
+    applies the activation as it finishes its output (natively, before the one store, where it can)."""
 
     base_op = "Conv"
 
@@ -119,11 +121,11 @@ class FusedConv(_FusedIntoBase):
         super().setup()
         self.epilogue = _epilogue(self.attr("activation", ""), self.activation_params(), self.act)
 
-    def run(self, x, w, b=None):
-        return self.inner.run_into(None, x, w, b, activation=self.epilogue)
+    def run(self, x, w, b=None, z=None):
+        return self.inner.run_into(None, x, w, b, activation=self.epilogue, residual=z)
 
-    def run_into(self, out, x, w, b=None):
-        return self.inner.run_into(out, x, w, b, activation=self.epilogue)
+    def run_into(self, out, x, w, b=None, z=None):
+        return self.inner.run_into(out, x, w, b, activation=self.epilogue, residual=z)
 
 
 @register("FusedGemm", domain=MS)

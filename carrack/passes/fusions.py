@@ -168,6 +168,49 @@ def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
     return True
 
 
+@rewrite("conv_residual_fusion", "Add", "Sum", level=EXTENDED)
+def fuse_conv_residual(add: Node, view: GraphView, ctx: Context) -> bool:
+    """Conv -> Add(residual) (or a Sum of two) [-> Relu-like activation] becomes onnxruntime's FusedConv(X, W, B,
+    Z): the convolution adds the residual (and applies the activation) as it stores its result, instead of two
+    more passes. Only when the shapes are known to match or not known at all (the kernel then broadcasts as Add
+    does)."""
+    if add.domain or len(add.inputs) != 2:
+        return False
+    for i in (0, 1):
+        conv = view.producer.get(add.inputs[i])
+        residual = add.inputs[1 - i]
+        if conv is None or conv.op_type != "Conv" or conv.domain or view.single_consumer(add.inputs[i]) is not add:
+            continue
+        if (view.const(residual) is not None or residual in conv.inputs or residual == add.inputs[i]
+                or not _same_shape(ctx, add, residual)):
+            continue
+        attrs, outputs, absorbed = dict(conv.attrs), list(add.outputs), [add]
+        act = view.single_consumer(add.outputs[0])
+        if act is not None and not act.domain and act.op_type in _ORT_FUSABLE and act.inputs[0] == add.outputs[0]:
+            attrs["activation"] = act.op_type
+            params = [float(act.attrs.get(k, d)) for k, d in _ORT_FUSABLE[act.op_type]]
+            if params:
+                attrs["activation_params"] = params
+            outputs, absorbed = list(act.outputs), absorbed + [act]
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else ""
+        fused = Node("FusedConv", [conv.inputs[0], conv.inputs[1], bias, residual], outputs, attrs, domain=MS,
+                     name=conv.name)
+        view.remove([conv])  # the fused node goes where the Add was: the residual may be computed after the Conv
+        view.replace(absorbed, [fused])
+        return True
+    return False
+
+
+def _same_shape(ctx: Context, add: Node, residual: str) -> bool:
+    """Whether the Add's inputs are known to have one and the same shape (or no shapes are known)."""
+    if ctx.facts is None:
+        return True
+    shapes = [ctx.facts.get(name) for name in (*add.inputs, residual)]
+    if any(f is None or f.shape is None for f in shapes):
+        return False
+    return shapes[0].shape == shapes[1].shape == shapes[2].shape and None not in shapes[0].shape
+
+
 def _clip_params(act: Node, view: GraphView, ctx: Context) -> list[float] | None:
     if ctx.version(act) < 11:
         return [float(act.attrs.get("min", -3.4028234663852886e38)), float(act.attrs.get("max", 3.4028234663852886e38))]

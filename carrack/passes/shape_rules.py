@@ -446,7 +446,10 @@ def conv_rule(node, ins, version):
     kernel = node.attrs.get("kernel_shape") or list(w[2:])
     if any(not isinstance(k, int) for k in kernel):
         return [tensor_fact(elem, (x[0], w[0]) + (None,) * (len(x) - 2))]
-    return [tensor_fact(elem, (x[0], w[0], *window_dims(node, x[2:], kernel)))]
+    shape = (x[0], w[0], *window_dims(node, x[2:], kernel))
+    if len(ins) > 3 and ins[3] is not None and node.inputs[3]:  # FusedConv's residual Z: added, with broadcasting
+        shape = broadcast_shapes(shape, ins[3].shape) if ins[3].shape is not None else None
+    return [tensor_fact(elem, shape)]
 
 
 @rule("MaxPool", "AveragePool", "LpPool")
