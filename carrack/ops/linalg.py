@@ -12,9 +12,20 @@ def _widen(x: np.ndarray) -> np.ndarray:
     return x.astype(compute_dtype(x.dtype), copy=False)
 
 
+def _flat_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """a (..., K) as one (rows, K) matrix when b is a plain matrix and that is a view: one BLAS call for every
+    leading dim instead of numpy's loop of one call per leading index."""
+    if b.ndim == 2 and a.ndim > 2 and a.size and a.flags.c_contiguous:
+        return a.reshape(-1, a.shape[-1])
+    return None
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def run(self, a, b):
+        flat = _flat_rows(a, b) if a.dtype == b.dtype and a.dtype in (np.float32, np.float64) else None
+        if flat is not None and flat.shape[-1] == b.shape[0]:
+            return np.matmul(flat, b).reshape(a.shape[:-1] + b.shape[-1:])
         return np.matmul(_widen(a), _widen(b)).astype(a.dtype, copy=False)
 
     def run_into(self, out, a, b):
@@ -22,6 +33,10 @@ class MatMul(Kernel):
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
                 and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
                 and a.shape[-1] == b.shape[-2]):
+            flat = _flat_rows(a, b)
+            if flat is not None and out.flags.c_contiguous:
+                np.matmul(flat, b, out=out.reshape(flat.shape[0], b.shape[1]))
+                return out
             return np.matmul(a, b, out=out)
         return self.run(a, b)
 
@@ -37,17 +52,28 @@ class Gemm(Kernel):
         self.trans_b = bool(self.attr("transB", 0))
 
     def run(self, a, b, c=None):
+        return self.run_into(None, a, b, c)
+
+    def run_into(self, out, a, b, c=None):
+        """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias
+        are applied there in place, rather than each in a new array."""
         wa, wb = _widen(a), _widen(b)
         if self.trans_a:
             wa = wa.T
         if self.trans_b:
             wb = wb.T
-        y = wa @ wb
+        if not (out is not None and out.dtype == wa.dtype == wb.dtype and wa.ndim == wb.ndim == 2
+                and out.shape == (wa.shape[0], wb.shape[1]) and wa.shape[1] == wb.shape[0]
+                and out.flags.c_contiguous and out.flags.writeable):
+            out = None
+        y = np.matmul(wa, wb, out=out)
         if self.alpha != 1.0:
             y = _scaled(y, self.alpha)
         if c is not None and self.beta != 0.0:
             wc = _widen(c)
-            y = y + (_scaled(wc, self.beta) if self.beta != 1.0 else wc)
+            wc = _scaled(wc, self.beta) if self.beta != 1.0 else wc
+            in_place = y.dtype == np.result_type(y, wc) and np.broadcast_shapes(y.shape, wc.shape) == y.shape
+            y = np.add(y, wc, out=y if in_place else None)
         return y.astype(a.dtype, copy=False)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 from onnx import TensorProto
 
+from carrack.ir import symbolic
 from carrack.ir.dtypes import to_numpy
 from carrack.ir.graph import Node
 from carrack.ops import registry
@@ -422,6 +423,48 @@ def fuse_skip_layer_norm(ln: Node, view: GraphView, ctx: Context) -> bool:
     return True
 
 
+# -- projections -----------------------------------------------------------------------------------------------------
+
+@rewrite("gemm_reshape_to_matmul", "Gemm", level=ALL)
+def gemm_between_reshapes(gemm: Node, view: GraphView, ctx: Context) -> bool:
+    """Reshape(x, [prod(lead), K]) -> Gemm(., W) -> Reshape(., lead + [N]) becomes MatMul(x, W) (+ Add of the
+    bias): exporters flatten (B, S, K) activations around each Gemm, which costs two nodes per projection and gains
+    nothing, since MatMul takes x as it is (a transposed constant W is transposed once here)."""
+    if gemm.domain or gemm.attrs.get("transA", 0) or float(gemm.attrs.get("alpha", 1.0)) != 1.0:
+        return False
+    bias = gemm.inputs[2] if len(gemm.inputs) > 2 else ""
+    if bias and float(gemm.attrs.get("beta", 1.0)) != 1.0:
+        return False
+    flat = _op(view, gemm.inputs[0], "Reshape")
+    unflat = _only_reader(view, gemm.outputs[0], "Reshape")
+    if flat is None or unflat is None or unflat.inputs[0] != gemm.outputs[0]:
+        return False
+    x, a2, y2, y = (_shape(view, ctx, n) for n in (flat.inputs[0], gemm.inputs[0], gemm.outputs[0], unflat.outputs[0]))
+    if x is None or a2 is None or y2 is None or y is None or len(x) < 3 or len(a2) != 2 or len(y2) != 2:
+        return False
+    rows = x[0]
+    for d in x[1:-1]:
+        rows = symbolic.mul(rows, d)
+    if tuple(a2) != (rows, x[-1]) or tuple(y) != (*x[:-1], y2[1]):
+        return False
+    bias_shape = _shape(view, ctx, bias) if bias else ()
+    if bias_shape is None or len(bias_shape) > 2 or (len(bias_shape) == 2 and bias_shape[0] != 1):
+        return False  # a bias per row of the flattened view does not broadcast over x's shape
+    weights = gemm.inputs[1]
+    if gemm.attrs.get("transB", 0):
+        w = view.const(weights)
+        if w is None or w.ndim != 2:
+            return False
+        weights = view.add_initializer(f"{weights}_t", np.ascontiguousarray(w.T))
+    em = _Emitter(view, ctx, gemm.outputs[0])
+    if bias:
+        em.add("Add", [em.add("MatMul", [flat.inputs[0], weights], name=gemm.name), bias], out=unflat.outputs[0])
+    else:
+        em.add("MatMul", [flat.inputs[0], weights], out=unflat.outputs[0], name=gemm.name)
+    view.replace([gemm, unflat], em.nodes)
+    return True
+
+
 # -- attention -------------------------------------------------------------------------------------------------------
 
 def _strip_scales(view: GraphView, ctx: Context, name: str) -> tuple[str, float] | None:
@@ -506,15 +549,67 @@ def _leads_to_matmul(view: GraphView, name: str) -> bool:
 
 
 def _split_heads_source(view: GraphView, ctx: Context, x4: str, perm: list[int], heads: int, size: int) -> str | None:
-    """The (B, S, heads * size) tensor that Reshape -> Transpose(perm) turned into x4, if that is how x4 was made."""
-    t = _op(view, x4, "Transpose")
-    r = _op(view, t.inputs[0], "Reshape") if t is not None and t.attrs.get("perm") == perm else None
-    if r is None:
-        return None
-    src, split = _shape(view, ctx, r.inputs[0]), _shape(view, ctx, r.outputs[0])
-    if src is None or split is None or len(src) != 3 or tuple(split) != (src[0], src[1], heads, size):
-        return None
-    return r.inputs[0] if src[2] == heads * size else None
+    """The (B, S, heads * size) tensor that Reshape -> Transpose(perm) turned into x4, if that is how x4 was made:
+    directly, or through a longer chain of Reshapes and Transposes with the same net effect (exporters write K^T
+    as transpose -> reshape -> transpose -> reshape, which the fallback would otherwise keep as four copies)."""
+    name = x4
+    for _ in range(_CHAIN_DEPTH):
+        node = _op(view, name, "Reshape", "Transpose")
+        if node is None:
+            return None
+        name = node.inputs[0]
+        src = _shape(view, ctx, name)
+        if src is not None and len(src) == 3 and src[2] == heads * size and _same_data_order(
+                view, ctx, name, x4, lambda a: a.reshape(a.shape[0], a.shape[1], heads, size).transpose(perm)):
+            return name
+    return None
+
+
+#: Reshape/Transpose nodes followed up from a per-head tensor to its (B, S, D) source
+_CHAIN_DEPTH = 8
+#: largest tensor (elements) whose chain is checked by moving an index array through it
+_CHAIN_CHECK_LIMIT = 1 << 22
+
+
+def _same_data_order(view: GraphView, ctx: Context, src: str, dst: str, expected) -> bool:
+    """Whether the Reshape/Transpose chain from src to dst moves elements as `expected` (a numpy function) does:
+    checked by passing an index array through both, with symbolic dims bound to two sets of small distinct sizes."""
+    shapes = [_shape(view, ctx, src)]
+    steps = []
+    name = dst
+    while name != src:
+        node = _op(view, name, "Reshape", "Transpose")
+        if node is None:
+            return False
+        steps.append(node)
+        shapes.append(_shape(view, ctx, name))
+        name = node.inputs[0]
+    if any(s is None for s in shapes):
+        return False
+    syms = sorted({sym for shape in shapes for d in shape for sym in symbolic.symbols(d)}, key=str)
+    for sizes in ((2, 3, 5, 7, 11), (3, 5, 7, 11, 13)):
+        if len(syms) > len(sizes):
+            return False
+        bound = [tuple(symbolic.evaluate(d, dict(zip(syms, sizes))) for d in shape) for shape in shapes]
+        if not all(isinstance(d, (int, np.integer)) and d >= 0 for shape in bound for d in shape):
+            return False
+        if math.prod(bound[0]) > _CHAIN_CHECK_LIMIT or not _moves_as(bound, steps, expected):
+            return False
+    return True
+
+
+def _moves_as(shapes: list[tuple[int, ...]], steps: list[Node], expected) -> bool:
+    """shapes: the source's, then each step's output (from the last step back), steps from the last one back."""
+    index = np.arange(math.prod(shapes[0]), dtype=np.int64).reshape(shapes[0])
+    moved = index
+    for node, out_shape in zip(reversed(steps), reversed(shapes[1:])):
+        if node.op_type == "Transpose":
+            moved = moved.transpose(node.attrs.get("perm") or None)
+        if moved.size != math.prod(out_shape):
+            return False
+        moved = moved.reshape(out_shape)
+    want = expected(index)
+    return want.shape == moved.shape and bool(np.array_equal(want, moved))
 
 
 class _Emitter:
