@@ -8,6 +8,7 @@ operation's identity (0 for sums, 1 for products, -inf for max and log-sums, +in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -73,7 +74,23 @@ class ReduceMean(_Reduce):
     def reduce(self, x, axes, keepdims):
         if x.dtype.kind in "iu":
             return np.trunc(np.mean(x, axis=axes, keepdims=keepdims, dtype=np.float64))
+        if x.dtype == np.float32 and axes and _trailing(axes, x.ndim) and x.flags.c_contiguous and x.size:
+            return _mean_trailing(x, axes, keepdims)
         return np.mean(_as_compute(x), axis=axes, keepdims=keepdims)
+
+
+def _trailing(axes: tuple[int, ...], rank: int) -> bool:
+    return axes == tuple(range(rank - len(axes), rank))
+
+
+def _mean_trailing(x: np.ndarray, axes: tuple[int, ...], keepdims: bool) -> np.ndarray:
+    """The mean over the last axes of a contiguous float32 tensor as a matrix-vector product (e.g. global
+    average pooling of NCHW over H, W): BLAS sums rows several times faster than numpy's axis reduction."""
+    inner = math.prod(x.shape[x.ndim - len(axes):])
+    kept = x.shape[:x.ndim - len(axes)]
+    sums = x.reshape(-1, inner) @ np.ones(inner, dtype=np.float32)
+    mean = np.divide(sums, np.float32(inner), out=sums)
+    return mean.reshape(kept + (1,) * len(axes) if keepdims else kept)
 
 
 @register("ReduceProd", since=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +30,15 @@ def normalize_axes(axes: Sequence[int], rank: int, what: str = "axes") -> list[i
     return out
 
 
+def constant_input(kernel: Kernel, index: int) -> np.ndarray | None:
+    """Input `index` when it is a constant of the graph (not an initializer a run may override), else None."""
+    graph = kernel.ctx.graph if kernel.ctx is not None else None
+    name = kernel.node.inputs[index] if index < len(kernel.node.inputs) else ""
+    if graph is None or not name or any(v.name == name for v in graph.inputs):
+        return None
+    return graph.initializers.get(name)
+
+
 @register("Identity", since=1)
 class Identity(Kernel):
     def run(self, x):
@@ -50,13 +60,13 @@ def reshape_target(in_shape: tuple[int, ...], shape: list[int], allowzero: bool)
         elif d < -1:
             raise ValueError(f"Reshape shape {shape} has a negative dimension")
         out.append(d)
-    size = int(np.prod(in_shape, dtype=np.int64))
+    size = math.prod(in_shape)
     if -1 in out:
-        known = int(np.prod([d for d in out if d != -1], dtype=np.int64))
+        known = math.prod(d for d in out if d != -1)
         if known == 0 or size % known:
             raise ValueError(f"cannot reshape a tensor of shape {list(in_shape)} to {shape}")
         out[out.index(-1)] = size // known
-    if int(np.prod(out, dtype=np.int64)) != size:
+    if math.prod(out) != size:
         raise ValueError(f"cannot reshape a tensor of shape {list(in_shape)} ({size} elements) to {shape}")
     return tuple(out)
 
@@ -69,8 +79,13 @@ class Reshape(Kernel):
         if self.version < 5 and self.shape_attr is None:
             self.fail("attribute 'shape' is required before opset 5")
 
+        if self.version >= 5 and len(self.node.inputs) > 1:
+            const = constant_input(self, 1)
+            if const is not None:
+                self.shape_attr = int_list(const)  # a constant target: parsed once, not per run
+
     def run(self, data, shape=None):
-        target = self.shape_attr if self.version < 5 else int_list(shape)
+        target = self.shape_attr if self.shape_attr is not None else int_list(shape)
         return data.reshape(reshape_target(data.shape, list(target), self.allowzero))
 
 
@@ -78,12 +93,16 @@ class Reshape(Kernel):
 class Transpose(Kernel):
     def setup(self):
         self.perm = self.attr("perm")
+        if self.perm is not None:
+            self.perm = tuple(int(p) for p in self.perm)
+        # checked once here; a bad perm still fails at run time, naming the input's rank
+        self.valid = self.perm is None or sorted(self.perm) == list(range(len(self.perm)))
 
     def run(self, x):
         if self.perm is None:
             return x.transpose()
-        if sorted(normalize_axes(self.perm, x.ndim, "perm")) != list(range(x.ndim)) or len(self.perm) != x.ndim:
-            raise ValueError(f"perm {self.perm} is not a permutation of the {x.ndim} axes")
+        if not self.valid or len(self.perm) != x.ndim:
+            raise ValueError(f"perm {list(self.perm)} is not a permutation of the {x.ndim} axes")
         return x.transpose(self.perm)
 
 
@@ -98,6 +117,18 @@ class Concat(Kernel):
             raise ValueError("Concat needs at least one input")
         axis = normalize_axis(self.axis, arrays[0].ndim)
         return np.concatenate(arrays, axis=axis)
+
+    def run_into(self, out, *inputs):
+        """Into the planned buffer when the planned shape and dtype match (else a fresh array)."""
+        arrays = [x for x in inputs if x is not None]
+        if not arrays or out is None or any(x.dtype != out.dtype or x.ndim != out.ndim for x in arrays):
+            return self.run(*inputs)
+        axis = normalize_axis(self.axis, out.ndim)
+        expected = list(arrays[0].shape)
+        expected[axis] = sum(x.shape[axis] for x in arrays)
+        if tuple(expected) != out.shape:
+            return self.run(*inputs)
+        return np.concatenate(arrays, axis=axis, out=out)
 
 
 def split_sizes(dim: int, n_outputs: int, split: list[int] | None, num_outputs: int | None) -> list[int]:
