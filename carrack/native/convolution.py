@@ -136,6 +136,7 @@ class NativeConvolution:
         _declare(dw, "bias_act_f32", None, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _f32)
         _declare(dw, "pool2d_f32", _i64, _ptr, _ptr, *[_i64] * 17)
         _declare(dw, "plane_mean_f32", None, _ptr, _ptr, _i64, _i64, _i64)
+        _declare(dw, "scale_shift_act_f32", None, _ptr, _ptr, _ptr, _ptr, *[_i64] * 5, _f32, _f32)
         _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
         _declare(gemm, "im2col_f32", None, _ptr, _ptr, *[_i64] * 16)
         _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
@@ -143,6 +144,7 @@ class NativeConvolution:
         self._dwconv, self._bias_act, self._gemm = dw.dwconv2d_f32, dw.bias_act_f32, gemm.convgemm_f32
         self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
         self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
+        self._scale_shift = dw.scale_shift_act_f32
 
     def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                   strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
@@ -233,6 +235,20 @@ class NativeConvolution:
         size = y.size // planes if planes else 0
         _run(self._bias_act, _ranges(planes, size * 4), (y.ctypes.data, address(b), y.shape[1], size), activation)
         return True
+
+    def scale_shift(self, x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation: Activation,
+                    out: np.ndarray | None = None) -> np.ndarray | None:
+        """act(x[N, C, *spatial] * scale[C] + shift[C]) in one pass (scale and shift: contiguous float32 [C]);
+        None when the native kernel cannot."""
+        if x.dtype != _F32 or x.ndim < 2 or scale.size != x.shape[1] or shift.size != x.shape[1]:
+            return None
+        x = _operand(x)
+        y = out if _usable(out, x.shape, x) else np.empty(x.shape, _F32)
+        planes = x.shape[0] * x.shape[1]
+        size = x.size // planes if planes else 0
+        _run(self._scale_shift, _ranges(planes, size * 2),
+             (x.ctypes.data, y.ctypes.data, address(scale), address(shift), x.shape[1], size), activation)
+        return y
 
     def direct(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,

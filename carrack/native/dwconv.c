@@ -11,7 +11,8 @@
  * output row: a unit-stride multiply-add over output columns with no bounds checks. Narrow outputs (7x7 maps) are
  * computed on the phase plane's full width, several rows per run, and cropped while copied out.
  *
- * Also here: bias_act_f32, the bias + activation pass over a [planes, pixels] result (for outputs computed
+ * Also here: scale_shift_act_f32 (BatchNormalization + activation in one pass) and bias_act_f32, the bias +
+ * activation pass over a [planes, pixels] result (for outputs computed
  * elsewhere, e.g. by numpy).
  */
 #include <stdint.h>
@@ -664,6 +665,44 @@ static inline __attribute__((always_inline)) void pool_plane(float *out, const f
     }
 }
 
+/* dst[j] = max(row[2j], row[2j + 1], row[2j + 2]) for j < ow (rounded up to whole vectors: lanes past ow read
+ * -inf past the row's end, and are never stored out) */
+static void max3s2_row(float *dst, const float *row, int64_t w, int64_t ow) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < ow; j += 16) {
+        const int64_t c = 2 * j;
+        const float *p = row + c;
+        const __m512 l0 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c), p);
+        const __m512 l1 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 16), p + 16);
+        const __m512 l2 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 2), p + 2);
+        const __m512 l3 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 18), p + 18);
+        const __m512 m = _mm512_max_ps(_mm512_permutex2var_ps(l0, even, l1), _mm512_permutex2var_ps(l0, odd, l1));
+        _mm512_storeu_ps(dst + j, _mm512_max_ps(m, _mm512_permutex2var_ps(l2, even, l3)));
+    }
+}
+
+/* A 3x3 stride-2 max pool without pads or dilation whose windows all lie inside the (NaN-free) plane: each input
+ * row's horizontal maxima once, then the maximum of three of them per output row (the shared row reused). `rows`:
+ * scratch of 3 * ow16 floats, ow16 = ow rounded up to 16. */
+static void max3s2_plane(float *out, const float *img, int64_t w, int64_t oh, int64_t ow, float *rows, int64_t ow16) {
+    float *a = rows, *b = rows + ow16, *c = rows + 2 * ow16;
+    max3s2_row(a, img, w, ow);
+    for (int64_t o = 0; o < oh; o++, out += ow) {
+        max3s2_row(b, img + (2 * o + 1) * w, w, ow);
+        max3s2_row(c, img + (2 * o + 2) * w, w, ow);
+        for (int64_t j = 0; j < ow; j += 16) {
+            const __m512 m = _mm512_max_ps(_mm512_loadu_ps(a + j), _mm512_max_ps(_mm512_loadu_ps(b + j),
+                                                                                _mm512_loadu_ps(c + j)));
+            _mm512_mask_storeu_ps(out + j, tail_mask(ow - j), m);
+        }
+        float *t = a;
+        a = c;
+        c = t;
+    }
+}
+
 #define POOL_PLANE(sw_, mode_)                                                                                     \
     pool_plane(y + q * oh * ow, x + q * h * w, h, w, kh, kw, oh, ow, sh, dh, dw, pt, pl, masks, sw_, mode_, pb,     \
                cols_in)
@@ -700,9 +739,16 @@ int64_t pool2d_f32(const float *x, float *y, int64_t h, int64_t w, int64_t kh, i
                 masks[2 * (v * kw + j)] = range_mask(-c, w - c);
                 masks[2 * (v * kw + j) + 1] = range_mask(-c - 16, w - c - 16);
             }
+        const int64_t ow16 = (ow + 15) / 16 * 16;
+        float *rows = NULL;
+        if (mode == POOL_MAX && kh == 3 && kw == 3 && sh == 2 && sw == 2 && dh == 1 && dw == 1 && pt == 0 && pl == 0
+            && 2 * oh + 1 <= h && 2 * ow + 1 <= w)
+            rows = malloc((size_t)(3 * ow16) * sizeof(float)); /* NULL (also when out of memory): the general path */
         for (int64_t q = begin; q < end; q++) {
             if (mode == POOL_MAX && has_nan(x + q * h * w, h * w)) /* max_ps alone would drop it */
                 sw == 1 ? POOL_PLANE(1, POOL_MAX_NAN) : POOL_PLANE(2, POOL_MAX_NAN);
+            else if (rows)
+                max3s2_plane(y + q * oh * ow, x + q * h * w, w, oh, ow, rows, ow16);
             else if (mode == POOL_MAX)
                 sw == 1 ? POOL_PLANE(1, POOL_MAX) : POOL_PLANE(2, POOL_MAX);
             else if (mode == POOL_AVERAGE)
@@ -710,6 +756,7 @@ int64_t pool2d_f32(const float *x, float *y, int64_t h, int64_t w, int64_t kh, i
             else
                 sw == 1 ? POOL_PLANE(1, POOL_AVERAGE_PADS) : POOL_PLANE(2, POOL_AVERAGE_PADS);
         }
+        free(rows);
         free(masks);
         free(cols_in);
         return 0;
@@ -744,6 +791,31 @@ void bias_act_f32(float *y, const float *bias, int64_t channels, int64_t size, i
                   int64_t act, float alpha, float beta) {
     const act_t f = {alpha, beta, (int)act};
     for (int64_t p = begin; p < end; p++) act_run(y + p * size, size, bias ? bias[p % channels] : 0.0f, f);
+}
+
+/* y[p, :] = act(x[p, :] * scale[c] + shift[c]), c = p % channels, for planes p in [begin, end) of `size` values
+ * each: inference BatchNormalization (+ activation) in one pass; y may be x */
+void scale_shift_act_f32(const float *x, float *y, const float *scale, const float *shift, int64_t channels,
+                         int64_t size, int64_t begin, int64_t end, int64_t act, float alpha, float beta) {
+    const act_t f = {alpha, beta, (int)act};
+    for (int64_t p = begin; p < end; p++) {
+        const float *src = x + p * size;
+        float *dst = y + p * size;
+        const float s = scale[p % channels], t = shift[p % channels];
+#if defined(__AVX512F__)
+        const __m512 vs = _mm512_set1_ps(s), vt = _mm512_set1_ps(t);
+        int64_t i = 0;
+        for (; i + 16 <= size; i += 16)
+            _mm512_storeu_ps(dst + i, act512(_mm512_fmadd_ps(_mm512_loadu_ps(src + i), vs, vt), f));
+        if (i < size) {
+            const __mmask16 m = tail_mask(size - i);
+            _mm512_mask_storeu_ps(dst + i, m, act512(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, src + i), vs, vt), f));
+        }
+#else
+        for (int64_t i = 0; i < size; i++) dst[i] = src[i] * s + t;
+        act_row(dst, size, f);
+#endif
+    }
 }
 
 /* y[p] = mean of x[p, :size] for planes p in [begin, end) (global average pooling) */

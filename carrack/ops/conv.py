@@ -481,6 +481,20 @@ class Conv(_ConvBase):
     def setup(self):
         super().setup()
         self.native = native_conv.load()  # None: numpy only (CARRACK_NATIVE=0, no compiler)
+        self.dense = self._dense_constants() if self.native is not None else {}
+
+    def _dense_constants(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{input index: (constant, its C-contiguous aligned read-only copy)} for a weight or bias initializer the
+        native kernels would otherwise copy on every run (e.g. a broadcast ConstantOfShape value, stride 0)."""
+        graph = self.ctx.graph if self.ctx is not None else None
+        dense: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for i in (1, 2):
+            a = graph.initializers.get(self.node.inputs[i]) if graph is not None and len(self.node.inputs) > i else None
+            if isinstance(a, np.ndarray) and a.dtype == np.float32 and not (a.flags.c_contiguous and a.flags.aligned):
+                copy = np.require(a, np.float32, ("C", "A", "O"))
+                copy.flags.writeable = False
+                dense[i] = (a, copy)
+        return dense
 
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
@@ -488,6 +502,9 @@ class Conv(_ConvBase):
     def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
         """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
         the result (else allocated)."""
+        if self.dense:
+            w = self.dense[1][1] if 1 in self.dense and w is self.dense[1][0] else w
+            b = self.dense[2][1] if 2 in self.dense and b is self.dense[2][0] else b
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)

@@ -128,6 +128,27 @@ class FusedConv(_FusedIntoBase):
         return self.inner.run_into(out, x, w, b, activation=self.epilogue, residual=z)
 
 
+@register("FusedBatchNormalization", domain="carrack")
+class FusedBatchNormalization(_FusedIntoBase):
+    """Inference BatchNormalization + activation: one native pass x * scale + shift -> activation where it can."""
+
+    base_op = "BatchNormalization"
+    base_opset = 15
+
+    def setup(self) -> None:
+        super().setup()
+        epilogue = _epilogue(self.attr("activation", ""), self.activation_params(), self.act)
+        self.native_act = epilogue.native() if epilogue.code >= 0 else None
+
+    def run(self, x, *params):
+        y = None if self.native_act is None else self.inner.native_affine(x, self.native_act)
+        return super().run(x, *params) if y is None else y
+
+    def run_into(self, out, x, *params):
+        y = None if self.native_act is None else self.inner.native_affine(x, self.native_act, out)
+        return super().run_into(out, x, *params) if y is None else y
+
+
 @register("FusedGemm", domain=MS)
 class FusedGemm(_FusedBase):
     base_op = "Gemm"

@@ -12,6 +12,8 @@ import numpy as np
 
 from carrack.ir.dtypes import to_numpy
 from carrack.native import rowops
+from carrack.native.convolution import NO_ACTIVATION, Activation, NativeConvolution
+from carrack.native.convolution import load as native_convolution
 from carrack.ops.contrib import offer_run_into
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
@@ -53,8 +55,42 @@ class BatchNormalization(Kernel):
             self.training = wants_stats
         else:
             self.training = wants_stats and not self.attr("is_test", 0)
+        self.affine = None if self.training or not self.spatial else self._constant_affine()
+        offer_run_into(self)
+
+    def _constant_affine(self) -> tuple[NativeConvolution, np.ndarray, np.ndarray] | None:
+        """(native kernels, scale, shift) of y = x * scale + shift per channel, when the parameters are constant
+        float32 initializers and native kernels load."""
+        graph = self.ctx.graph if self.ctx is not None else None
+        if graph is None or len(self.node.inputs) < 5:
+            return None
+        params = [graph.initializers.get(name) for name in self.node.inputs[1:5]]
+        if any(p is None or p.dtype != np.float32 or p.ndim != 1 for p in params):
+            return None
+        kernels = native_convolution()
+        if kernels is None:
+            return None
+        gamma, beta, mean, var = params
+        factor = gamma / np.sqrt(var + np.float32(self.epsilon))  # the numpy path's float32 arithmetic
+        return kernels, np.ascontiguousarray(factor), np.ascontiguousarray(beta - mean * factor)
+
+    def native_affine(self, x: np.ndarray, activation: Activation, out: np.ndarray | None = None,
+                      ) -> np.ndarray | None:
+        """act(x * scale + shift) by the native kernel, or None where it cannot (then the numpy path runs)."""
+        if self.affine is None or x.dtype != np.float32 or x.ndim < 2:
+            return None
+        kernels, factor, shift = self.affine
+        return kernels.scale_shift(x, factor, shift, activation, out)
+
+    def _into(self, out, x, scale, bias, mean, var):
+        y = self.native_affine(x, NO_ACTIVATION, out)
+        return self._run_numpy(x, scale, bias, mean, var) if y is None else y
 
     def run(self, x, scale, bias, mean, var):
+        y = self.native_affine(x, NO_ACTIVATION)
+        return self._run_numpy(x, scale, bias, mean, var) if y is None else y
+
+    def _run_numpy(self, x, scale, bias, mean, var):
         wx = _widen(x)
         shape = self._param_shape(x, scale)
         params = [_widen(p).reshape(shape) for p in (scale, bias, mean, var)]

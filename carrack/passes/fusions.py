@@ -25,6 +25,106 @@ def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] 
     return scale, beta - mean * scale
 
 
+@rewrite("affine_folding", "Mul", "Add", level=EXTENDED)
+def fold_affine(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Conv/BatchNormalization -> Mul or Add by a per-channel constant (Caffe's Scale layer after a BatchNorm)
+    becomes one Conv/BatchNormalization with adjusted parameters."""
+    if node.domain or len(node.inputs) != 2:
+        return False
+    for i in (0, 1):
+        prev = view.producer.get(node.inputs[i])
+        k = view.const(node.inputs[1 - i])
+        if prev is None or prev.domain or k is None or view.single_consumer(node.inputs[i]) is not node:
+            continue
+        if prev.op_type == "BatchNormalization" and _inference_bn(prev, view, ctx):
+            params = [view.const(n) for n in prev.inputs[1:5]]
+            channels, rank = params[0].size, _rank(view, prev.inputs[0])
+        elif prev.op_type == "Conv" and view.const(prev.inputs[1]) is not None:
+            if node.op_type == "Add" and not (len(prev.inputs) > 2 and prev.inputs[2]):
+                continue  # conv_bias_fusion's case
+            params = [view.const(n) for n in prev.inputs[1:3]] if len(prev.inputs) > 2 and prev.inputs[2] else [
+                view.const(prev.inputs[1]), None]
+            if len(prev.inputs) > 2 and prev.inputs[2] and params[1] is None:
+                continue
+            channels, rank = params[0].shape[0], params[0].ndim
+        else:
+            continue
+        if rank is None or params[0].dtype != k.dtype or k.dtype.kind != "f" or not _per_channel(k, channels, rank):
+            continue
+        vec = np.broadcast_to(k.reshape(-1), (channels,)).astype(k.dtype)
+        inputs = list(prev.inputs)
+        if prev.op_type == "BatchNormalization":
+            gamma, beta = params[0], params[1]
+            if node.op_type == "Mul":
+                inputs[1] = view.add_initializer(prev.inputs[1] + "_scaled", (gamma * vec).astype(k.dtype))
+                beta = beta * vec
+            inputs[2] = view.add_initializer(prev.inputs[2] + "_shifted", (beta + vec * (node.op_type == "Add"))
+                                             .astype(k.dtype))
+        else:
+            w, b = params
+            b = np.zeros(channels, k.dtype) if b is None else b
+            if node.op_type == "Mul":
+                scaled = w * vec.reshape((-1,) + (1,) * (w.ndim - 1))
+                inputs[1] = view.add_initializer(prev.inputs[1] + "_scaled", scaled.astype(k.dtype))
+                b = b * vec
+            else:
+                b = b + vec
+            inputs[2:] = [view.add_initializer(prev.outputs[0] + "_bias", b.astype(k.dtype))]
+        view.replace([prev, node], [Node(prev.op_type, inputs, [node.outputs[0]], dict(prev.attrs), name=prev.name)])
+        return True
+    return False
+
+
+def _inference_bn(bn: Node, view: GraphView, ctx: Context) -> bool:
+    """Whether a BatchNormalization is the per-channel inference form with constant parameters."""
+    if bn.attrs.get("training_mode", 0) or len(bn.inputs) != 5 or ctx.version(bn) < 7:
+        return False
+    if ctx.version(bn) < 9 and not bn.attrs.get("spatial", 1):
+        return False
+    if len(bn.outputs) > 1 and any(view.n_uses(o) for o in bn.outputs[1:] if o):
+        return False
+    params = [view.const(n) for n in bn.inputs[1:5]]
+    return all(p is not None and p.ndim == 1 and p.size == params[0].size for p in params)
+
+
+def _per_channel(k: np.ndarray, channels: int, rank: int) -> bool:
+    """Whether constant k broadcasts against an [N, channels, ...] tensor of `rank` dims along the channels only."""
+    if k.ndim > rank or k.size not in (1, channels):
+        return False
+    if k.size == 1:
+        return True
+    axis = k.ndim - (rank - 1)  # k's dim that lines up with the channel axis
+    return axis >= 0 and k.shape[axis] == channels
+
+
+#: ops whose output has the rank of their first input
+_RANK_KEEPING = frozenset("BatchNormalization FusedBatchNormalization Relu LeakyRelu Sigmoid Dropout Identity "
+                          "Transpose".split())
+
+
+def _rank(view: GraphView, name: str, depth: int = 64) -> int | None:
+    """The rank of a value when its producers tell it (a Conv's weight, a pooling's kernel, a graph input)."""
+    for _ in range(depth):
+        node = view.producer.get(name)
+        if node is None:
+            v = next((v for v in view.graph.inputs if v.name == name), None)
+            shape = getattr(getattr(v, "type", None), "shape", None)
+            return None if shape is None else len(shape)
+        if node.domain not in ("", "carrack", MS):
+            return None
+        if node.op_type in ("Conv", "FusedConv") and len(node.inputs) > 1 and view.const(node.inputs[1]) is not None:
+            return view.const(node.inputs[1]).ndim
+        if node.op_type in ("MaxPool", "AveragePool") and "kernel_shape" in node.attrs:
+            return len(node.attrs["kernel_shape"]) + 2
+        if node.op_type == "Concat":  # DenseNet's concat chains: parts that are not another Concat first
+            parts = sorted(node.inputs, key=lambda i: getattr(view.producer.get(i), "op_type", "") == "Concat")
+            return next((r for r in (_rank(view, i, depth // 2) for i in parts if i) if r is not None), None)
+        if node.op_type not in _RANK_KEEPING or not node.inputs:
+            return None
+        name = node.inputs[0]
+    return None
+
+
 @rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
 def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization becomes one layer with adjusted weights and bias."""
@@ -137,18 +237,21 @@ _CARRACK_FUSABLE = {**_ORT_FUSABLE, "HardSwish": (), "Gelu": ()}
 
 @rewrite("activation_fusion", *_CARRACK_FUSABLE, "Clip", level=EXTENDED)
 def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
-    """Conv/Gemm/MatMul -> activation becomes one fused node: com.microsoft FusedConv/FusedGemm where onnxruntime
-    knows the combination, else carrack's own FusedConv/FusedGemm/FusedMatMul."""
+    """Conv/Gemm/MatMul/BatchNormalization -> activation becomes one fused node: com.microsoft FusedConv/FusedGemm
+    where onnxruntime knows the combination, else carrack's own FusedConv/FusedGemm/FusedMatMul/
+    FusedBatchNormalization."""
     if act.domain:
         return False
     prev = view.producer.get(act.inputs[0])
-    if prev is None or prev.domain or prev.op_type not in ("Conv", "Gemm", "MatMul"):
+    if prev is None or prev.domain or prev.op_type not in ("Conv", "Gemm", "MatMul", "BatchNormalization"):
         return False
     if view.single_consumer(act.inputs[0]) is not act:
         return False
+    if prev.op_type == "BatchNormalization" and not _inference_bn(prev, view, ctx):
+        return False
     if act.op_type == "Clip":
         params = _clip_params(act, view, ctx)
-        if params is None or prev.op_type == "MatMul":
+        if params is None or prev.op_type in ("MatMul", "BatchNormalization"):
             return False
     elif act.op_type == "Gelu":
         if act.attrs.get("approximate", "none") != "none":
@@ -157,7 +260,7 @@ def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
     else:
         params = [float(act.attrs.get(k, d)) for k, d in _CARRACK_FUSABLE[act.op_type]]
     attrs = dict(prev.attrs, activation=act.op_type)
-    ort_knows = prev.op_type != "MatMul" and act.op_type in (*_ORT_FUSABLE, "Clip")
+    ort_knows = prev.op_type in ("Conv", "Gemm") and act.op_type in (*_ORT_FUSABLE, "Clip")
     if params and (prev.op_type != "Gemm" or not ort_knows):
         attrs["activation_params"] = params
     elif params:  # onnxruntime's FusedGemm names its activation parameters one by one

@@ -136,6 +136,7 @@ def dropout_rule(node, ins, version):
     return [tensor_fact(x.elem_type, x.shape), tensor_fact(BOOL, x.shape)]
 
 
+@rule("FusedBatchNormalization", domain="carrack")
 @rule("BatchNormalization", "LayerNormalization", "GroupNormalization", "RMSNormalization")
 def norm_rule(node, ins, version):
     return [tensor_fact(ins[0].elem_type, ins[0].shape)]
