@@ -270,13 +270,16 @@ class Softmax(_AxisNormalizer):
     def run_into(self, out, x):
         if self.rows is None or x.dtype != np.float32 or not self._rows_last(x):
             return super().run(x)
-        n = math.prod(x.shape[self.axis % x.ndim:]) if self.flatten else x.shape[-1]
+        n = math.prod(x.shape[self.axis % x.ndim:]) if self.flatten else x.shape[self.axis % x.ndim]
         into = out.reshape(-1, n) if out is not None and out.shape == x.shape else None
         return rowops.softmax(x.reshape(-1, n), out=into).reshape(x.shape)
 
     def _rows_last(self, x: np.ndarray) -> bool:
         """Whether the normalized elements are the trailing ones of a non-empty x (whole rows of a 2-D view)."""
-        return x.size > 0 and -x.ndim <= self.axis < x.ndim and (self.flatten or self.axis % x.ndim == x.ndim - 1)
+        if x.size == 0 or not -x.ndim <= self.axis < x.ndim:
+            return False
+        # dims of size 1 after the axis (a classifier's [N, classes, 1, 1]) leave the axis trailing in memory
+        return self.flatten or all(d == 1 for d in x.shape[self.axis % x.ndim + 1:])
 
     def compute(self, x, axis):
         if x.size == 0:

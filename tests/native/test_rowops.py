@@ -363,3 +363,18 @@ def test_planned_buffers(monkeypatch):
     np.testing.assert_allclose(native_path[0], numpy_path[0], rtol=1e-5, atol=1e-5)
     planned = carrack.InferenceSession(model)._program._plan
     assert all(into is not None for _, _, _, _, _, _, into, _ in planned[:-1])  # each wrote into the arena
+
+
+@pytest.mark.parametrize("native_on", ["0", "1"])
+@pytest.mark.parametrize("shape,axis", [((2, 1000, 1, 1), 1), ((3, 5, 1, 1), -3), ((2, 7, 1), 1), ((2, 3, 4), 1)])
+def test_softmax_axis_followed_by_unit_dims(shape, axis, native_on, monkeypatch):
+    """A classifier's Softmax over [N, classes, 1, 1] (axis 1) is a row softmax: same values as the reference."""
+    monkeypatch.setenv("CARRACK_NATIVE", native_on)
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=axis)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    y = carrack.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    e = np.exp(x.astype(np.float64) - x.max(axis=axis, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(axis=axis, keepdims=True), rtol=2e-6, atol=1e-9)
