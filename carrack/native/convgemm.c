@@ -247,6 +247,44 @@ static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
         }
 }
 
+/* The same for a flat pixel group (stride 1, output rows as wide as the input's): vector v covers the 16 outputs
+ * from flat index T->out[v], which may span output rows; tap (i, j) reads them at one offset from the image (the
+ * input row width equals the output's), each lane masked where its own row or column lands in the padding. */
+static void dtaps_flat(const dtile_t *T, int64_t ow, int64_t pt, int64_t pl, dtap_t *taps) {
+    __m512i row[4], col[4]; /* each lane's output row and column */
+    for (int v = 0; v < 4; v++) {
+        int32_t r[16], c[16];
+        int64_t p = T->out[v];
+        int32_t ri = (int32_t)(p / ow), ci = (int32_t)(p % ow);
+        for (int l = 0; l < 16; l++) {
+            r[l] = ri, c[l] = ci;
+            if (++ci == ow) ci = 0, ri++;
+        }
+        row[v] = _mm512_loadu_si512(r), col[v] = _mm512_loadu_si512(c);
+    }
+    const __m512i h = _mm512_set1_epi32((int32_t)T->h), w = _mm512_set1_epi32((int32_t)T->w);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t i = 0; i < T->kh; i++)
+        for (int64_t j = 0; j < T->kw; j++) {
+            dtap_t *tp = taps + i * T->kw + j;
+            const int64_t di = i * T->dh - pt, dj = j * T->dw - pl;
+            const __m512i vdi = _mm512_set1_epi32((int32_t)di), vdj = _mm512_set1_epi32((int32_t)dj);
+            tp->any = 0;
+            for (int v = 0; v < 4; v++) {
+                const __m512i r = _mm512_add_epi32(row[v], vdi), c = _mm512_add_epi32(col[v], vdj);
+                __mmask16 m = T->lanes[v];
+                m = _mm512_mask_cmpge_epi32_mask(m, r, zero);
+                m = _mm512_mask_cmplt_epi32_mask(m, r, h);
+                m = _mm512_mask_cmpge_epi32_mask(m, c, zero);
+                m = _mm512_mask_cmplt_epi32_mask(m, c, w);
+                tp->lo[v] = m;
+                tp->hi[v] = 0;
+                tp->off[v] = m ? T->out[v] + di * T->w + dj : 0;
+                tp->any |= m;
+            }
+        }
+}
+
 static inline __attribute__((always_inline)) void dtile(const float *w, int64_t ldw, const float *img,
                                                         const dtile_t *T, const dtap_t *taps, float *y,
                                                         const float *z, int64_t ldy,
@@ -321,6 +359,10 @@ static void dtaps(const dtile_t *T, int64_t sw, dtap_t *taps) {
     (void)T, (void)sw, (void)taps;
 }
 
+static void dtaps_flat(const dtile_t *T, int64_t ow, int64_t pt, int64_t pl, dtap_t *taps) {
+    (void)T, (void)ow, (void)pt, (void)pl, (void)taps;
+}
+
 static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
                       float *y, const float *z, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
     (void)taps;
@@ -353,9 +395,21 @@ static int64_t dgroups(int64_t oh, int64_t ow, int64_t *rows_per, int64_t *chunk
     return (oh + *rows_per - 1) / *rows_per * *chunks;
 }
 
-int64_t dconv_tiles_f32(int64_t oh, int64_t ow) {
+/* Whether the output pixels go flat, 64 at a time across output rows, so that no lane idles at the end of a short
+ * row: for stride 1 with output rows as wide as the input's (a "same" padding), where a vector of consecutive
+ * outputs reads consecutive inputs. The portable code keeps rows. */
+static int dflat(int64_t ow, int64_t wd, int64_t sh, int64_t sw) {
+#if defined(__AVX512F__)
+    return sh == 1 && sw == 1 && ow == wd;
+#else
+    (void)ow, (void)wd, (void)sh, (void)sw;
+    return 0;
+#endif
+}
+
+int64_t dconv_tiles_f32(int64_t oh, int64_t ow, int64_t wd, int64_t sh, int64_t sw) {
     int64_t rows_per, chunks;
-    return dgroups(oh, ow, &rows_per, &chunks);
+    return dflat(ow, wd, sh, sw) ? (oh * ow + 63) / 64 : dgroups(oh, ow, &rows_per, &chunks);
 }
 
 /* Tiles [begin, end) of a direct convolution (column stride sw 1 or 2) of x[N, G * Cg, H, W] by
@@ -370,7 +424,9 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
     (void)n_;
     const act_t f = {alpha, beta, (int)act};
     int64_t rows_per, chunks;
-    const int64_t pixel_groups = dgroups(oh, ow, &rows_per, &chunks), row_tiles = (mg + MR - 1) / MR;
+    const int flat = dflat(ow, wd, sh, sw);
+    const int64_t pixel_groups = flat ? (oh * ow + 63) / 64 : dgroups(oh, ow, &rows_per, &chunks);
+    const int64_t row_tiles = (mg + MR - 1) / MR;
     const int64_t ldw = cg * kh * kw, plane = h * wd;
     dtile_t T = {h, wd, cg, kh, kw, dh, dw, {0}, {0}, {0}, {0}, {0}};
     dtap_t *taps = malloc((size_t)(kh * kw) * sizeof(dtap_t));
@@ -380,7 +436,12 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
         const int64_t rt = t % row_tiles, pg = t / row_tiles % pixel_groups;
         const int64_t gi = t / (row_tiles * pixel_groups) % groups, n = t / (row_tiles * pixel_groups * groups);
         const int64_t m = gi * mg + rt * MR, rows = mg - rt * MR < MR ? mg - rt * MR : MR;
-        for (int v = 0; v < 4; v++) { /* the vectors' outputs: row o, pixels p .. p + 15 */
+        for (int v = 0; v < 4 && flat; v++) { /* flat outputs pg * 64 + 16 v .. + 15 */
+            const int64_t p = pg * 64 + 16 * v, count = oh * ow - p < 16 ? oh * ow - p : 16;
+            T.lanes[v] = count > 0 ? tail_mask(count) : 0;
+            T.out[v] = count > 0 ? p : 0;
+        }
+        for (int v = 0; v < 4 && !flat; v++) { /* the vectors' outputs: row o, pixels p .. p + 15 */
             const int64_t o = pg / chunks * rows_per + (rows_per == 1 ? 0 : rows_per == 4 ? v : v / 2);
             const int64_t p = (pg % chunks) * 64 + (rows_per == 1 ? 16 * v : rows_per == 2 ? 16 * (v % 2) : 0);
             const int64_t count = o < oh ? (ow - p < 16 ? ow - p : 16) : 0;
@@ -390,7 +451,13 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
             T.pos[v] = T.row[v] * wd + T.col[v];
             T.out[v] = count > 0 ? o * ow + p : 0;
         }
-        if (pg != tapped) dtaps(&T, sw, taps), tapped = pg;
+        if (pg != tapped) {
+            if (flat)
+                dtaps_flat(&T, ow, pt, pl, taps);
+            else
+                dtaps(&T, sw, taps);
+            tapped = pg;
+        }
         const int64_t at = (n * groups * mg + m) * oh * ow;
         dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps, y + at, z ? z + at : NULL,
                   oh * ow, bias ? bias + m : NULL, rows, sw, f);

@@ -140,7 +140,7 @@ class NativeConvolution:
         _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
         _declare(gemm, "im2col_f32", None, _ptr, _ptr, *[_i64] * 16)
         _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
-        _declare(gemm, "dconv_tiles_f32", _i64, _i64, _i64)
+        _declare(gemm, "dconv_tiles_f32", _i64, *[_i64] * 5)
         self._dwconv, self._bias_act, self._gemm = dw.dwconv2d_f32, dw.bias_act_f32, gemm.convgemm_f32
         self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
         self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
@@ -271,7 +271,7 @@ class NativeConvolution:
         if z is not None and not _residual_fits(z, shape):
             return None
         y = out if _usable(out, shape, x, w, *(() if z is None else (z,))) else np.empty(shape, _F32)
-        tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow)
+        tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow, wd, sh, sw)
         head = (address(x), address(w), address(b), y.ctypes.data, address(z), n, group, m // group, cg, h, wd, kh,
                 kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
         failed = _run(self._dconv, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw), head, activation)

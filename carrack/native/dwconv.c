@@ -32,6 +32,8 @@ enum { G_C, G_MULT, G_H, G_W, G_KH, G_KW, G_OH, G_OW, G_SH, G_SW, G_DH, G_DW, G_
 #define BAND_FLOATS 65536 /* phase planes of one band: 256 KiB, inside the L2 cache */
 #define FLAT_FLOATS 1024  /* outputs per run of the narrow-output path */
 #define SLACK 160         /* readable floats past a phase plane's last row: the last vectors' overrun */
+#define FLAT_MAX_TAPS 64        /* the flat depthwise path: its masks and offsets, for all the planes */
+#define FLAT_MAX_PIXELS 256 /* larger planes: the row kernels reuse each load for three taps */
 
 typedef struct {
     float a, b;
@@ -448,6 +450,67 @@ static void dw3x3s2_plane(float *out, const float *img, const float *wt, float b
         }
     }
 }
+
+/* Stride 1 with output rows as wide as the input's (a "same" padding), any kernel and dilation: the plane's
+ * outputs go flat, 16 consecutive ones to a vector across output rows, and kernel tap t of vector v reads 16
+ * consecutive inputs at one offset, masked per lane where that lane's own row or column lands in the padding.
+ * No lane idles at the end of a short row (a 7x7 map fills 49 of 64 lanes instead of 7 of 16), and the masks and
+ * offsets are worked out once for all the planes. */
+typedef struct {
+    int64_t vectors, taps;
+    __mmask16 *mask; /* [vectors][taps]: the lanes of vector v that tap t reads inside the image */
+    int64_t tap[FLAT_MAX_TAPS]; /* where tap t reads, from the vector's first output */
+} flat_taps_t;
+
+static int flat_taps_init(flat_taps_t *F, int64_t h, int64_t w, int64_t oh, int64_t kh, int64_t kw, int64_t dh,
+                          int64_t dw, int64_t pt, int64_t pl) {
+    const int64_t pixels = oh * w;
+    F->vectors = (pixels + 15) / 16;
+    F->taps = kh * kw;
+    F->mask = malloc((size_t)(F->vectors * F->taps) * sizeof(__mmask16));
+    if (!F->mask) return -1;
+    for (int64_t i = 0; i < kh; i++)
+        for (int64_t j = 0; j < kw; j++) F->tap[i * kw + j] = (i * dh - pt) * w + j * dw - pl;
+    for (int64_t v = 0; v < F->vectors; v++)
+        for (int64_t i = 0; i < kh; i++)
+            for (int64_t j = 0; j < kw; j++) {
+                const int64_t di = i * dh - pt, dj = j * dw - pl, t = v * F->taps + i * kw + j;
+                __mmask16 m = 0;
+                for (int64_t l = 0, p = 16 * v; l < 16 && p < pixels; l++, p++) {
+                    const int64_t r = p / w + di, c = p % w + dj;
+                    if (r >= 0 && r < h && c >= 0 && c < w) m |= (__mmask16)(1u << l);
+                }
+                F->mask[t] = m;
+            }
+    return 0;
+}
+
+/* `taps` is a constant where inlined (3x3), so the weights and tap offsets stay in registers */
+static inline __attribute__((always_inline)) void dw_flat_plane_t(float *out, const float *img, const float *wt,
+                                                                  float bias, int64_t pixels, const flat_taps_t *F,
+                                                                  const int64_t taps, act_t f) {
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int64_t v = 0; v < F->vectors; v++) {
+        const __mmask16 *m = F->mask + v * taps;
+        const float *at = img + 16 * v;
+        __m512 a = b, c = _mm512_setzero_ps(); /* two chains: half the multiply-add latency per vector */
+        int64_t t = 0;
+        for (; t + 1 < taps; t += 2) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(wt[t]), _mm512_maskz_loadu_ps(m[t], at + F->tap[t]), a);
+            c = _mm512_fmadd_ps(_mm512_set1_ps(wt[t + 1]), _mm512_maskz_loadu_ps(m[t + 1], at + F->tap[t + 1]), c);
+        }
+        if (t < taps) a = _mm512_fmadd_ps(_mm512_set1_ps(wt[t]), _mm512_maskz_loadu_ps(m[t], at + F->tap[t]), a);
+        _mm512_mask_storeu_ps(out + 16 * v, tail_mask(pixels - 16 * v), act512(_mm512_add_ps(a, c), f));
+    }
+}
+
+static void dw_flat_plane(float *out, const float *img, const float *wt, float bias, int64_t pixels,
+                          const flat_taps_t *F, act_t f) {
+    if (F->taps == 9)
+        dw_flat_plane_t(out, img, wt, bias, pixels, F, 9, f);
+    else
+        dw_flat_plane_t(out, img, wt, bias, pixels, F, F->taps, f);
+}
 #endif
 
 /* Output planes of the input planes [begin, end) of x[N * C, H, W] (contiguous) into y[N * C * mult, OH, OW];
@@ -462,6 +525,20 @@ int64_t dwconv2d_f32(const float *x, const float *w, const float *bias, float *y
     layout_t L;
     if (end <= begin || oh <= 0 || ow <= 0) return 0;
 #if defined(__AVX512F__)
+    if (sh == 1 && sw == 1 && ow == w_ && kh * kw <= FLAT_MAX_TAPS && oh * ow <= FLAT_MAX_PIXELS) {
+        flat_taps_t F;
+        if (flat_taps_init(&F, h, w_, oh, kh, kw, dh, dw, pt, pl)) return -1;
+        for (int64_t q = begin; q < end; q++) {
+            const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
+            for (int64_t k = 0; k < mult; k++) {
+                const int64_t m = (first_out + k) % (channels * mult);
+                dw_flat_plane(y + (first_out + k) * oh * ow, x + q * h * w_, w + m * kh * kw, bias ? bias[m] : 0.0f,
+                              oh * ow, &F, f);
+            }
+        }
+        free(F.mask);
+        return 0;
+    }
     if (kh == 3 && kw == 3 && sh == sw && (sh == 1 || sh == 2) && dh == 1 && dw == 1) {
         float *zero = calloc((size_t)(w_ + 64), sizeof(float));
         if (!zero) return -1;

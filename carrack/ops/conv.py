@@ -169,7 +169,7 @@ def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w
     if (cg * group != c or m % group or n * m == 0 or 0 in out_shape or kh * kw == 0
             or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape)):
         return None
-    if _direct_pays(strides, cg, m // group, out_shape[1]):  # straight from the image, no columns
+    if _direct_pays(strides, cg, m // group, out_shape[1], wd):  # straight from the image, no columns
         return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
     if out is not None and not (out.shape == (n, m) + out_shape and out.dtype == np.float32
                                 and out.flags.c_contiguous and out.flags.writeable
@@ -207,12 +207,13 @@ DIRECT_MIN_WIDTH = 24
 DIRECT_MAX_SMALL_CHANNELS = 128
 
 
-def _direct_pays(strides: Sequence[int], cg: int, mg: int, out_width: int) -> bool:
+def _direct_pays(strides: Sequence[int], cg: int, mg: int, out_width: int, in_width: int) -> bool:
     """Whether the direct native convolution beats columns + product: for unit strides (its stride-2 loads cost a
     permute per vector) with enough input channels, and output rows long enough to fill its vectors (short rows
-    leave lanes idle) unless the layer is small (columns then cost more than the idle lanes)."""
+    leave lanes idle) unless the layer is small (columns then cost more than the idle lanes) or its output rows are
+    as wide as its input's (the kernel then runs its vectors across rows: no lane idles)."""
     return (strides[0] == strides[1] == 1 and cg >= DIRECT_MIN_CHANNELS
-            and (out_width >= DIRECT_MIN_WIDTH or mg < DIRECT_MAX_SMALL_CHANNELS))
+            and (out_width >= DIRECT_MIN_WIDTH or mg < DIRECT_MAX_SMALL_CHANNELS or out_width == in_width))
 
 
 def _convolve_nd(x: np.ndarray, w: np.ndarray, strides: Sequence[int], pads: Sequence[int],

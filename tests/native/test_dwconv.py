@@ -118,6 +118,26 @@ def test_direct_convolution_shapes(stride):
 
 
 @needs_native
+@pytest.mark.parametrize("depthwise", [True, False])
+def test_same_padding_runs_flat_across_rows(depthwise):
+    """Stride 1 with output rows as wide as the input's: the kernels run their vectors across output rows, each
+    lane masked by its own row and column (narrow maps, asymmetric and dilated pads, heights that differ)."""
+    rng = np.random.default_rng(40 + depthwise)
+    shapes = [(7, 7, [3, 3], [1, 1], [1, 1, 1, 1]), (14, 14, [3, 3], [1, 1], [1, 1, 1, 1]),
+              (13, 13, [3, 3], [1, 1], [1, 1, 1, 1]), (5, 1, [3, 1], [1, 1], [1, 0, 1, 0]),
+              (9, 11, [5, 3], [1, 2], [2, 0, 1, 4]), (4, 3, [3, 3], [1, 1], [0, 1, 3, 1]),
+              (1, 17, [1, 5], [1, 1], [0, 4, 0, 0]), (27, 27, [3, 3], [1, 1], [1, 1, 1, 1]),
+              (3, 55, [3, 3], [2, 1], [2, 1, 2, 1]), (16, 16, [7, 7], [1, 1], [3, 3, 3, 3])]
+    for h, w, kernel, dilations, pads in shapes:
+        assert pads[1] + pads[3] == (kernel[1] - 1) * dilations[1]
+        group, cg = (3, 1) if depthwise else (1, int(rng.choice([4, 7, 16])))
+        case = dict(n=int(rng.integers(1, 3)), c=cg * group, m=int(rng.choice([1, 2])) * group if depthwise
+                    else int(rng.integers(1, 14)), group=group, kernel=kernel, spatial=[h, w], strides=[1, 1],
+                    dilations=dilations, pads=pads)
+        _run_case(case, "Clip", rng)
+
+
+@needs_native
 def test_one_dimensional_and_specialised_shapes():
     rng = np.random.default_rng(3)
     for _ in range(10):
