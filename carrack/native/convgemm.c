@@ -12,6 +12,7 @@
  * channel), its 64 pixels loaded straight from the image (masked where they read padding). im2col_f32 builds
  * the columns of a block of output rows for the product, for convolutions with few input channels.
  */
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,6 +166,32 @@ static inline __attribute__((always_inline)) void tile(const float *w, int64_t l
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
     }
     ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+
+/* The last few pixels of a row of pixels (fewer than TAIL_MAX past a whole vector): a 7x7 map has 49, and a
+ * vector of its own would idle 15 of its 16 lanes through the whole depth. Each such pixel is instead a dot
+ * product along the depth with each of the tile's weight rows: 16 depth steps at a time, the pixel's column of x
+ * gathered once for all the rows. */
+#define TAIL_MAX 2
+static void tail_pixels(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, const float *z,
+                        int64_t ldy, const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
+    const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int32_t)ldx));
+    for (int64_t j = 0; j < cols; j++) {
+        __m512 acc[MR];
+        for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < depth; k += 16) {
+            const __mmask16 m = tail_mask(depth - k);
+            const __m512 xv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, index, x + k * ldx + j, 4);
+            for (int64_t i = 0; i < rows; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + i * ldw + k), xv, acc[i]);
+        }
+        for (int64_t i = 0; i < rows; i++) {
+            float v = _mm512_reduce_add_ps(acc[i]) + (bias ? bias[i] : 0.0f);
+            if (z) v += z[i * ldy + j];
+            y[i * ldy + j] = act_scalar(v, f);
+        }
+    }
 }
 
 #define TILE_NV(mr)                                                                                                \
@@ -487,8 +514,20 @@ void convgemm_f32(const float *x, const float *w, const float *bias, float *y, c
         const int64_t m = gi * mg + rt * MR, p = panel * NR;
         const int64_t rows = mg - rt * MR < MR ? mg - rt * MR : MR, cols = pixels - p < NR ? pixels - p : NR;
         const int64_t at = n * g[G_YN] + m * g[G_YM] + p;
-        tile_any(w + m * g[G_WM], g[G_WM], x + n * g[G_XN] + gi * kg * g[G_XK] + p, g[G_XK], y + at,
-                 z ? z + at : NULL, g[G_YM], bias ? bias + m : NULL, kg, rows, cols, f);
+        const float *xt = x + n * g[G_XN] + gi * kg * g[G_XK] + p;
+        int64_t tail = 0;
+#if defined(__AVX512F__)
+        if (p + cols == pixels && pixels > 16 && pixels % 16 <= TAIL_MAX && g[G_XK] <= INT32_MAX / 16)
+            tail = pixels % 16;
+#endif
+        if (cols > tail)
+            tile_any(w + m * g[G_WM], g[G_WM], xt, g[G_XK], y + at, z ? z + at : NULL, g[G_YM],
+                     bias ? bias + m : NULL, kg, rows, cols - tail, f);
+#if defined(__AVX512F__)
+        if (tail)
+            tail_pixels(w + m * g[G_WM], g[G_WM], xt + cols - tail, g[G_XK], y + at + cols - tail,
+                        z ? z + at + cols - tail : NULL, g[G_YM], bias ? bias + m : NULL, kg, rows, tail, f);
+#endif
     }
 }
 

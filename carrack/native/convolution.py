@@ -18,6 +18,7 @@ from functools import partial
 import numpy as np
 
 from carrack import native
+from carrack.native import data_address
 
 #: activation codes of the C kernels (the numpy side keeps its own functions for the rest, e.g. Tanh, Gelu)
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "HardSwish": 5, "Sigmoid": 6}
@@ -106,25 +107,9 @@ def _bias(bias: np.ndarray | None, m: int) -> tuple[np.ndarray | None, bool]:
     return bias, bias.size == m and bias.ndim == 1
 
 
-_addresses: dict[int, tuple[np.ndarray, int]] = {}
-_MAX_ADDRESSES = 4096
-
-
 def address(a: np.ndarray | None) -> int | None:
-    """a's data address; remembered for read-only arrays (a session's constant weights), whose numpy lookup would
-    cost a microsecond per call. The entry holds the array, so its id cannot be reused while it is remembered."""
-    if a is None:
-        return None
-    if a.flags.writeable:
-        return a.ctypes.data
-    hit = _addresses.get(id(a))
-    if hit is not None and hit[0] is a:
-        return hit[1]
-    if len(_addresses) >= _MAX_ADDRESSES:
-        _addresses.clear()
-    data = a.ctypes.data
-    _addresses[id(a)] = (a, data)
-    return data
+    """a's data address (None for None)."""
+    return None if a is None else data_address(a)
 
 
 class NativeConvolution:
@@ -168,7 +153,7 @@ class NativeConvolution:
         y = out if _usable(out, shape, x) else np.empty(shape, _F32)
         if y.size == 0:
             return y
-        head = (address(x), address(w), address(b), y.ctypes.data, c, m // c, h, wd, kh, kw, oh, ow, sh, sw,
+        head = (address(x), address(w), address(b), data_address(y), c, m // c, h, wd, kh, kw, oh, ow, sh, sw,
                 dh, dw, pads[0], pads[1])
         failed = _run(self._dwconv, _ranges(n * c, (m // c) * oh * ow * kh * kw), head, activation)
         return None if any(failed) else y
@@ -195,7 +180,7 @@ class NativeConvolution:
         xs, ys = x.strides, y.strides
         tiles = n * groups * -(-(m // groups) // GEMM_ROWS) * -(-pixels // GEMM_PIXELS)
         wa, ba = constants or (address(w), address(b))
-        head = (address(x), wa, ba, y.ctypes.data, address(z), n, groups, m // groups, kg, pixels, xs[0] >> 2,
+        head = (address(x), wa, ba, data_address(y), address(z), n, groups, m // groups, kg, pixels, xs[0] >> 2,
                 xs[1] >> 2,
                 ys[0] >> 2, ys[1] >> 2, w.strides[0] >> 2)
         _run(self._gemm, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * max(kg, 1)), head, activation)
@@ -233,7 +218,7 @@ class NativeConvolution:
             return False
         planes = y.shape[0] * y.shape[1]
         size = y.size // planes if planes else 0
-        _run(self._bias_act, _ranges(planes, size * 4), (y.ctypes.data, address(b), y.shape[1], size), activation)
+        _run(self._bias_act, _ranges(planes, size * 4), (data_address(y), address(b), y.shape[1], size), activation)
         return True
 
     def scale_shift(self, x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation: Activation,
@@ -247,7 +232,7 @@ class NativeConvolution:
         planes = x.shape[0] * x.shape[1]
         size = x.size // planes if planes else 0
         _run(self._scale_shift, _ranges(planes, size * 2),
-             (x.ctypes.data, y.ctypes.data, address(scale), address(shift), x.shape[1], size), activation)
+             (data_address(x), data_address(y), address(scale), address(shift), x.shape[1], size), activation)
         return y
 
     def direct(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
@@ -272,7 +257,7 @@ class NativeConvolution:
             return None
         y = out if _usable(out, shape, x, w, *(() if z is None else (z,))) else np.empty(shape, _F32)
         tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow, wd, sh, sw)
-        head = (address(x), address(w), address(b), y.ctypes.data, address(z), n, group, m // group, cg, h, wd, kh,
+        head = (address(x), address(w), address(b), data_address(y), address(z), n, group, m // group, cg, h, wd, kh,
                 kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
         failed = _run(self._dconv, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw), head, activation)
         return None if any(failed) else y
@@ -283,7 +268,7 @@ class NativeConvolution:
         aligned float32 arrays): what each kernel tap reads for each output, 0 in the padding."""
         c, h, w = image.shape
         (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
-        head = (image.ctypes.data, cols.ctypes.data, c, h, w, kh, kw, out_width, sh, sw, dh, dw, pads[0], pads[1],
+        head = (data_address(image), data_address(cols), c, h, w, kh, kw, out_width, sh, sw, dh, dw, pads[0], pads[1],
                 r0, r1)
         _run(self._im2col, _ranges(c * kh * kw, (r1 - r0) * out_width * 4), head, ())
 
@@ -301,7 +286,7 @@ class NativeConvolution:
             return y
         oh, ow = out_shape
         (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
-        head = (address(x), y.ctypes.data, h, w, kh, kw, oh, ow, sh, sw, dh, dw, *pads)
+        head = (address(x), data_address(y), h, w, kh, kw, oh, ow, sh, sw, dh, dw, *pads)
         failed = _run(self._pool, _ranges(n * c, oh * ow * kh * kw), head, (mode,))
         return None if any(failed) else y
 
@@ -316,7 +301,7 @@ class NativeConvolution:
         y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), _F32)
         if size == 0 or planes == 0:
             return None if size == 0 and planes else y
-        _run(self._mean, _ranges(planes, size), (address(x), y.ctypes.data, size), ())
+        _run(self._mean, _ranges(planes, size), (address(x), data_address(y), size), ())
         return y
 
 

@@ -32,6 +32,7 @@ enum { G_C, G_MULT, G_H, G_W, G_KH, G_KW, G_OH, G_OW, G_SH, G_SW, G_DH, G_DW, G_
 #define BAND_FLOATS 65536 /* phase planes of one band: 256 KiB, inside the L2 cache */
 #define FLAT_FLOATS 1024  /* outputs per run of the narrow-output path */
 #define SLACK 160         /* readable floats past a phase plane's last row: the last vectors' overrun */
+#define PREFETCH_ROWS_AHEAD 4 /* output rows */
 #define FLAT_MAX_TAPS 64        /* the flat depthwise path: its masks and offsets, for all the planes */
 #define FLAT_MAX_PIXELS 256 /* larger planes: the row kernels reuse each load for three taps */
 
@@ -365,6 +366,14 @@ static int fill_band(layout_t *L, const float *img, int64_t r0, int64_t rows, fl
 /* lanes k.. of lo followed by the first k of hi */
 #define ALIGNR(hi, lo, k) _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), k))
 
+/* Ask for the input rows [first, first + rows) of the plane ahead of their use: a plane that comes from the L3
+ * cache or memory (the large output of the layer before) otherwise arrives at the latency of each miss, as the
+ * few rows read per output row are too short a stream for the hardware prefetcher. */
+static inline void prefetch_rows(const float *img, int64_t h, int64_t w, int64_t first, int64_t rows) {
+    for (int64_t r = first < 0 ? 0 : first; r < first + rows && r < h; r++)
+        for (int64_t c = 0; c < w; c += 16) _mm_prefetch((const char *)(img + r * w + c), _MM_HINT_T0);
+}
+
 /* One plane of a 3x3, stride 1, dilation 1 depthwise convolution straight from the image: no phase planes. Each
  * kernel row reads three vectors of its input row (masked loads read the padding as zeros; a row outside the
  * image reads `zero`), and the shifted taps come from lane shifts across them. */
@@ -375,6 +384,7 @@ static void dw3x3s1_plane(float *out, const float *img, const float *wt, float b
     const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
     const __m512 b = _mm512_set1_ps(bias);
     for (int64_t o = 0; o < oh; o++, out += ow) {
+        prefetch_rows(img, h, w, o - pt + PREFETCH_ROWS_AHEAD, 1);
         const int64_t i0 = o - pt;
         const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
         const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
@@ -424,6 +434,7 @@ static void dw3x3s2_plane(float *out, const float *img, const float *wt, float b
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t o = 0; o < oh; o++, out += ow) {
+        prefetch_rows(img, h, w, 2 * o - pt + 2 * PREFETCH_ROWS_AHEAD, 2);
         const int64_t i0 = 2 * o - pt;
         const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
         const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
@@ -707,6 +718,7 @@ static inline __attribute__((always_inline)) void pool_plane(float *out, const f
     const int pads_count = mode == POOL_AVERAGE_PADS;
     for (int64_t o = 0; o < oh; o++, out += ow) {
         const int64_t top = o * sh - pt;
+        prefetch_rows(img, h, w, top + (kh - 1) * dh + 1 + (PREFETCH_ROWS_AHEAD - 1) * sh, sh);
         int64_t count = taps_inside(top, kh, dh, pads_count ? -pt : 0, pads_count ? h + pb : h);
         const __m512 rows_in = _mm512_set1_ps((float)(count > 0 ? count : 1));
         for (int64_t c0 = 0; c0 < ow; c0 += 64) { /* 4 vectors at a time: 4 independent chains */
@@ -744,10 +756,11 @@ static inline __attribute__((always_inline)) void pool_plane(float *out, const f
 
 /* dst[j] = max(row[2j], row[2j + 1], row[2j + 2]) for j < ow (rounded up to whole vectors: lanes past ow read
  * -inf past the row's end, and are never stored out) */
-static void max3s2_row(float *dst, const float *row, int64_t w, int64_t ow) {
+static __mmask16 max3s2_row(float *dst, const float *row, int64_t w, int64_t ow) {
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     for (int64_t j = 0; j < ow; j += 16) {
         const int64_t c = 2 * j;
         const float *p = row + c;
@@ -755,20 +768,24 @@ static void max3s2_row(float *dst, const float *row, int64_t w, int64_t ow) {
         const __m512 l1 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 16), p + 16);
         const __m512 l2 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 2), p + 2);
         const __m512 l3 = _mm512_mask_loadu_ps(ninf, tail_mask(w - c - 18), p + 18);
+        nan |= _mm512_cmp_ps_mask(l0, l1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(l2, l3, _CMP_UNORD_Q);
         const __m512 m = _mm512_max_ps(_mm512_permutex2var_ps(l0, even, l1), _mm512_permutex2var_ps(l0, odd, l1));
         _mm512_storeu_ps(dst + j, _mm512_max_ps(m, _mm512_permutex2var_ps(l2, even, l3)));
     }
+    return nan;
 }
 
-/* A 3x3 stride-2 max pool without pads or dilation whose windows all lie inside the (NaN-free) plane: each input
- * row's horizontal maxima once, then the maximum of three of them per output row (the shared row reused). `rows`:
- * scratch of 3 * ow16 floats, ow16 = ow rounded up to 16. */
-static void max3s2_plane(float *out, const float *img, int64_t w, int64_t oh, int64_t ow, float *rows, int64_t ow16) {
+/* A 3x3 stride-2 max pool without pads or dilation whose windows all lie inside the plane: each input row's
+ * horizontal maxima once, then the maximum of three of them per output row (the shared row reused). `rows`:
+ * scratch of 3 * ow16 floats, ow16 = ow rounded up to 16. Returns whether an input the windows read is NaN (the
+ * result is then wrong: max_ps drops NaN, and the caller redoes the plane). */
+static int max3s2_plane(float *out, const float *img, int64_t w, int64_t oh, int64_t ow, float *rows, int64_t ow16) {
     float *a = rows, *b = rows + ow16, *c = rows + 2 * ow16;
-    max3s2_row(a, img, w, ow);
+    __mmask16 nan = max3s2_row(a, img, w, ow);
     for (int64_t o = 0; o < oh; o++, out += ow) {
-        max3s2_row(b, img + (2 * o + 1) * w, w, ow);
-        max3s2_row(c, img + (2 * o + 2) * w, w, ow);
+        prefetch_rows(img, 2 * oh + 1, w, 2 * (o + PREFETCH_ROWS_AHEAD) + 1, 2);
+        nan |= max3s2_row(b, img + (2 * o + 1) * w, w, ow);
+        nan |= max3s2_row(c, img + (2 * o + 2) * w, w, ow);
         for (int64_t j = 0; j < ow; j += 16) {
             const __m512 m = _mm512_max_ps(_mm512_loadu_ps(a + j), _mm512_max_ps(_mm512_loadu_ps(b + j),
                                                                                 _mm512_loadu_ps(c + j)));
@@ -778,6 +795,7 @@ static void max3s2_plane(float *out, const float *img, int64_t w, int64_t oh, in
         a = c;
         c = t;
     }
+    return nan != 0;
 }
 
 #define POOL_PLANE(sw_, mode_)                                                                                     \
@@ -822,10 +840,10 @@ int64_t pool2d_f32(const float *x, float *y, int64_t h, int64_t w, int64_t kh, i
             && 2 * oh + 1 <= h && 2 * ow + 1 <= w)
             rows = malloc((size_t)(3 * ow16) * sizeof(float)); /* NULL (also when out of memory): the general path */
         for (int64_t q = begin; q < end; q++) {
-            if (mode == POOL_MAX && has_nan(x + q * h * w, h * w)) /* max_ps alone would drop it */
+            if (rows && !max3s2_plane(y + q * oh * ow, x + q * h * w, w, oh, ow, rows, ow16))
+                continue;
+            if (mode == POOL_MAX && (rows || has_nan(x + q * h * w, h * w))) /* max_ps alone would drop it */
                 sw == 1 ? POOL_PLANE(1, POOL_MAX_NAN) : POOL_PLANE(2, POOL_MAX_NAN);
-            else if (rows)
-                max3s2_plane(y + q * oh * ow, x + q * h * w, w, oh, ow, rows, ow16);
             else if (mode == POOL_MAX)
                 sw == 1 ? POOL_PLANE(1, POOL_MAX) : POOL_PLANE(2, POOL_MAX);
             else if (mode == POOL_AVERAGE)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from carrack import native
-from carrack.native import qgemm
+from carrack.native import data_address, qgemm
 
 #: bytes of A (im2col rows) per block: about the L2 cache (qgemm blocks it further); fewer, larger blocks also
 #: spend less on Python per call
@@ -78,7 +78,7 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
     parts = max(1, min(native.threads(), n // _ADD_SPLIT))
     cuts = [n * i // parts for i in range(parts + 1)]
     signed_in, signed_out = int(a.dtype == np.int8), int(out_dtype == np.int8)
-    a_at, b_at, y_at = a.ctypes.data, b.ctypes.data, y.ctypes.data
+    a_at, b_at, y_at = data_address(a), data_address(b), data_address(y)
     native.run_parallel([functools.partial(lib.qconv_qlinear_add, a_at + s, b_at + s, e - s, ka, kb, offset,
                                            signed_in, signed_out, y_at + s)
                          for s, e in zip(cuts[:-1], cuts[1:]) if e > s])
@@ -110,8 +110,8 @@ def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], d
     mask = 0x80 if x.dtype == np.int8 else 0
     at = native.pointer(geometry)
     scratch = np.empty((parts, 2 * int(lib.qconv_pool_scratch(at))), np.uint8)
-    native.run_parallel([functools.partial(lib.qconv_maxpool, x.ctypes.data, at, s, e, mask, scratch[i].ctypes.data,
-                                           y.ctypes.data) for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:]))
+    native.run_parallel([functools.partial(lib.qconv_maxpool, data_address(x), at, s, e, mask, data_address(scratch[i]),
+                                           data_address(y)) for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:]))
                          if e > s])
     return y
 
@@ -217,12 +217,12 @@ class QuantizedConv:
         parts = max(1, min(native.threads(), self.cout))
         cuts = [self.cout * i // parts for i in range(parts + 1)]
         scratch = np.empty((parts, int(self.lib.qconv_depthwise_scratch(plan.geometry_pointer))), np.uint8)
-        x_at, y_at = x.ctypes.data, y.ctypes.data
+        x_at, y_at = data_address(x), data_address(y)
         fn, geometry = self.lib.qconv_depthwise, plan.geometry_pointer
         taps, bias, multiplier = (native.pointer(a) for a in (self.taps, self.bias, self.multiplier))
         for n in range(x.shape[0]):
             native.run_parallel([functools.partial(fn, x_at + n * image_in, geometry, mult, c0, c1, taps, bias,
-                                                   multiplier, zp, mask, y_zp, signed, scratch[i].ctypes.data,
+                                                   multiplier, zp, mask, y_zp, signed, data_address(scratch[i]),
                                                    y_at + n * image_out)
                                  for i, (c0, c1) in enumerate(zip(cuts[:-1], cuts[1:])) if c0 < c1])
 
@@ -264,12 +264,12 @@ class ConvPlan:
         parts = max(1, min(native.threads(), self.rows // _ROW_ALIGN))
         a = np.empty((self.rows, self.lda), np.uint8)
         c = np.empty((self.rows, self.ldc), y.dtype)
-        a_at, c_at = a.ctypes.data, c.ctypes.data
+        a_at, c_at = data_address(a), data_address(c)
         bands = [None] * parts if self.transpose_only else [
             np.empty(self.band_bytes(-(-self.rows // parts)), np.uint8) for _ in range(parts)]
-        band_at = [0 if b is None else b.ctypes.data for b in bands]
+        band_at = [0 if b is None else data_address(b) for b in bands]
         x_image, y_image = x[0].size, y[0].size
-        x_at, y_at = x.ctypes.data, y.ctypes.data
+        x_at, y_at = data_address(x), data_address(y)
         for n in range(x.shape[0]):
             for g in range(conv.group):
                 x_group = x_at + n * x_image + g * conv.per_group * self.plane_in

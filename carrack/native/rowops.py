@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from carrack import native
+from carrack.native import data_address
 
 #: elements below which a call stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 16
@@ -53,7 +54,7 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...], first: np.ndarray, *
     (each element is read before it is written); any other overlap with an input is not."""
     if (out is not None and out.dtype == _F32 and out.shape == shape and out.flags.c_contiguous
             and out.flags.aligned and out.flags.writeable):
-        same = out.ctypes.data == first.ctypes.data and out.size == first.size
+        same = data_address(out) == data_address(first) and out.size == first.size
         if not (np.may_share_memory(out, first) and not same) and not any(
                 o is not None and np.may_share_memory(out, o) for o in others):
             return out
@@ -71,7 +72,7 @@ def _split(call: Callable[[int, int], None], rows: int, row_size: int) -> None:
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
+    return None if a is None else data_address(a)
 
 
 # -- softmax -----------------------------------------------------------------------------------------------------------

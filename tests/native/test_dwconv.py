@@ -138,6 +138,26 @@ def test_same_padding_runs_flat_across_rows(depthwise):
 
 
 @needs_native
+@pytest.mark.parametrize("pixels", [17, 18, 33, 49, 50, 196, 785])
+def test_pixel_tails_as_dot_products(pixels):
+    """A row of pixels one or two past a whole vector (a 7x7 map: 49) ends in dot products along the depth: every
+    depth (below, at and past a vector), tile heights 1 to 6, with and without bias and residual, against float64."""
+    kernels = native_conv.load()
+    rng = np.random.default_rng(pixels)
+    for depth, m, groups in [(1, 1, 1), (5, 7, 1), (16, 6, 2), (33, 13, 1), (160, 12, 3)]:
+        x = rng.standard_normal((2, depth * groups, pixels)).astype(np.float32)
+        w = rng.standard_normal((m * groups, depth)).astype(np.float32)
+        b = rng.standard_normal(m * groups).astype(np.float32) if depth % 2 else None
+        z = rng.standard_normal((2, m * groups, pixels)).astype(np.float32) if m % 2 else None
+        y = np.full((2, m * groups, pixels), np.nan, np.float32)
+        assert kernels.gemm(x, w, b, y, groups, (2, -1.0, 1.5), z=z)
+        xg = x.astype(np.float64).reshape(2, groups, depth, pixels)
+        ref = np.einsum("gmk,ngkp->ngmp", w.astype(np.float64).reshape(groups, m, depth), xg).reshape(y.shape)
+        ref = ref + (0 if b is None else b[:, None]) + (0 if z is None else z)
+        np.testing.assert_allclose(y, np.clip(ref, -1.0, 1.5), rtol=1e-5, atol=1e-5 * max(1, depth ** 0.5))
+
+
+@needs_native
 def test_one_dimensional_and_specialised_shapes():
     rng = np.random.default_rng(3)
     for _ in range(10):

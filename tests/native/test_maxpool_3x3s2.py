@@ -38,3 +38,20 @@ def test_maxpool_3x3_stride_2(monkeypatch, case):
     x[0, 1, 1, 2] = np.nan  # one plane takes the NaN-aware path (onnxruntime's NaN handling differs: numpy's only)
     x[-1, -1, -1, -1] = np.inf
     np.testing.assert_array_equal(_carrack(monkeypatch, "1", model, x), _carrack(monkeypatch, "0", model, x))
+
+
+def test_nan_anywhere_in_a_window_reaches_the_output(monkeypatch):
+    """The fast path notices a NaN wherever the windows read it (every column of a 16-output block, first and last
+    rows) and redoes that plane NaN-aware, as numpy's maximum; a NaN no window reads changes nothing."""
+    shape = (1, 1, 7, 69)
+    model = _model(shape, {})
+    monkeypatch.setenv("CARRACK_NATIVE", "1")
+    session = InferenceSession(model.SerializeToString())
+    base = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
+    for r in (0, 3, 6):
+        for c in range(shape[3]):
+            x = base.copy()
+            x[0, 0, r, c] = np.nan
+            expected = _carrack(monkeypatch, "0", model, x)
+            np.testing.assert_array_equal(session.run(None, {"x": x})[0], expected, err_msg=f"NaN at ({r}, {c})")
+            assert np.isnan(expected).any() == (c < 2 * expected.shape[3] + 1)
