@@ -131,6 +131,50 @@ class NativeConvolution:
         self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
         self._scale_shift = dw.scale_shift_act_f32
 
+    def bind(self, kind: str, x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None,
+             strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
+             activation: Activation) -> BoundConvolution | None:
+        """The `kind` ("pointwise", "direct" or "depthwise") convolution of inputs shaped x_shape by these constant
+        weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise` would run
+        it (2-D for direct and depthwise, unit strides and no pads for pointwise); None when it does not apply."""
+        for a in (w, bias):
+            if a is not None and (a.dtype != _F32 or not a.flags.c_contiguous or not a.flags.aligned):
+                return None
+        n, c = x_shape[:2]
+        m = w.shape[0]
+        if (bias is not None and bias.shape != (m,)) or min(pads, default=0) < 0 or n * c * m == 0:
+            return None
+        if kind == "pointwise":
+            pixels = math.prod(x_shape[2:])
+            if c % group or m % group or w.size != m * (c // group) or pixels == 0:
+                return None
+            mg, kg = m // group, c // group
+            tiles = n * group * -(-mg // GEMM_ROWS) * -(-pixels // GEMM_PIXELS)
+            middle = (n, group, mg, kg, pixels, c * pixels, pixels, m * pixels, pixels, kg)
+            return BoundConvolution(self._gemm, w, bias, x_shape, (n, m) + x_shape[2:], middle, tiles,
+                                    GEMM_ROWS * GEMM_PIXELS * max(kg, 1), activation, True, False)
+        if len(x_shape) != 4 or w.ndim != 4:
+            return None
+        h, wd = x_shape[2:]
+        _, cg, kh, kw = w.shape
+        (sh, sw), (dh, dw) = strides, dilations
+        oh = (h + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1
+        ow = (wd + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1
+        if min(oh, ow, kh * kw) <= 0:
+            return None
+        if kind == "direct":
+            if cg * group != c or m % group or sw > 2:
+                return None
+            tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow, wd, sh, sw)
+            middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
+            return BoundConvolution(self._dconv, w, bias, x_shape, (n, m, oh, ow), middle, tiles,
+                                    GEMM_ROWS * GEMM_PIXELS * cg * kh * kw, activation, True, True)
+        if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
+            middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
+            return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
+                                    (m // c) * oh * ow * kh * kw, activation, False, True)
+        return None
+
     def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                   strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
                   activation: Activation = NO_ACTIVATION) -> np.ndarray | None:
@@ -303,6 +347,44 @@ class NativeConvolution:
             return None if size == 0 and planes else y
         _run(self._mean, _ranges(planes, size), (address(x), data_address(y), size), ())
         return y
+
+
+class BoundConvolution:
+    """One native convolution with its constants and geometry worked out once: a call checks the input, output
+    and residual arrays it is given and passes their addresses, with the rest of the arguments ready made. Small
+    networks run dozens of convolutions of a few microseconds each, where the general path's Python (routing,
+    shape arithmetic, argument conversion) cost as much as the kernel.
+
+    `fn(x, w, bias, y, [z,] *middle, begin, end, *activation)`; `count` items of `work` multiply-adds each are
+    split over threads; `failures`: fn returns nonzero when it could not run (out of memory)."""
+
+    def __init__(self, fn, w: np.ndarray, bias: np.ndarray | None, x_shape: tuple[int, ...],
+                 y_shape: tuple[int, ...], middle: tuple, count: int, work: int, activation: Activation,
+                 residual: bool, failures: bool):
+        self.fn, self.w, self.bias = fn, w, bias
+        self.x_shape, self.y_shape = x_shape, y_shape
+        self.constants = (data_address(w), address(bias))
+        self.middle, self.count, self.work, self.activation = middle, count, work, activation
+        self.residual, self.failures = residual, failures
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None, z: np.ndarray | None) -> np.ndarray | None:
+        """The result (in `out` when usable), or None when these arrays do not fit the binding."""
+        if x.dtype is not _F32 or x.shape != self.x_shape or not x.flags.c_contiguous or not x.flags.aligned:
+            return None
+        if z is not None and (not self.residual or z.dtype is not _F32 or z.shape != self.y_shape
+                              or not z.flags.c_contiguous or not z.flags.aligned):
+            return None
+        if (out is not None and out.dtype is _F32 and out.shape == self.y_shape and out.flags.c_contiguous
+                and out.flags.aligned and out.flags.writeable and not np.may_share_memory(out, x)
+                and (z is None or not np.may_share_memory(out, z))):
+            y = out
+        else:
+            y = np.empty(self.y_shape, _F32)
+        head = (data_address(x), *self.constants, data_address(y))
+        if self.residual:
+            head += (None if z is None else data_address(z),)
+        results = _run(self.fn, _ranges(self.count, self.work), head + self.middle, self.activation)
+        return None if self.failures and any(results) else y
 
 
 POOL_MAX, POOL_AVERAGE, POOL_AVERAGE_PADS = 0, 1, 2

@@ -207,6 +207,29 @@ DIRECT_MIN_WIDTH = 24
 DIRECT_MAX_SMALL_CHANNELS = 128
 
 
+_UNBOUND = object()
+_MAX_BOUND = 16
+
+
+def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
+                 dilations: Sequence[int], group: int, residual: bool) -> str | None:
+    """Which native kernel `_native_convolve` runs for this geometry when it runs one that can be bound
+    ("pointwise", "direct" or "depthwise"); None for the rest (columns, strided 1x1, 1-D, N-D)."""
+    if min(pads) < 0:
+        return None
+    if w_shape[2:] == (1,) * (len(w_shape) - 2) and not any(pads):
+        return "pointwise" if all(s == 1 for s in strides) else None
+    if len(w_shape) != 4 or len(x_shape) != 4:
+        return None
+    c, (m, cg, _, kw) = x_shape[1], w_shape
+    if group == c and cg == 1:
+        return None if residual else "depthwise"
+    out_width = _output_size(x_shape[3], kw, strides[1], dilations[1], pads[1], pads[3])
+    if cg * group == c and m % group == 0 and _direct_pays(strides, cg, m // group, out_width, x_shape[3]):
+        return "direct"
+    return None
+
+
 def _direct_pays(strides: Sequence[int], cg: int, mg: int, out_width: int, in_width: int) -> bool:
     """Whether the direct native convolution beats columns + product: for unit strides (its stride-2 loads cost a
     permute per vector) with enough input channels, and output rows long enough to fill its vectors (short rows
@@ -483,6 +506,7 @@ class Conv(_ConvBase):
         super().setup()
         self.native = native_conv.load()  # None: numpy only (CARRACK_NATIVE=0, no compiler)
         self.dense = self._dense_constants() if self.native is not None else {}
+        self.bound: dict[tuple, native_conv.BoundConvolution | None] = {}  # by input shape and operands
 
     def _dense_constants(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{input index: (constant, its C-contiguous aligned read-only copy)} for a weight or bias initializer the
@@ -500,12 +524,39 @@ class Conv(_ConvBase):
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
 
+    def _bind(self, key: tuple, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: Epilogue | None,
+              residual: np.ndarray | None) -> native_conv.BoundConvolution | None:
+        """The native call this convolution makes for inputs like these, bound once (see BoundConvolution), for
+        constant weights only (a weight fed per run is a new array each time); None: the general path."""
+        bound = None
+        if (isinstance(w, np.ndarray) and not w.flags.writeable and x.dtype == np.float32 and x.ndim >= 3
+                and (b is None or isinstance(b, np.ndarray) and not b.flags.writeable)):
+            strides, dilations = self.geometry(x.ndim - 2)
+            pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
+            kind = _native_kind(x.shape, w.shape, strides, pads, dilations, self.group, residual is not None)
+            act = native_conv.NO_ACTIVATION if activation is None else activation.native()
+            if kind is not None:
+                bound = self.native.bind(kind, x.shape, w, b, strides, pads, dilations, self.group, act)
+        if len(self.bound) >= _MAX_BOUND:  # shapes keep changing: start over rather than grow
+            self.bound.clear()
+        self.bound[key] = bound
+        return bound
+
     def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
         """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
         the result (else allocated)."""
         if self.dense:
             w = self.dense[1][1] if 1 in self.dense and w is self.dense[1][0] else w
             b = self.dense[2][1] if 2 in self.dense and b is self.dense[2][0] else b
+        if self.native is not None:
+            key = (x.shape, id(w), id(b), id(activation), residual is None)
+            bound = self.bound.get(key, _UNBOUND)
+            if bound is _UNBOUND:
+                bound = self._bind(key, x, w, b, activation, residual)
+            if bound is not None and bound.w is w and bound.bias is b:
+                y = bound(x, out, residual)
+                if y is not None:
+                    return y if activation is None or activation.code >= 0 else activation.apply(y)
         nd = x.ndim - 2
         strides, dilations = self.geometry(nd)
         pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)

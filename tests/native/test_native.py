@@ -89,3 +89,14 @@ def test_run_parallel_runs_every_task():
     seen = []
     native.run_parallel([lambda i=i: seen.append(i) for i in range(7)])
     assert sorted(seen) == list(range(7))
+
+
+def test_data_address_matches_numpy():
+    """The fast address read agrees with numpy's for arrays, views, offsets, empty and zero-stride arrays and
+    subclasses (which take numpy's own path)."""
+    base = np.arange(100, dtype=np.float32)
+    arrays = [base, base[7:], base[::3], base.reshape(10, 10).T, np.empty((0, 3)), np.broadcast_to(base[5:6], (4, 4)),
+              base.view(np.uint8)[1:], base[1:2],
+              np.ma.masked_array(base), np.zeros((), np.int64)]
+    for a in arrays:
+        assert native.data_address(a) == a.ctypes.data
