@@ -355,18 +355,19 @@ static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile
 static void tile_any(const float *w, int64_t ldw, const float *x, int64_t ldx, float *y, const float *z,
                      int64_t ldy, const float *bias, int64_t depth, int64_t rows, int64_t cols, act_t f) {
     for (int64_t i = 0; i < rows; i++) {
-        float *restrict yr = y + i * ldy;
+        float acc[NR]; /* z may be y itself (matmul_f32's depth blocks) */
         const float b = bias ? bias[i] : 0.0f;
-        for (int64_t p = 0; p < cols; p++) yr[p] = b;
+        for (int64_t p = 0; p < cols; p++) acc[p] = b;
         for (int64_t k = 0; k < depth; k++) {
             const float *restrict xr = x + k * ldx;
             const float wk = w[i * ldw + k];
-            for (int64_t p = 0; p < cols; p++) yr[p] += wk * xr[p];
+            for (int64_t p = 0; p < cols; p++) acc[p] += wk * xr[p];
         }
-        if (z)
-            for (int64_t p = 0; p < cols; p++) yr[p] += z[i * ldy + p];
-        if (f.act != ACT_NONE)
-            for (int64_t p = 0; p < cols; p++) yr[p] = act_scalar(yr[p], f);
+        float *yr = y + i * ldy;
+        for (int64_t p = 0; p < cols; p++) {
+            const float v = z ? acc[p] + z[i * ldy + p] : acc[p];
+            yr[p] = f.act == ACT_NONE ? v : act_scalar(v, f);
+        }
     }
 }
 #endif
@@ -531,6 +532,55 @@ void convgemm_f32(const float *x, const float *w, const float *bias, float *y, c
     }
 }
 
+
+/* Tiles [begin, end) of y[T, N] (+)= a[T, K] @ b[K, N] (row strides lda, ldb, ldy in floats): a MatMul by a
+ * constant weight read in place, no packed copy. The tile's broadcast operand is a (tokens), its loaded one b
+ * (64 weight columns at a time); tiles go panel by panel of b, down all the row tiles within a panel, so each
+ * panel of b is read from memory once and stays in the cache for every band of rows. When a[T, K] would not fit
+ * the L2 cache beside a panel, K goes in blocks of `kblock`, each block's product added to the last (the tile's
+ * residual input is y itself). accumulate: add to y instead of overwriting it. */
+/* Share `part` of `parts` of the rows of the next weight panel (`cols` wide, none when <= 0), asked into the L2
+ * cache while the current panel is at work: a weight read once per inference comes from memory, its panel rows
+ * (256 bytes, a row stride apart) too short a stream for the hardware prefetcher. */
+static inline void prefetch_panel_share(const float *panel, int64_t ld, int64_t depth, int64_t cols, int64_t part,
+                                        int64_t parts) {
+#if defined(__AVX512F__)
+    if (cols <= 0) return;
+    const int64_t first = part * depth / parts, last = (part + 1) * depth / parts, lines = cols < NR ? cols : NR;
+    for (int64_t k = first; k < last; k++)
+        for (int64_t c = 0; c < lines; c += 16) _mm_prefetch((const char *)(panel + k * ld + c), _MM_HINT_T1);
+#else
+    (void)panel, (void)ld, (void)depth, (void)cols, (void)part, (void)parts;
+#endif
+}
+
+/* whether matmul_f32 runs vector code here (else numpy's BLAS is the better choice) */
+int64_t matmul_f32_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void matmul_f32(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t n, int64_t lda, int64_t ldb,
+                int64_t ldy, int64_t kblock, int64_t accumulate, int64_t begin, int64_t end) {
+    const int64_t row_tiles = (t + MR - 1) / MR;
+    const act_t none = {0.0f, 0.0f, ACT_NONE};
+    if (kblock <= 0) kblock = k > 0 ? k : 1;
+    for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += kblock) {
+        const int64_t depth = k - k0 < kblock ? k - k0 : kblock;
+        for (int64_t i = begin; i < end; i++) {
+            const int64_t m = i % row_tiles * MR, p = i / row_tiles * NR;
+            const int64_t rows = t - m < MR ? t - m : MR, cols = n - p < NR ? n - p : NR;
+            float *yt = y + m * ldy + p;
+            prefetch_panel_share(b + k0 * ldb + p + NR, ldb, depth, n - p - NR, i % row_tiles, row_tiles);
+            tile_any(a + m * lda + k0, lda, b + k0 * ldb + p, ldb, yt, k0 > 0 || accumulate ? yt : NULL, ldy, NULL,
+                     depth, rows, cols, none);
+        }
+        if (k0 + kblock >= k) break;
+    }
+}
 
 /* dst[o] = row[first + o * stride] where that lies in [0, w), else 0, for o < n */
 static void gather_row(float *dst, const float *row, int64_t w, int64_t first, int64_t stride, int64_t n) {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from carrack.native import matmul as native_matmul
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -20,9 +21,26 @@ def _flat_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     return None
 
 
+def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+    """a (..., K) @ b[K, N] by the native float32 kernel where it beats BLAS (see carrack.native.matmul), into
+    `out` when given (C-contiguous, of the result's shape); None when not done."""
+    if a.dtype != np.float32 or b.dtype != np.float32 or b.ndim != 2 or a.ndim < 2 or not a.flags.c_contiguous:
+        return None
+    rows = a.size // a.shape[-1] if a.shape[-1] else 0
+    if not native_matmul.pays(rows, b.shape[0], b.shape[1]) or a.shape[-1] != b.shape[0]:
+        return None
+    y = np.empty(a.shape[:-1] + b.shape[-1:], np.float32) if out is None else out
+    if not native_matmul.matmul_into(a.reshape(rows, -1), b, y.reshape(rows, -1)):
+        return None
+    return y
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def run(self, a, b):
+        y = _native_product(a, b, None)
+        if y is not None:
+            return y
         flat = _flat_rows(a, b) if a.dtype == b.dtype and a.dtype in (np.float32, np.float64) else None
         if flat is not None and flat.shape[-1] == b.shape[0]:
             return np.matmul(flat, b).reshape(a.shape[:-1] + b.shape[-1:])
@@ -33,6 +51,8 @@ class MatMul(Kernel):
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
                 and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
                 and a.shape[-1] == b.shape[-2]):
+            if out.flags.c_contiguous and _native_product(a, b, out) is not None:
+                return out
             flat = _flat_rows(a, b)
             if flat is not None and out.flags.c_contiguous:
                 np.matmul(flat, b, out=out.reshape(flat.shape[0], b.shape[1]))

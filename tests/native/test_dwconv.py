@@ -3,6 +3,7 @@ fused bias and activation, against float64 references, the numpy path (CARRACK_N
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 
@@ -372,3 +373,14 @@ def test_portable_build_without_avx512(tmp_path, monkeypatch):
     expected = np.array([[padded[2 * i:2 * i + 3, 2 * j:2 * j + 3].mean() for j in range(6)] for i in range(6)])
     np.testing.assert_allclose(y[0, 0], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kernels.plane_mean(x[:, 1:]), x[:, 1:].mean(axis=(2, 3), keepdims=True), rtol=1e-5)
+    # the depth-blocked matmul accumulates into its own result (the portable tile reads it before writing)
+    from carrack.native import matmul as native_matmul
+
+    lib = native.library("convgemm")
+    assert native_matmul._load() is None  # no vector code: MatMul keeps numpy's BLAS
+    a = rng.standard_normal((13, 150)).astype(np.float32)
+    b = rng.standard_normal((150, 70)).astype(np.float32)
+    y = np.zeros((13, 70), np.float32)
+    lib.matmul_f32(*[ctypes.c_void_p(native.data_address(v)) for v in (a, b, y)],
+                   *[ctypes.c_int64(v) for v in (13, 150, 70, 150, 70, 70, 64, 0, 0, 3 * 2)])
+    np.testing.assert_allclose(y, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
