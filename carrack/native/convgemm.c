@@ -621,11 +621,19 @@ static void gather_row(float *dst, const float *row, int64_t w, int64_t first, i
 void im2col_f32(const float *x, float *cols, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t ow,
                 int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t r0, int64_t r1,
                 int64_t begin, int64_t end) {
-    (void)c;
     const int64_t rows = r1 - r0;
     for (int64_t k = begin; k < end; k++) {
         const int64_t ci = k / (kh * kw), i = k / kw % kh, j = k % kw;
         const float *image = x + ci * h * w;
+#if defined(__AVX512F__)
+        if (i == 0 && j == 0 && ci + 1 < c) { /* the next plane's rows of this block, from memory for a large image */
+            int64_t lo = r0 * sh - pt, hi = (r1 - 1) * sh - pt + (kh - 1) * dh;
+            lo = lo < 0 ? 0 : lo, hi = hi >= h ? h - 1 : hi;
+            for (const char *q = (const char *)(image + h * w + lo * w); q < (const char *)(image + h * w + (hi + 1) * w);
+                 q += 64)
+                _mm_prefetch(q, _MM_HINT_T1);
+        }
+#endif
         float *dst = cols + k * rows * ow;
         for (int64_t r = r0; r < r1; r++, dst += ow) {
             const int64_t ih = r * sh - pt + i * dh;
