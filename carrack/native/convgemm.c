@@ -232,14 +232,14 @@ typedef struct {
         if (z) {                                                                                                   \
             const float *zr = z + i * ldy;                                                                         \
             a##i##0 = _mm512_add_ps(a##i##0, _mm512_maskz_loadu_ps(T->lanes[0], zr + T->out[0]));                 \
-            a##i##1 = _mm512_add_ps(a##i##1, _mm512_maskz_loadu_ps(T->lanes[1], zr + T->out[1]));                 \
-            a##i##2 = _mm512_add_ps(a##i##2, _mm512_maskz_loadu_ps(T->lanes[2], zr + T->out[2]));                 \
-            a##i##3 = _mm512_add_ps(a##i##3, _mm512_maskz_loadu_ps(T->lanes[3], zr + T->out[3]));                 \
+            if (nv > 1) a##i##1 = _mm512_add_ps(a##i##1, _mm512_maskz_loadu_ps(T->lanes[1], zr + T->out[1]));     \
+            if (nv > 2) a##i##2 = _mm512_add_ps(a##i##2, _mm512_maskz_loadu_ps(T->lanes[2], zr + T->out[2]));     \
+            if (nv > 3) a##i##3 = _mm512_add_ps(a##i##3, _mm512_maskz_loadu_ps(T->lanes[3], zr + T->out[3]));     \
         }                                                                                                          \
         _mm512_mask_storeu_ps(yr + T->out[0], T->lanes[0], act512(a##i##0, f));                                   \
-        _mm512_mask_storeu_ps(yr + T->out[1], T->lanes[1], act512(a##i##1, f));                                   \
-        _mm512_mask_storeu_ps(yr + T->out[2], T->lanes[2], act512(a##i##2, f));                                   \
-        _mm512_mask_storeu_ps(yr + T->out[3], T->lanes[3], act512(a##i##3, f));                                   \
+        if (nv > 1) _mm512_mask_storeu_ps(yr + T->out[1], T->lanes[1], act512(a##i##1, f));                       \
+        if (nv > 2) _mm512_mask_storeu_ps(yr + T->out[2], T->lanes[2], act512(a##i##2, f));                       \
+        if (nv > 3) _mm512_mask_storeu_ps(yr + T->out[3], T->lanes[3], act512(a##i##3, f));                       \
     }
 
 /* one vector of a direct tile: 16 columns (stride 1) or the even ones of 32 (stride 2), 0 in the padding */
@@ -312,11 +312,11 @@ static void dtaps_flat(const dtile_t *T, int64_t ow, int64_t pt, int64_t pl, dta
         }
 }
 
+/* nv: the vectors in use (the last pixel group of a plane may fill fewer than 4; their lanes are 0 past nv) */
 static inline __attribute__((always_inline)) void dtile(const float *w, int64_t ldw, const float *img,
                                                         const dtile_t *T, const dtap_t *taps, float *y,
-                                                        const float *z, int64_t ldy,
-                                                        const float *bias, const int mr, const int sw, act_t f) {
-    const int nv = 4;
+                                                        const float *z, int64_t ldy, const float *bias,
+                                                        const int mr, const int sw, const int nv, act_t f) {
     ROW_INIT(0) ROW_INIT(1) ROW_INIT(2) ROW_INIT(3) ROW_INIT(4) ROW_INIT(5)
     const int64_t plane = T->h * T->w, count = T->kh * T->kw;
     for (int64_t tap = 0; tap < count; tap++) {
@@ -326,8 +326,10 @@ static inline __attribute__((always_inline)) void dtile(const float *w, int64_t 
         const __mmask16 h0 = tp->hi[0], h1 = tp->hi[1], h2 = tp->hi[2], h3 = tp->hi[3];
         const float *xc = img;
         for (int64_t ci = 0; ci < T->cg; ci++, xc += plane) {
-            const __m512 x0 = dload(xc + tp->off[0], l0, h0, sw), x1 = dload(xc + tp->off[1], l1, h1, sw);
-            const __m512 x2 = dload(xc + tp->off[2], l2, h2, sw), x3 = dload(xc + tp->off[3], l3, h3, sw);
+            const __m512 x0 = dload(xc + tp->off[0], l0, h0, sw);
+            const __m512 x1 = nv > 1 ? dload(xc + tp->off[1], l1, h1, sw) : x0;
+            const __m512 x2 = nv > 2 ? dload(xc + tp->off[2], l2, h2, sw) : x0;
+            const __m512 x3 = nv > 3 ? dload(xc + tp->off[3], l3, h3, sw) : x0;
             const int64_t wk = ci * count + tap;
             ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
         }
@@ -335,12 +337,23 @@ static inline __attribute__((always_inline)) void dtile(const float *w, int64_t 
     DROW_STORE(0) DROW_STORE(1) DROW_STORE(2) DROW_STORE(3) DROW_STORE(4) DROW_STORE(5)
 }
 
+#define DTILE_NV(mr, sw_)                                                                                          \
+    switch (nv) {                                                                                                  \
+    case 1: dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, sw_, 1, f); break;                                    \
+    case 2: dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, sw_, 2, f); break;                                    \
+    case 3: dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, sw_, 3, f); break;                                    \
+    default: dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, sw_, 4, f); break;                                   \
+    }
 #define DTILE_SW(mr)                                                                                               \
-    (sw == 1 ? dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, 1, f)                                              \
-             : dtile(w, ldw, img, T, taps, y, z, ldy, bias, mr, 2, f))
+    if (sw == 1) {                                                                                                 \
+        DTILE_NV(mr, 1)                                                                                            \
+    } else {                                                                                                       \
+        DTILE_NV(mr, 2)                                                                                            \
+    }
 
 static void dtile_any(const float *w, int64_t ldw, const float *img, const dtile_t *T, const dtap_t *taps,
                       float *y, const float *z, int64_t ldy, const float *bias, int64_t rows, int64_t sw, act_t f) {
+    const int nv = T->lanes[3] ? 4 : T->lanes[2] ? 3 : T->lanes[1] ? 2 : 1;
     switch (rows) {
     case 1: DTILE_SW(1); break;
     case 2: DTILE_SW(2); break;
@@ -435,6 +448,16 @@ static int dflat(int64_t ow, int64_t wd, int64_t sh, int64_t sw) {
 #endif
 }
 
+/* rows [0, rows) of `count` floats each, `ld` apart, asked into the L2 cache */
+static inline void prefetch_rows_l2(const float *p, int64_t ld, int64_t rows, int64_t count) {
+#if defined(__AVX512F__)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < count; c += 16) _mm_prefetch((const char *)(p + r * ld + c), _MM_HINT_T1);
+#else
+    (void)p, (void)ld, (void)rows, (void)count;
+#endif
+}
+
 int64_t dconv_tiles_f32(int64_t oh, int64_t ow, int64_t wd, int64_t sh, int64_t sw) {
     int64_t rows_per, chunks;
     return dflat(ow, wd, sh, sw) ? (oh * ow + 63) / 64 : dgroups(oh, ow, &rows_per, &chunks);
@@ -460,8 +483,13 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
     dtap_t *taps = malloc((size_t)(kh * kw) * sizeof(dtap_t));
     if (!taps) return -1;
     int64_t tapped = -1; /* the pixel group `taps` describes */
+    /* An image that fits the L2 cache is read there again by each band of weight rows, which then goes through
+     * every pixel group while its weights stay in the L1 cache: the weights are read from memory once. A larger
+     * image goes pixel group by pixel group, each kept in the cache for every band of rows. */
+    const int rows_outer = cg * plane * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
     for (int64_t t = begin; t < end; t++) {
-        const int64_t rt = t % row_tiles, pg = t / row_tiles % pixel_groups;
+        int64_t rt = t % row_tiles, pg = t / row_tiles % pixel_groups;
+        if (rows_outer) rt = t / pixel_groups % row_tiles, pg = t % pixel_groups;
         const int64_t gi = t / (row_tiles * pixel_groups) % groups, n = t / (row_tiles * pixel_groups * groups);
         const int64_t m = gi * mg + rt * MR, rows = mg - rt * MR < MR ? mg - rt * MR : MR;
         for (int v = 0; v < 4 && flat; v++) { /* flat outputs pg * 64 + 16 v .. + 15 */
@@ -486,6 +514,8 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
                 dtaps(&T, sw, taps);
             tapped = pg;
         }
+        if (rt + 1 < row_tiles) /* the next band's weight rows (a large layer's weights come from memory) */
+            prefetch_rows_l2(w + (m + MR) * ldw, ldw, mg - rt * MR - MR < MR ? mg - rt * MR - MR : MR, ldw);
         const int64_t at = (n * groups * mg + m) * oh * ow;
         dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps, y + at, z ? z + at : NULL,
                   oh * ow, bias ? bias + m : NULL, rows, sw, f);
@@ -516,6 +546,8 @@ void convgemm_f32(const float *x, const float *w, const float *bias, float *y, c
         const int64_t rows = mg - rt * MR < MR ? mg - rt * MR : MR, cols = pixels - p < NR ? pixels - p : NR;
         const int64_t at = n * g[G_YN] + m * g[G_YM] + p;
         const float *xt = x + n * g[G_XN] + gi * kg * g[G_XK] + p;
+        if (panel == 0 && rt + 1 < row_tiles) /* the next band's weight rows: read once, from memory */
+            prefetch_rows_l2(w + (m + MR) * g[G_WM], g[G_WM], mg - rt * MR - MR < MR ? mg - rt * MR - MR : MR, kg);
         int64_t tail = 0;
 #if defined(__AVX512F__)
         if (p + cols == pixels && pixels > 16 && pixels % 16 <= TAIL_MAX && g[G_XK] <= INT32_MAX / 16)
