@@ -33,6 +33,7 @@ enum { G_N, G_GROUPS, G_MG, G_KG, G_P, G_XN, G_XK, G_YN, G_YM, G_WM, G_COUNT };
 #ifndef ROWS_OUTER_BYTES
 #define ROWS_OUTER_BYTES (512 * 1024)
 #endif
+#define TAP_CACHE_BYTES (256 * 1024) /* a direct convolution's taps kept for all its pixel groups */
 
 typedef struct {
     float a, b;
@@ -480,13 +481,20 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
     const int64_t row_tiles = (mg + MR - 1) / MR;
     const int64_t ldw = cg * kh * kw, plane = h * wd;
     dtile_t T = {h, wd, cg, kh, kw, dh, dw, {0}, {0}, {0}, {0}, {0}};
-    dtap_t *taps = malloc((size_t)(kh * kw) * sizeof(dtap_t));
-    if (!taps) return -1;
-    int64_t tapped = -1; /* the pixel group `taps` describes */
     /* An image that fits the L2 cache is read there again by each band of weight rows, which then goes through
      * every pixel group while its weights stay in the L1 cache: the weights are read from memory once. A larger
-     * image goes pixel group by pixel group, each kept in the cache for every band of rows. */
-    const int rows_outer = cg * plane * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES;
+     * image goes pixel group by pixel group, each kept in the cache for every band of rows. In the first order
+     * every tile moves to another pixel group, so each group's taps are worked out once and kept. */
+    const int64_t count = kh * kw;
+    const int rows_outer = cg * plane * (int64_t)sizeof(float) <= ROWS_OUTER_BYTES
+                           && pixel_groups * count * (int64_t)sizeof(dtap_t) <= TAP_CACHE_BYTES;
+    dtap_t *taps = malloc((size_t)((rows_outer ? pixel_groups : 1) * count) * sizeof(dtap_t));
+    unsigned char *known = rows_outer ? calloc((size_t)pixel_groups, 1) : NULL;
+    if (!taps || (rows_outer && !known)) {
+        free(taps), free(known);
+        return -1;
+    }
+    int64_t tapped = -1; /* the pixel group `taps` describes (the other order) */
     for (int64_t t = begin; t < end; t++) {
         int64_t rt = t % row_tiles, pg = t / row_tiles % pixel_groups;
         if (rows_outer) rt = t / pixel_groups % row_tiles, pg = t % pixel_groups;
@@ -507,20 +515,25 @@ int64_t dconv_f32(const float *x, const float *w, const float *bias, float *y, c
             T.pos[v] = T.row[v] * wd + T.col[v];
             T.out[v] = count > 0 ? o * ow + p : 0;
         }
-        if (pg != tapped) {
+        dtap_t *tp = rows_outer ? taps + pg * count : taps;
+        if (rows_outer ? !known[pg] : pg != tapped) {
             if (flat)
-                dtaps_flat(&T, ow, pt, pl, taps);
+                dtaps_flat(&T, ow, pt, pl, tp);
             else
-                dtaps(&T, sw, taps);
-            tapped = pg;
+                dtaps(&T, sw, tp);
+            if (rows_outer)
+                known[pg] = 1;
+            else
+                tapped = pg;
         }
         if (rt + 1 < row_tiles) /* the next band's weight rows (a large layer's weights come from memory) */
             prefetch_rows_l2(w + (m + MR) * ldw, ldw, mg - rt * MR - MR < MR ? mg - rt * MR - MR : MR, ldw);
         const int64_t at = (n * groups * mg + m) * oh * ow;
-        dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, taps, y + at, z ? z + at : NULL,
+        dtile_any(w + m * ldw, ldw, x + (n * groups + gi) * cg * plane, &T, tp, y + at, z ? z + at : NULL,
                   oh * ow, bias ? bias + m : NULL, rows, sw, f);
     }
     free(taps);
+    free(known);
     return 0;
 }
 
@@ -565,27 +578,6 @@ void convgemm_f32(const float *x, const float *w, const float *bias, float *y, c
 }
 
 
-/* Tiles [begin, end) of y[T, N] (+)= a[T, K] @ b[K, N] (row strides lda, ldb, ldy in floats): a MatMul by a
- * constant weight read in place, no packed copy. The tile's broadcast operand is a (tokens), its loaded one b
- * (64 weight columns at a time); tiles go panel by panel of b, down all the row tiles within a panel, so each
- * panel of b is read from memory once and stays in the cache for every band of rows. When a[T, K] would not fit
- * the L2 cache beside a panel, K goes in blocks of `kblock`, each block's product added to the last (the tile's
- * residual input is y itself). accumulate: add to y instead of overwriting it. */
-/* Share `part` of `parts` of the rows of the next weight panel (`cols` wide, none when <= 0), asked into the L2
- * cache while the current panel is at work: a weight read once per inference comes from memory, its panel rows
- * (256 bytes, a row stride apart) too short a stream for the hardware prefetcher. */
-static inline void prefetch_panel_share(const float *panel, int64_t ld, int64_t depth, int64_t cols, int64_t part,
-                                        int64_t parts) {
-#if defined(__AVX512F__)
-    if (cols <= 0) return;
-    const int64_t first = part * depth / parts, last = (part + 1) * depth / parts, lines = cols < NR ? cols : NR;
-    for (int64_t k = first; k < last; k++)
-        for (int64_t c = 0; c < lines; c += 16) _mm_prefetch((const char *)(panel + k * ld + c), _MM_HINT_T1);
-#else
-    (void)panel, (void)ld, (void)depth, (void)cols, (void)part, (void)parts;
-#endif
-}
-
 /* whether matmul_f32 runs vector code here (else numpy's BLAS is the better choice) */
 int64_t matmul_f32_vectorized(void) {
 #if defined(__AVX512F__)
@@ -595,23 +587,33 @@ int64_t matmul_f32_vectorized(void) {
 #endif
 }
 
+/* Tiles [begin, end) of y[T, N] = a[T, K] @ b[K, N] (row strides lda, ldb, ldy in floats): a MatMul by a weight
+ * read in place, no packed copy. The tile's broadcast operand is a (tokens), its loaded one b (64 weight columns
+ * at a time). K goes in blocks of `kblock` weight rows (contiguous memory: a stream the prefetcher follows), each
+ * block's product added to the last (the tile's residual input is y itself); within a block, tiles go panel by
+ * panel of b, down all the row tiles of a panel, each of which asks a share of the next panel's rows into L2
+ * (a weight read once per inference comes from memory, its panel rows too short a stream for the hardware). */
 void matmul_f32(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t n, int64_t lda, int64_t ldb,
-                int64_t ldy, int64_t kblock, int64_t accumulate, int64_t begin, int64_t end) {
+                int64_t ldy, int64_t kblock, int64_t begin, int64_t end) {
     const int64_t row_tiles = (t + MR - 1) / MR;
     const act_t none = {0.0f, 0.0f, ACT_NONE};
-    if (kblock <= 0) kblock = k > 0 ? k : 1;
-    for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += kblock) {
+    if (kblock <= 0 || kblock > k) kblock = k;
+    int64_t k0 = 0;
+    do { /* once even for k == 0: y = 0 */
         const int64_t depth = k - k0 < kblock ? k - k0 : kblock;
         for (int64_t i = begin; i < end; i++) {
-            const int64_t m = i % row_tiles * MR, p = i / row_tiles * NR;
+            const int64_t rt = i % row_tiles, m = rt * MR, p = i / row_tiles * NR;
             const int64_t rows = t - m < MR ? t - m : MR, cols = n - p < NR ? n - p : NR;
+            const int64_t next = n - p - NR < NR ? n - p - NR : NR; /* the next panel's width, <= 0 for none */
+            if (next > 0)
+                prefetch_rows_l2(b + (k0 + rt * depth / row_tiles) * ldb + p + NR, ldb,
+                                 (rt + 1) * depth / row_tiles - rt * depth / row_tiles, next);
             float *yt = y + m * ldy + p;
-            prefetch_panel_share(b + k0 * ldb + p + NR, ldb, depth, n - p - NR, i % row_tiles, row_tiles);
-            tile_any(a + m * lda + k0, lda, b + k0 * ldb + p, ldb, yt, k0 > 0 || accumulate ? yt : NULL, ldy, NULL,
-                     depth, rows, cols, none);
+            tile_any(a + m * lda + k0, lda, b + k0 * ldb + p, ldb, yt, k0 > 0 ? yt : NULL, ldy, NULL, depth, rows,
+                     cols, none);
         }
-        if (k0 + kblock >= k) break;
-    }
+        k0 += kblock;
+    } while (k0 < k);
 }
 
 /* dst[o] = row[first + o * stride] where that lies in [0, w), else 0, for o < n */
@@ -657,15 +659,11 @@ void im2col_f32(const float *x, float *cols, int64_t c, int64_t h, int64_t w, in
     for (int64_t k = begin; k < end; k++) {
         const int64_t ci = k / (kh * kw), i = k / kw % kh, j = k % kw;
         const float *image = x + ci * h * w;
-#if defined(__AVX512F__)
         if (i == 0 && j == 0 && ci + 1 < c) { /* the next plane's rows of this block, from memory for a large image */
             int64_t lo = r0 * sh - pt, hi = (r1 - 1) * sh - pt + (kh - 1) * dh;
             lo = lo < 0 ? 0 : lo, hi = hi >= h ? h - 1 : hi;
-            for (const char *q = (const char *)(image + h * w + lo * w); q < (const char *)(image + h * w + (hi + 1) * w);
-                 q += 64)
-                _mm_prefetch(q, _MM_HINT_T1);
+            prefetch_rows_l2(image + h * w + lo * w, w, hi - lo + 1, w);
         }
-#endif
         float *dst = cols + k * rows * ow;
         for (int64_t r = r0; r < r1; r++, dst += ow) {
             const int64_t ih = r * sh - pt + i * dh;

@@ -35,17 +35,17 @@ def _load():
         lib.matmul_f32_vectorized.restype = _i64
         lib.matmul_f32_vectorized.argtypes = []
         fn = lib.matmul_f32
-        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 10]
+        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 9]
         fn.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
 
 
-def depth_block(rows: int, depth: int) -> int:
+def depth_block(depth: int) -> int:
     """The depth per pass. The weight is read a block of DEPTH_BLOCK whole rows at a time (contiguous memory, a
     stream the prefetchers follow) and each block's product added into the result, which stays in the cache: at
     16-256 tokens the weight comes from memory once per inference and that read is what bounds the product."""
-    return min(depth, DEPTH_BLOCK) if rows else depth
+    return min(depth, DEPTH_BLOCK)
 
 
 def pays(rows: int, depth: int, cols: int) -> bool:
@@ -68,6 +68,6 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
-    head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(t, k), 0)
+    head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
     _run(fn, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * k), head, ())
     return True

@@ -162,14 +162,14 @@ def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w
                         z: np.ndarray | None = None) -> np.ndarray | None:
     n, c, h, wd = x.shape
     m, cg, kh, kw = w.shape
-    if group == c and cg == 1:
+    kind = _kind_2d(x.shape, w.shape, strides, pads, dilations, group)
+    if kind == "depthwise":
         return None if z is not None else kernels.depthwise(x, w, bias, out, strides, pads, dilations, act)
     out_shape = (_output_size(h, kh, strides[0], dilations[0], pads[0], pads[2]),
                  _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
-    if (cg * group != c or m % group or n * m == 0 or 0 in out_shape or kh * kw == 0
-            or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape)):
+    if kind is None or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape):
         return None
-    if _direct_pays(strides, cg, m // group, out_shape[1], wd):  # straight from the image, no columns
+    if kind == "direct":
         return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
     if out is not None and not (out.shape == (n, m) + out_shape and out.dtype == np.float32
                                 and out.flags.c_contiguous and out.flags.writeable
@@ -221,13 +221,22 @@ def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Se
         return "pointwise" if all(s == 1 for s in strides) else None
     if len(w_shape) != 4 or len(x_shape) != 4:
         return None
-    c, (m, cg, _, kw) = x_shape[1], w_shape
+    kind = _kind_2d(x_shape, w_shape, strides, pads, dilations, group)
+    return kind if kind == "direct" or (kind == "depthwise" and not residual) else None
+
+
+def _kind_2d(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
+             dilations: Sequence[int], group: int) -> str | None:
+    """How the native kernels run a 2-D convolution (pads >= 0): "depthwise", "direct" (straight from the image),
+    "columns" (im2col + product), or None (a geometry they do not take)."""
+    (n, c, h, wd), (m, cg, kh, kw) = x_shape, w_shape
     if group == c and cg == 1:
-        return None if residual else "depthwise"
-    out_width = _output_size(x_shape[3], kw, strides[1], dilations[1], pads[1], pads[3])
-    if cg * group == c and m % group == 0 and _direct_pays(strides, cg, m // group, out_width, x_shape[3]):
-        return "direct"
-    return None
+        return "depthwise"
+    out_height = _output_size(h, kh, strides[0], dilations[0], pads[0], pads[2])
+    out_width = _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3])
+    if cg * group != c or m % group or n * m == 0 or 0 in (out_height, out_width) or kh * kw == 0:
+        return None
+    return "direct" if _direct_pays(strides, cg, m // group, out_width, wd) else "columns"
 
 
 def _direct_pays(strides: Sequence[int], cg: int, mg: int, out_width: int, in_width: int) -> bool:

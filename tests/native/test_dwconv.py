@@ -382,5 +382,5 @@ def test_portable_build_without_avx512(tmp_path, monkeypatch):
     b = rng.standard_normal((150, 70)).astype(np.float32)
     y = np.zeros((13, 70), np.float32)
     lib.matmul_f32(*[ctypes.c_void_p(native.data_address(v)) for v in (a, b, y)],
-                   *[ctypes.c_int64(v) for v in (13, 150, 70, 150, 70, 70, 64, 0, 0, 3 * 2)])
+                   *[ctypes.c_int64(v) for v in (13, 150, 70, 150, 70, 70, 64, 0, 3 * 2)])
     np.testing.assert_allclose(y, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
