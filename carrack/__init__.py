@@ -13,6 +13,7 @@ from carrack.errors import (
     InvalidModel,
     MemoryLimitExceeded,
     NotImplementedOps,
+    PerformanceWarning,
     RunFailure,
     UnsupportedModel,
 )
@@ -32,6 +33,6 @@ def get_device() -> str:
 
 __all__ = [
     "CarrackError", "ExecutionMode", "GraphOptimizationLevel", "InferenceSession", "InvalidArgument", "InvalidGraph",
-    "InvalidModel", "MemoryLimitExceeded", "ModelMetadata", "NodeArg", "NotImplementedOps", "RunFailure",
-    "RunOptions", "SessionOptions", "UnsupportedModel", "get_available_providers", "get_device",
+    "InvalidModel", "MemoryLimitExceeded", "ModelMetadata", "NodeArg", "NotImplementedOps", "PerformanceWarning",
+    "RunFailure", "RunOptions", "SessionOptions", "UnsupportedModel", "get_available_providers", "get_device",
 ]

@@ -37,3 +37,7 @@ class RunFailure(CarrackError, RuntimeError):
 
 class MemoryLimitExceeded(CarrackError, MemoryError):
     """The memory plan needs more bytes than SessionOptions.memory_limit_bytes allows."""
+
+
+class PerformanceWarning(UserWarning):
+    """carrack runs, but slower than it could: e.g. a native kernel is unavailable and its numpy path runs."""

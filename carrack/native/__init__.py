@@ -1,43 +1,53 @@
-"""Native kernels: small C files compiled on this machine at first use, loaded with ctypes.
+"""Native kernels: small C files compiled when the package is built, loaded with ctypes.
 
 numpy has no integer GEMM and pays a memory pass per call, so the kernels where that decides speed (the int8 GEMM of
 quantized models, depthwise convolution, row-wise softmax and normalization) have a C version next to their numpy
-one. Each ``carrack/native/<name>.c`` is built on its own with the system C compiler (``cc``, or ``$CARRACK_CC``)
-for this CPU (``-march=native``: the library never leaves the machine that built it) into a cache directory, keyed
-by the source, the compiler, the flags and the CPU, so a rebuild happens only when one of them changes.
+one. ``pip install`` compiles each ``carrack/native/<name>.c`` in several instruction-set variants (``setup.py``,
+``variants.py``: portable, AVX2+FMA, AVX-512 with VNNI) into ``_kernels/<name>-<variant>.so``; ``library(name)``
+loads the best variant this CPU supports (``cpu.py``). No compiler is needed at run time.
 
-Nothing here is required: without a compiler, when a build fails, or with ``CARRACK_NATIVE=0``, ``library(name)``
-returns None and the kernels keep their numpy path, which computes the same results (the tests run both).
-ctypes releases the GIL during a call, so native kernels run concurrently with other threads.
+Compiling at run time is left for two cases, into a private cache directory (``cache.py``, one build at a time
+under a file lock): a source with no matching prebuilt library (a source checkout that was not built, a source
+edited since), and the opt-in ``CARRACK_NATIVE=native``, which builds with ``-march=native``.
+
+Nothing here is required: with ``CARRACK_NATIVE=0``, or when no library can be had, ``library(name)`` returns None
+and the kernels keep their numpy path, which computes the same results (the tests run both); the second case warns
+once with ``carrack.PerformanceWarning``. ctypes releases the GIL during a call, so native kernels run concurrently
+with other threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import sys
-import tempfile
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
 import numpy as np
 
+from carrack.errors import PerformanceWarning
+from carrack.native import cache, cpu, variants
+from carrack.native.variants import BASE_FLAGS, FLAGS_MARKER  # noqa: F401 - part of this module's interface
+
 log = logging.getLogger("carrack.native")
 
 SOURCE_DIR = Path(__file__).resolve().parent
-BASE_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fno-strict-aliasing")
-#: a source may ask for more flags on a line of its own: ``// carrack-cflags: -ffast-math``
-FLAGS_MARKER = "// carrack-cflags:"
+#: the libraries built with the package, and their manifest.json
+PREBUILT_DIR = SOURCE_DIR / variants.PREBUILT_SUBDIR
+#: what running the numpy path instead costs (carrack demo, ResNet-50, on a 2-core AVX-512 machine)
+FALLBACK_COST = "models that use it run slower on numpy (the ResNet-50 demo about 4.6x slower)"
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _reasons: dict[str, str] = {}
+_origins: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -45,8 +55,14 @@ def enabled() -> bool:
     return os.environ.get("CARRACK_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def native_build_requested() -> bool:
+    """True with CARRACK_NATIVE=native: build for exactly this CPU (-march=native) at run time, in the cache."""
+    return os.environ.get("CARRACK_NATIVE", "").strip().lower() == "native"
+
+
 def library(name: str) -> ctypes.CDLL | None:
-    """The compiled ``<name>.c`` (built on first use), or None when native kernels are off or it cannot be built."""
+    """The library of ``<name>.c`` (the prebuilt variant for this CPU), or None when native kernels are off or
+    none can be had (then it warns once, with carrack.PerformanceWarning, and the numpy path runs)."""
     if not enabled():
         return None
     lib = _loaded.get(name)
@@ -54,7 +70,7 @@ def library(name: str) -> ctypes.CDLL | None:
         return lib
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _build_and_load(name)
+            _loaded[name] = _load(name)
     return _loaded[name]
 
 
@@ -63,6 +79,11 @@ def unavailable_reason(name: str) -> str | None:
     if not enabled():
         return "native kernels are turned off (CARRACK_NATIVE=0)"
     return _reasons.get(name)
+
+
+def origin(name: str) -> str | None:
+    """Where `library(name)` came from: the variant, why that one, and the file (None when it did not load)."""
+    return _origins.get(name)
 
 
 def status() -> dict[str, str]:
@@ -106,9 +127,9 @@ def pointer(array: np.ndarray | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(None if array is None else data_address(array))
 
 
-# -- building ----------------------------------------------------------------------------------------------------------
+# -- loading and building -------------------------------------------------------------------------------------------
 def compiler() -> str | None:
-    """The C compiler to use: $CARRACK_CC, else cc/gcc/clang on PATH."""
+    """The C compiler for runtime builds: $CARRACK_CC, else cc/gcc/clang on PATH."""
     chosen = os.environ.get("CARRACK_CC")
     if chosen:
         return chosen
@@ -120,81 +141,118 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where compiled libraries live: $CARRACK_CACHE_DIR, else $XDG_CACHE_HOME/carrack/native (~/.cache/...)."""
-    explicit = os.environ.get("CARRACK_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "carrack" / "native"
+    """Where runtime builds go first: $CARRACK_CACHE_DIR, else $XDG_CACHE_HOME/carrack/native (~/.cache/...)."""
+    return cache.default_cache_dir()
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
+def manifest() -> dict:
+    """What the package build compiled (``_kernels/manifest.json``; empty when the package was not built)."""
+    try:
+        return json.loads((PREBUILT_DIR / variants.MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cpu_features() -> tuple[frozenset[str], str]:
+    """The CPU features seen, and how they were read."""
+    return cpu.cpu_features(PREBUILT_DIR)
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    try:
+        lib, detail = _find_library(name)
+    except Exception as exc:  # noqa: BLE001 - a kernel lookup must never fail a session: numpy computes the same
+        lib, detail = None, f"unexpected {type(exc).__name__}: {exc}"
+    if lib is None:
+        _reasons[name] = detail
+        warnings.warn(f"carrack: native kernel '{name}' unavailable, using its numpy path: {detail}. "
+                      f"Expected cost: {FALLBACK_COST}.", PerformanceWarning, stacklevel=3)
+    else:
+        _origins[name] = detail
+    return lib
+
+
+def _find_library(name: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library and where it came from, or None and why there is none."""
     source = SOURCE_DIR / f"{name}.c"
-    if not source.is_file():
-        _reasons[name] = f"no native source {source.name}"
-        return None
+    text = source.read_text() if source.is_file() else None
+    features, _ = cpu_features()
+    native_problem = None
+    if native_build_requested() and text is not None:
+        lib, detail = _runtime_build(name, text, variants.NATIVE_VARIANT, "CARRACK_NATIVE=native")
+        if lib is not None:
+            return lib, detail
+        native_problem = f"the CARRACK_NATIVE=native build failed ({detail})"
+    entry = manifest().get("libraries", {}).get(name)
+    if entry is not None and (text is None or variants.source_digest(text) == entry.get("source_sha256")):
+        selection = cpu.select_variant(features, set(entry.get("variants", ())))
+        path = PREBUILT_DIR / variants.library_filename(name, selection.variant.name)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            return None, f"cannot load {path}: {exc}"
+        if native_problem:
+            warnings.warn(f"carrack: {native_problem}; using the prebuilt {selection.variant.name} variant",
+                          PerformanceWarning, stacklevel=4)
+        return lib, f"prebuilt {selection.variant.name} ({selection.why}): {path}"
+    if text is None:
+        return None, f"no native source {source.name} and no prebuilt library"
+    if native_problem:
+        return None, native_problem
+    why = "not built with the package" if entry is None else "its source changed since the package was built"
+    selection = cpu.select_variant(features, None)
+    return _runtime_build(name, text, selection.variant, f"{why}; {selection.variant.name}: {selection.why}")
+
+
+def _runtime_build(name: str, text: str, variant: variants.Variant, why: str) -> tuple[ctypes.CDLL | None, str]:
+    """Build `text` for `variant` into the private cache (once: other processes wait on the lock) and load it."""
     cc = compiler()
     if cc is None:
-        _reasons[name] = "no C compiler found (set CARRACK_CC or install cc)"
-        return None
-    text = source.read_text()
-    flags = list(BASE_FLAGS) + _arch_flags() + _extra_flags(text)
-    key = hashlib.sha256("\0".join([text, cc, _compiler_version(cc), *flags, _cpu_fingerprint()]).encode())
-    target = _writable_cache() / f"{name}-{key.hexdigest()[:20]}{_suffix()}"
-    if not target.exists():
-        error = _compile(cc, source, flags, target)
-        if error:
-            _reasons[name] = error
-            log.warning("carrack: native kernel %s unavailable, using numpy: %s", name, error)
-            return None
+        return None, f"{why}, and no C compiler was found to build it (set CARRACK_CC or install cc)"
+    flags = [*BASE_FLAGS, "-shared", *variant.flags, *variants.source_flags(text)]
+    parts = [text, cc, _compiler_version(cc), *flags]
+    if variant is variants.NATIVE_VARIANT:
+        parts.append(_cpu_fingerprint())  # -march=native means this CPU: another CPU sharing the cache rebuilds
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    directory, detail = cache.private_cache_dir()
+    if directory is None:
+        return None, f"{why}, and {detail}"
+    target = directory / f"{name}-{variant.name}-{key}{variants.library_suffix()}"
+    with cache.build_lock(directory, target.name):
+        if not target.exists():
+            log.info("carrack: building native kernel %s (%s) into %s", name, variant.name, directory)
+            error = _compile(cc, SOURCE_DIR / f"{name}.c", text, flags, target)
+            if error:
+                return None, f"{why}, and the build failed: {error}"
+    problem = cache.unsafe_reason(directory) or cache.unsafe_file_reason(target)  # checked again before loading
+    if problem:
+        return None, f"{why}; refusing to load {target.name}: {problem}"
     try:
-        return ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target)), f"built at run time, {variant.name} ({why}): {target}"
     except OSError as exc:
-        _reasons[name] = f"cannot load {target}: {exc}"
-        return None
+        return None, f"cannot load {target}: {exc}"
 
 
-def _compile(cc: str, source: Path, flags: list[str], target: Path) -> str | None:
-    """Compile into a private temporary file, then rename it into place (atomic for concurrent builders)."""
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
-    os.close(fd)
+def _compile(cc: str, source: Path, text: str, flags: list[str], target: Path) -> str | None:
+    """Compile `text` (the source the key was computed from) into a private temporary file, then rename it into
+    place (readers never see a partial file)."""
+    stem = f"{target.stem}.{os.getpid()}"
+    copy, temporary = target.parent / f"{stem}.c", target.parent / f"{stem}.tmp"
     try:
-        result = subprocess.run([cc, *flags, str(source), "-o", temporary, "-lm"], capture_output=True, text=True,
-                                timeout=300)
+        copy.write_text(text)
+        result = subprocess.run([cc, *flags, str(copy), "-o", str(temporary), "-lm"], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode != 0:
             return f"{Path(cc).name} failed on {source.name}: {result.stderr.strip()[-2000:]}"
+        os.chmod(temporary, 0o700)
         os.replace(temporary, target)
         return None
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot run {cc}: {exc}"
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-
-
-def _writable_cache() -> Path:
-    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"carrack-native-{os.getuid()}"):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if os.access(directory, os.W_OK):
-                return directory
-        except OSError:
-            continue
-    return Path(tempfile.mkdtemp(prefix="carrack-native-"))
-
-
-def _extra_flags(text: str) -> list[str]:
-    return [flag for line in text.splitlines() if line.startswith(FLAGS_MARKER)
-            for flag in line[len(FLAGS_MARKER):].split()]
-
-
-def _arch_flags() -> list[str]:
-    # the library is built for, and only ever loaded on, this machine (the cache key holds the CPU)
-    return ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64") else []
-
-
-def _suffix() -> str:
-    return ".dll" if sys.platform == "win32" else ".dylib" if sys.platform == "darwin" else ".so"
+        for leftover in (copy, temporary):
+            if leftover.exists():
+                leftover.unlink()
 
 
 _versions: dict[str, str] = {}
@@ -215,6 +273,8 @@ def _cpu_fingerprint() -> str:
             lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
         return "".join(sorted(set(lines)))
     except OSError:
+        import platform
+
         return platform.processor() + platform.machine()
 
 

@@ -3,9 +3,6 @@ every epilogue, and the kernels that use it give what their numpy paths give (CA
 
 from __future__ import annotations
 
-import os
-import stat
-
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -180,19 +177,19 @@ def test_turned_off(monkeypatch):
     assert qgemm.dynamic_quantize_u8(np.zeros((2, 2), np.float32)) is None
 
 
-@pytest.mark.parametrize("extra", ["-mno-avx512f", "-mno-avx512f -mno-avx2"])
-def test_other_instruction_sets(extra, tmp_path, monkeypatch):
-    """The AVX2 and the portable C paths, built on this machine by turning the wider instructions off."""
-    cc = native.compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" {extra}\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CARRACK_CC", str(wrapper))
-    monkeypatch.setenv("CARRACK_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.mark.parametrize("variant,isa", [("avx2", 256), ("portable", 0)])
+def test_other_instruction_sets(variant, isa, monkeypatch):
+    """The AVX2 and the portable C paths: the package's variants of qgemm.c, loaded on this machine."""
+    if native.compiler() is None and not native.manifest():
+        pytest.skip("no prebuilt kernels and no C compiler")
+    wanted = native.variants.by_name(variant, native.cpu.targets_x86())
+    if wanted is None or not wanted.cpu_features <= native.cpu_features()[0]:
+        pytest.skip(f"this CPU cannot run the {variant} variant")
+    monkeypatch.setenv("CARRACK_NATIVE_VARIANT", variant)
     monkeypatch.setattr(native, "_loaded", {})
-    assert qgemm.isa() == (256 if "avx2" not in extra else 0) or os.uname().machine not in ("x86_64", "AMD64")
+    monkeypatch.setattr(native, "_origins", {})
+    assert qgemm.isa() == isa
+    assert f"prebuilt {variant}" in native.origin("qgemm") or f"run time, {variant}" in native.origin("qgemm")
     for k, case in [(1, "random"), (5, "max"), (65, "zp_max"), (1000, "random")]:
         a, zp, w = _operands(7, k, 67, case, seed=k)
         packed = qgemm.PackedInt8Weight.pack(w)
