@@ -22,8 +22,11 @@ from setuptools.command.build_ext import build_ext
 
 try:
     from setuptools.command.bdist_wheel import bdist_wheel
-except ImportError:  # setuptools < 70.1
-    from wheel.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1 has it in the wheel package
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_DIR = Path("carrack") / "native"
@@ -151,12 +154,15 @@ class BuildNativeLibraries(build_ext):
         return [*super().get_outputs(), str(manifest)]
 
 
-class PlatformWheel(bdist_wheel):
-    """The libraries use no Python API: one wheel per platform serves every Python 3 (tag py3-none-<platform>)."""
+commands = {"build_ext": BuildNativeLibraries}
+if bdist_wheel is not None:
+    class PlatformWheel(bdist_wheel):
+        """The libraries use no Python API: one wheel per platform serves every Python 3 (py3-none-<platform>)."""
 
-    def get_tag(self) -> tuple[str, str, str]:
-        _, _, platform = super().get_tag()
-        return "py3", "none", platform
+        def get_tag(self) -> tuple[str, str, str]:
+            _, _, platform = super().get_tag()
+            return "py3", "none", platform
 
+    commands["bdist_wheel"] = PlatformWheel
 
-setup(ext_modules=native_libraries(), cmdclass={"build_ext": BuildNativeLibraries, "bdist_wheel": PlatformWheel})
+setup(ext_modules=native_libraries(), cmdclass=commands)
