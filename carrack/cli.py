@@ -112,14 +112,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _native_summary() -> str:
-    from carrack import native
+    from carrack.doctor import native_summary
 
-    states = native.status()
-    loaded = [name for name, state in states.items() if state == "loaded"]
-    if len(loaded) == len(states):
-        return f"all {len(states)} compiled for this CPU ({', '.join(loaded)})"
-    missing = {name: state for name, state in states.items() if state != "loaded"}
-    return f"{len(loaded)} of {len(states)} compiled; " + "; ".join(f"{k}: {v}" for k, v in missing.items())
+    return native_summary()
 
 
 def _load_inputs(items: Sequence[str]) -> dict[str, np.ndarray]:
@@ -255,10 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--level", choices=list(_LEVELS), default="all")
     o.set_defaults(func=cmd_optimize)
     from carrack.bench import add_bench_parser
+    from carrack.doctor import add_doctor_parser
     from carrack.gguf.cli import add_gguf_parser
 
     add_bench_parser(sub)
     add_gguf_parser(sub)
+    add_doctor_parser(sub)
     return p
 
 

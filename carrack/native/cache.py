@@ -73,6 +73,22 @@ def ensure_private_dir(directory: Path) -> str | None:
     return unsafe_reason(directory, leaf=True)
 
 
+def inspect(directory: Path) -> str:
+    """How `directory` would fare as the cache, without creating anything (for `carrack doctor`)."""
+    directory = Path(os.path.abspath(directory))
+    if os.path.lexists(directory):
+        return unsafe_reason(directory) or "safe (this user's, writable only by it)"
+    existing = directory.parent
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    problem = unsafe_reason(existing, leaf=False)
+    if problem:
+        return f"not usable: {problem}"
+    if not os.access(existing, os.W_OK):
+        return f"not usable: cannot create it ({existing} is not writable)"
+    return "does not exist yet (would be created private, mode 700, on the first runtime build)"
+
+
 def unsafe_reason(directory: Path, leaf: bool = True) -> str | None:
     """Why loading from `directory` is unsafe (None when it is safe): checked before every build and load."""
     directory = Path(os.path.abspath(directory))

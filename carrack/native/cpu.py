@@ -33,7 +33,7 @@ def cpu_features(prebuilt_dir: Path) -> tuple[frozenset[str], str]:
             lib.carrack_cpu_features.argtypes = [ctypes.c_char_p, ctypes.c_int]
             lib.carrack_cpu_features.restype = ctypes.c_int
             if lib.carrack_cpu_features(buffer, len(buffer)) >= 0:
-                return frozenset(buffer.value.decode().split()), "cpuid (carrack's probe library)"
+                return frozenset(buffer.value.decode().split()), "cpuid, by carrack's probe library"
         except (OSError, AttributeError):
             pass
     try:
