@@ -63,6 +63,10 @@ def native_libraries() -> list[NativeLibrary]:
     return libraries + [NativeLibrary(variants.CPU_PROBE, "portable", probe)]
 
 
+def _digest(source: Path) -> str:
+    return variants.source_digest(source.read_text(), variants.headers_text(source.parent))
+
+
 def _strict() -> bool:
     return os.environ.get("CARRACK_BUILD_STRICT", "").strip().lower() in ("1", "true", "yes")
 
@@ -135,7 +139,7 @@ class BuildNativeLibraries(build_ext):
                  and (directory / variants.library_filename(ext.kernel, ext.variant)).exists()]
         for ext in built:
             entry = libraries.setdefault(ext.kernel, {
-                "source_sha256": variants.source_digest((ROOT / ext.sources[0]).read_text()), "variants": []})
+                "source_sha256": _digest(ROOT / ext.sources[0]), "variants": []})
             entry["variants"].append(ext.variant)
         if not directory.is_dir():
             return

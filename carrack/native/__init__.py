@@ -184,7 +184,8 @@ def _find_library(name: str) -> tuple[ctypes.CDLL | None, str]:
             return lib, detail
         native_problem = f"the CARRACK_NATIVE=native build failed ({detail})"
     entry = manifest().get("libraries", {}).get(name)
-    if entry is not None and (text is None or variants.source_digest(text) == entry.get("source_sha256")):
+    headers = variants.headers_text(SOURCE_DIR)
+    if entry is not None and (text is None or variants.source_digest(text, headers) == entry.get("source_sha256")):
         selection = cpu.select_variant(features, set(entry.get("variants", ())))
         path = PREBUILT_DIR / variants.library_filename(name, selection.variant.name)
         try:
@@ -209,8 +210,8 @@ def _runtime_build(name: str, text: str, variant: variants.Variant, why: str) ->
     cc = compiler()
     if cc is None:
         return None, f"{why}, and no C compiler was found to build it (set CARRACK_CC or install cc)"
-    flags = [*BASE_FLAGS, "-shared", *variant.flags, *variants.source_flags(text)]
-    parts = [text, cc, _compiler_version(cc), *flags]
+    flags = [*BASE_FLAGS, "-shared", f"-I{SOURCE_DIR}", *variant.flags, *variants.source_flags(text)]
+    parts = [text, variants.headers_text(SOURCE_DIR), cc, _compiler_version(cc), *flags]
     if variant is variants.NATIVE_VARIANT:
         parts.append(_cpu_fingerprint())  # -march=native means this CPU: another CPU sharing the cache rebuilds
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
@@ -234,8 +235,8 @@ def _runtime_build(name: str, text: str, variant: variants.Variant, why: str) ->
 
 
 def _compile(cc: str, source: Path, text: str, flags: list[str], target: Path) -> str | None:
-    """Compile `text` (the source the key was computed from) into a private temporary file, then rename it into
-    place (readers never see a partial file)."""
+    """Compile `text` (the source the key was computed from; its headers come from SOURCE_DIR with -I) into a
+    private temporary file, then rename it into place (readers never see a partial file)."""
     stem = f"{target.stem}.{os.getpid()}"
     copy, temporary = target.parent / f"{stem}.c", target.parent / f"{stem}.tmp"
     try:

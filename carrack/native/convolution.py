@@ -130,6 +130,10 @@ class NativeConvolution:
         self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
         self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
         self._scale_shift = dw.scale_shift_act_f32
+        _declare(gemm, "matmul_f32_vectorized", _i64)
+        # convgemm.c's products and direct convolution have vector code for AVX-512 only: elsewhere (the avx2 and
+        # portable variants) numpy's BLAS is several times faster, so they decline and the numpy path runs
+        self.products = bool(gemm.matmul_f32_vectorized())
 
     def bind(self, kind: str, x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None,
              strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
@@ -137,6 +141,8 @@ class NativeConvolution:
         """The `kind` ("pointwise", "direct" or "depthwise") convolution of inputs shaped x_shape by these constant
         weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise` would run
         it (2-D for direct and depthwise, unit strides and no pads for pointwise); None when it does not apply."""
+        if kind != "depthwise" and not self.products:
+            return None
         for a in (w, bias):
             if a is not None and (a.dtype != _F32 or not a.flags.c_contiguous or not a.flags.aligned):
                 return None
@@ -235,7 +241,7 @@ class NativeConvolution:
                   ) -> np.ndarray | None:
         """y[N, M, *spatial] = act(1x1 convolution of x[N, C, *spatial] with w[M, C / groups, 1...] + bias + z);
         None when the native kernel cannot do it (z, when given: C-contiguous float32 of y's shape)."""
-        if x.dtype != _F32 or w.dtype != _F32 or x.ndim < 3:
+        if not self.products or x.dtype != _F32 or w.dtype != _F32 or x.ndim < 3:
             return None
         n, c = x.shape[:2]
         m = w.shape[0]
@@ -285,7 +291,8 @@ class NativeConvolution:
         """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias + z) read straight from the image (no
         columns) for column strides 1 and 2; None when the native kernel cannot do it (z, when given: C-contiguous
         float32 of y's shape)."""
-        if x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or strides[1] > 2 or min(pads) < 0:
+        if (not self.products or x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or strides[1] > 2
+                or min(pads) < 0):
             return None
         n, c, h, wd = x.shape
         m, cg, kh, kw = w.shape

@@ -71,9 +71,15 @@ def source_flags(text: str) -> list[str]:
             for flag in line[len(FLAGS_MARKER):].split()]
 
 
-def source_digest(text: str) -> str:
-    """What the manifest records of a source, to tell a library built from it from one built from older code."""
-    return hashlib.sha256(text.encode()).hexdigest()
+def headers_text(directory) -> str:
+    """The headers next to the sources (``*.h``), which every source may include: part of what a build is of."""
+    return "".join(f"\0{path.name}\0{path.read_text()}" for path in sorted(directory.glob("*.h")))
+
+
+def source_digest(text: str, headers: str = "") -> str:
+    """What the manifest records of a source (and the headers beside it), to tell a library built from it from
+    one built from older code."""
+    return hashlib.sha256((text + headers).encode()).hexdigest()
 
 
 def library_suffix() -> str:

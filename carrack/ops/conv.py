@@ -171,6 +171,8 @@ def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w
         return None
     if kind == "direct":
         return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
+    if not kernels.products:  # no vector code for the product in this variant: numpy's BLAS is faster
+        return None
     if out is not None and not (out.shape == (n, m) + out_shape and out.dtype == np.float32
                                 and out.flags.c_contiguous and out.flags.writeable
                                 and not np.may_share_memory(out, x)):

@@ -76,7 +76,8 @@ def test_every_source_is_built_in_every_variant():
     x86 = native.manifest()["target"] == "x86_64"
     for source in native.SOURCE_DIR.glob("*.c"):
         assert built[source.stem]["variants"] == [v.name for v in variants.variants(x86)], source.name
-        assert built[source.stem]["source_sha256"] == variants.source_digest(source.read_text())
+        headers = variants.headers_text(source.parent)
+        assert built[source.stem]["source_sha256"] == variants.source_digest(source.read_text(), headers)
         for variant in built[source.stem]["variants"]:
             assert (native.PREBUILT_DIR / variants.library_filename(source.stem, variant)).is_file()
 
@@ -154,6 +155,19 @@ def test_changed_source_rebuilds(sources, tmp_path):
     lib = native.library("demo")
     assert lib.other() == 7
     assert len(list((tmp_path / "cache").glob("demo-*.so"))) == 2
+
+
+@needs_compiler
+def test_header_beside_the_sources(sources, tmp_path):
+    """A source may include a header of carrack/native (a shared helper): a runtime build finds it, and a changed
+    header rebuilds."""
+    (sources / "helper.h").write_text("static inline int answer(void) { return 41; }\n")
+    (sources / "uses.c").write_text('#include "helper.h"\nint get(void) { return answer(); }\n')
+    assert native.library("uses").get() == 41
+    native._loaded.clear()
+    (sources / "helper.h").write_text("static inline int answer(void) { return 42; }\n")
+    assert native.library("uses").get() == 42
+    assert len(list((tmp_path / "cache").glob("uses-*.so"))) == 2
 
 
 @needs_compiler
