@@ -128,14 +128,14 @@ def _numpy_config_dicts() -> bool:
 def _compiler_lines() -> list[str]:
     cc = native.compiler()
     if cc is None:
-        return ["C compiler: none found (fine: the kernels are prebuilt; one is needed only for CARRACK_NATIVE=native "
-                "and for sources not built with the package)"]
+        return ["C compiler: none found (fine: the kernels are prebuilt; one is needed only for sources not built "
+                "with the package)"]
     version = native._compiler_version(cc).splitlines()
     return [f"C compiler: {cc} ({version[0] if version else 'does not run'}), used only for runtime builds"]
 
 
 def _cache_lines() -> list[str]:
-    lines = ["runtime-build cache (CARRACK_NATIVE=native, unbuilt or edited sources):"]
+    lines = ["runtime-build cache (for sources not built with the package, or edited since):"]
     lines += [f"  {directory}: {cache.inspect(directory)}" for directory in cache.candidate_dirs()]
     return lines
 

@@ -6,9 +6,10 @@ one. ``pip install`` compiles each ``carrack/native/<name>.c`` in several instru
 ``variants.py``: portable, AVX2+FMA, AVX-512 with VNNI) into ``_kernels/<name>-<variant>.so``; ``library(name)``
 loads the best variant this CPU supports (``cpu.py``). No compiler is needed at run time.
 
-Compiling at run time is left for two cases, into a private cache directory (``cache.py``, one build at a time
-under a file lock): a source with no matching prebuilt library (a source checkout that was not built, a source
-edited since), and the opt-in ``CARRACK_NATIVE=native``, which builds with ``-march=native``.
+Compiling at run time is left for a source with no matching prebuilt library (a source checkout that was not built,
+a source edited since: the alternative would be numpy, or stale code), into a private cache directory (``cache.py``,
+one build at a time under a file lock). An opt-in ``-march=native`` rebuild was measured and not kept: on the
+AVX-512 VNNI machine the kernels are tuned on it was no faster than the prebuilt variant (ResNet-50 slower).
 
 Nothing here is required: with ``CARRACK_NATIVE=0``, or when no library can be had, ``library(name)`` returns None
 and the kernels keep their numpy path, which computes the same results (the tests run both); the second case warns
@@ -41,8 +42,9 @@ log = logging.getLogger("carrack.native")
 SOURCE_DIR = Path(__file__).resolve().parent
 #: the libraries built with the package, and their manifest.json
 PREBUILT_DIR = SOURCE_DIR / variants.PREBUILT_SUBDIR
-#: what running the numpy path instead costs (carrack demo, ResNet-50, on a 2-core AVX-512 machine)
-FALLBACK_COST = "models that use it run slower on numpy (the ResNet-50 demo about 4.6x slower)"
+#: what running the numpy path instead costs (`carrack demo`, 2-core AVX-512 VNNI machine)
+FALLBACK_COST = ("models that use it run several times slower on numpy (measured: the ResNet-50 demo 4.6-8x, "
+                 "ShuffleNet 9x)")
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -53,11 +55,6 @@ _origins: dict[str, str] = {}
 def enabled() -> bool:
     """False when the user turned native kernels off with CARRACK_NATIVE=0."""
     return os.environ.get("CARRACK_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def native_build_requested() -> bool:
-    """True with CARRACK_NATIVE=native: build for exactly this CPU (-march=native) at run time, in the cache."""
-    return os.environ.get("CARRACK_NATIVE", "").strip().lower() == "native"
 
 
 def library(name: str) -> ctypes.CDLL | None:
@@ -177,12 +174,6 @@ def _find_library(name: str) -> tuple[ctypes.CDLL | None, str]:
     source = SOURCE_DIR / f"{name}.c"
     text = source.read_text() if source.is_file() else None
     features, _ = cpu_features()
-    native_problem = None
-    if native_build_requested() and text is not None:
-        lib, detail = _runtime_build(name, text, variants.NATIVE_VARIANT, "CARRACK_NATIVE=native")
-        if lib is not None:
-            return lib, detail
-        native_problem = f"the CARRACK_NATIVE=native build failed ({detail})"
     entry = manifest().get("libraries", {}).get(name)
     headers = variants.headers_text(SOURCE_DIR)
     if entry is not None and (text is None or variants.source_digest(text, headers) == entry.get("source_sha256")):
@@ -192,14 +183,9 @@ def _find_library(name: str) -> tuple[ctypes.CDLL | None, str]:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             return None, f"cannot load {path}: {exc}"
-        if native_problem:
-            warnings.warn(f"carrack: {native_problem}; using the prebuilt {selection.variant.name} variant",
-                          PerformanceWarning, stacklevel=4)
         return lib, f"prebuilt {selection.variant.name} ({selection.why}): {path}"
     if text is None:
         return None, f"no native source {source.name} and no prebuilt library"
-    if native_problem:
-        return None, native_problem
     why = "not built with the package" if entry is None else "its source changed since the package was built"
     selection = cpu.select_variant(features, None)
     return _runtime_build(name, text, selection.variant, f"{why}; {selection.variant.name}: {selection.why}")
@@ -212,8 +198,6 @@ def _runtime_build(name: str, text: str, variant: variants.Variant, why: str) ->
         return None, f"{why}, and no C compiler was found to build it (set CARRACK_CC or install cc)"
     flags = [*BASE_FLAGS, "-shared", f"-I{SOURCE_DIR}", *variant.flags, *variants.source_flags(text)]
     parts = [text, variants.headers_text(SOURCE_DIR), cc, _compiler_version(cc), *flags]
-    if variant is variants.NATIVE_VARIANT:
-        parts.append(_cpu_fingerprint())  # -march=native means this CPU: another CPU sharing the cache rebuilds
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     directory, detail = cache.private_cache_dir()
     if directory is None:
@@ -266,17 +250,6 @@ def _compiler_version(cc: str) -> str:
         except (OSError, subprocess.SubprocessError):
             _versions[cc] = ""
     return _versions[cc]
-
-
-def _cpu_fingerprint() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        import platform
-
-        return platform.processor() + platform.machine()
 
 
 # -- weights prepared once per session -------------------------------------------------------------------------------

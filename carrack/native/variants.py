@@ -45,8 +45,6 @@ X86_VARIANTS = (
     Variant("portable", ("-march=x86-64", "-mtune=generic"), frozenset(), "x86-64 baseline (SSE2)"),
 )
 GENERIC_VARIANTS = (Variant("portable", (), frozenset(), "the compiler's default target"),)
-#: the opt-in build for exactly this CPU (CARRACK_NATIVE=native), compiled at run time
-NATIVE_VARIANT = Variant("native", ("-march=native",), frozenset(), "-march=native, built on this machine")
 
 
 def variants(x86: bool) -> tuple[Variant, ...]:

@@ -176,15 +176,6 @@ def test_source_flags(sources):
     assert native.library("flagged").answer() == 42
 
 
-@needs_compiler
-def test_opt_in_native_build(fresh_loader, monkeypatch, tmp_path):
-    monkeypatch.setenv("CARRACK_NATIVE", "native")
-    monkeypatch.setenv("CARRACK_CACHE_DIR", str(tmp_path / "cache"))
-    assert native.library("rowops") is not None
-    assert native.origin("rowops").startswith("built at run time, native (CARRACK_NATIVE=native)")
-    assert list((tmp_path / "cache").glob("rowops-native-*.so"))
-
-
 # -- every failure falls back to numpy with one warning ---------------------------------------------------------------
 @needs_compiler
 def test_broken_source_falls_back_with_reason(sources, tmp_path):
@@ -244,15 +235,6 @@ def test_unloadable_prebuilt_falls_back(fresh_loader, monkeypatch, tmp_path):
     with pytest.warns(carrack.PerformanceWarning) as record:
         assert native.library("rowops") is None
     assert "cannot load" in _single_warning(record)
-
-
-@needs_prebuilt
-def test_failed_native_build_keeps_the_prebuilt_variant(fresh_loader, monkeypatch, tmp_path):
-    monkeypatch.setenv("CARRACK_NATIVE", "native")
-    monkeypatch.setenv("CARRACK_CC", str(tmp_path / "no-such-cc"))
-    with pytest.warns(carrack.PerformanceWarning, match="CARRACK_NATIVE=native build failed") as record:
-        assert native.library("rowops") is not None
-    assert len(record) == 1 and native.origin("rowops").startswith("prebuilt ")
 
 
 def test_unexpected_error_falls_back(fresh_loader, monkeypatch):
