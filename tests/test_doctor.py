@@ -47,7 +47,6 @@ def test_doctor_names_an_unsafe_cache(capsys, monkeypatch, tmp_path):
 def test_doctor_reports_a_fallback(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
-    monkeypatch.setattr(native, "_origins", {})
     monkeypatch.setattr(native, "PREBUILT_DIR", tmp_path / "none")
     monkeypatch.setenv("CARRACK_CC", str(tmp_path / "no-such-cc"))
     out = _doctor(capsys)

@@ -49,7 +49,6 @@ FALLBACK_COST = ("models that use it run several times slower on numpy (measured
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _reasons: dict[str, str] = {}
-_origins: dict[str, str] = {}
 
 
 def enabled() -> bool:
@@ -80,7 +79,7 @@ def unavailable_reason(name: str) -> str | None:
 
 def origin(name: str) -> str | None:
     """Where `library(name)` came from: the variant, why that one, and the file (None when it did not load)."""
-    return _origins.get(name)
+    return getattr(_loaded.get(name), "carrack_origin", None)
 
 
 def status() -> dict[str, str]:
@@ -165,7 +164,7 @@ def _load(name: str) -> ctypes.CDLL | None:
         warnings.warn(f"carrack: native kernel '{name}' unavailable, using its numpy path: {detail}. "
                       f"Expected cost: {FALLBACK_COST}.", PerformanceWarning, stacklevel=3)
     else:
-        _origins[name] = detail
+        lib.carrack_origin = detail  # kept with the library: whoever swaps _loaded swaps both
     return lib
 
 

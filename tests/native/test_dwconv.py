@@ -349,7 +349,6 @@ def test_portable_build_without_avx512(monkeypatch):
     monkeypatch.delenv("CARRACK_NATIVE", raising=False)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
-    monkeypatch.setattr(native, "_origins", {})
     kernels = native_conv.load()
     assert kernels is not None, native.unavailable_reason("dwconv") or native.unavailable_reason("convgemm")
     assert "portable" in native.origin("dwconv") and "portable" in native.origin("convgemm")

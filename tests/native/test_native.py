@@ -30,7 +30,6 @@ def fresh_loader(monkeypatch):
     """The loader with nothing loaded yet, native kernels on (whatever the caller chose)."""
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
-    monkeypatch.setattr(native, "_origins", {})
     monkeypatch.delenv("CARRACK_NATIVE", raising=False)
     monkeypatch.delenv(cpu.VARIANT_ENV, raising=False)
 

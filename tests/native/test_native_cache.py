@@ -59,7 +59,6 @@ def demo(tmp_path, monkeypatch):
 def _forget(monkeypatch):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_reasons", {})
-    monkeypatch.setattr(native, "_origins", {})
 
 
 def _plant(directory: Path, name: str, marker: Path) -> Path:

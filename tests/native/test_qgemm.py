@@ -187,7 +187,6 @@ def test_other_instruction_sets(variant, isa, monkeypatch):
         pytest.skip(f"this CPU cannot run the {variant} variant")
     monkeypatch.setenv("CARRACK_NATIVE_VARIANT", variant)
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_origins", {})
     assert qgemm.isa() == isa
     assert f"prebuilt {variant}" in native.origin("qgemm") or f"run time, {variant}" in native.origin("qgemm")
     for k, case in [(1, "random"), (5, "max"), (65, "zp_max"), (1000, "random")]:
