@@ -100,6 +100,10 @@ class BuildNativeLibraries(build_ext):
                 self._targets_x86 = False
         return self._targets_x86
 
+    def build_extensions(self) -> None:
+        self.targets_x86()  # asked once, before the parallel builds
+        super().build_extensions()
+
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, NativeLibrary):
             return super().build_extension(ext)
@@ -110,12 +114,13 @@ class BuildNativeLibraries(build_ext):
         if variant is None:  # an x86 variant, and the compiler targets another architecture
             return None
         source = ROOT / ext.sources[0]
-        flags = [*variants.BASE_FLAGS, "-g0", *variant.flags, *variants.source_flags(source.read_text())]
+        requested = variants.source_flags(source.read_text())  # e.g. -pthread: it matters when linking too
+        flags = [*variants.BASE_FLAGS, "-g0", *variant.flags, *requested]
         output = self.get_ext_fullpath(ext.name)
         try:
             objects = self.compiler.compile(ext.sources, output_dir=os.path.join(self.build_temp, ext.variant),
                                             extra_postargs=flags)
-            self.compiler.link_shared_object(objects, output, libraries=["m"])
+            self.compiler.link_shared_object(objects, output, libraries=["m"], extra_postargs=requested)
         except Exception as exc:
             if _strict():
                 raise RuntimeError(f"carrack: building {source.name} ({ext.variant}) failed: {exc}") from exc
