@@ -23,8 +23,10 @@ from carrack.passes.rewrite import ALL, BASIC, EXTENDED, Context, Rewrite
 
 PIPELINE: tuple[Rewrite, ...] = (*quant_lowering.RULES, *basic.RULES, *fusions.RULES, *transformer_fusions.RULES)
 
-#: set CARRACK_CHECK_REWRITES=1 (the test suite does) to check the graph's invariants after every rewrite
-CHECK_REWRITES = os.environ.get("CARRACK_CHECK_REWRITES", "") not in ("", "0")
+
+def _checking() -> bool:
+    """CARRACK_CHECK_REWRITES=1 (the test suite sets it) checks the graph's invariants after every rewrite."""
+    return os.environ.get("CARRACK_CHECK_REWRITES", "") not in ("", "0")
 
 __all__ = ["ALL", "BASIC", "EXTENDED", "FOLD_LIMIT_BYTES", "PIPELINE", "Context", "clone_graph",
            "fold_known_values", "optimize", "optimize_graph", "remove_dead_nodes"]
@@ -75,6 +77,7 @@ def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int]
     RUNS[0] += 1
     view = GraphView(graph)
     rules = [r for r in PIPELINE if r.level <= level]
+    checking = _checking()
     for _ in range(max_rounds):
         changed = False
         for r in rules:
@@ -84,7 +87,7 @@ def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int]
                 if r.fn(node, view, ctx):
                     fired[r.name] = fired.get(r.name, 0) + 1
                     changed = True
-                    if CHECK_REWRITES:
+                    if checking:
                         check_invariants(view, r.name)
         changed |= remove_dead_nodes(view, fired)
         if not changed:

@@ -262,7 +262,9 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
 def _writes_into(node: Node, opsets: Mapping[str, int]) -> bool:
     opset = node.opset or opsets.get(node.domain) or registry.default_opset(node.domain)
     cls, _ = registry.resolve(node.domain, node.op_type, opset)
-    return cls is not None and hasattr(cls, "run_into") and cls.execute is registry.Kernel.execute
+    # `_into`: kernels that write into a given buffer when their node has one output (ops.contrib.offer_run_into)
+    writer = hasattr(cls, "run_into") or hasattr(cls, "_into")
+    return cls is not None and writer and cls.execute is registry.Kernel.execute
 
 
 def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opsets: Mapping[str, int],
