@@ -27,6 +27,7 @@ class GraphView:
         self.outputs = {o.name for o in graph.outputs}
         self.input_names = {v.name for v in graph.inputs}
         self._taken = {v.name for v in graph.inputs} | set(graph.initializers) | self.outputs
+        self._sorted: list[Node] | None = None  # the live nodes in position order, until the next edit
         for position, node in enumerate(graph.nodes):
             self._add(node, float(position))
 
@@ -38,6 +39,7 @@ class GraphView:
 
     # index maintenance ------------------------------------------------------------------------------------------------
     def _add(self, node: Node, position: float) -> None:
+        self._sorted = None
         self._live[id(node)] = node
         self._position[id(node)] = position
         for o in node.outputs:
@@ -51,6 +53,7 @@ class GraphView:
     def _drop(self, node: Node) -> None:
         if self._live.pop(id(node), None) is None:
             return
+        self._sorted = None
         self._position.pop(id(node), None)
         for o in node.outputs:
             if o and self.producer.get(o) is node:
@@ -72,7 +75,9 @@ class GraphView:
     # queries ----------------------------------------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
         """The live nodes, in position order (a topological order only after `commit`)."""
-        return sorted(self._live.values(), key=lambda n: self._position[id(n)])
+        if self._sorted is None:
+            self._sorted = sorted(self._live.values(), key=lambda n: self._position[id(n)])
+        return list(self._sorted)
 
     def alive(self, node: Node) -> bool:
         return id(node) in self._live

@@ -32,10 +32,13 @@ __all__ = ["ALL", "BASIC", "EXTENDED", "FOLD_LIMIT_BYTES", "PIPELINE", "Context"
            "fold_known_values", "optimize", "optimize_graph", "remove_dead_nodes"]
 
 
-def optimize(model: Model, level: int = ALL, facts: dict | None = None, max_rounds: int = 50) -> tuple[Model, dict]:
-    """A new, optimized model (the input is not changed) and how often each rule fired."""
+def optimize(model: Model, level: int = ALL, facts: dict | None = None, max_rounds: int = 50,
+             in_place: bool = False) -> tuple[Model, dict]:
+    """A new, optimized model and how often each rule fired. The input is not changed unless `in_place` (for a
+    caller that has no further use for it: cloning a large graph costs more than optimizing it)."""
     model = copy.copy(model)
-    model.graph = clone_graph(model.graph)
+    if not in_place:
+        model.graph = clone_graph(model.graph)
     fired: dict[str, int] = {}
     if level <= 0:
         return model, fired

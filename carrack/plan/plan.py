@@ -149,11 +149,12 @@ class Plan:
         return tuple(int(dims[s]) for s in self.symbols)
 
 
-def build_plan(model: Model, level: int, arena: bool = True) -> Plan:
-    """Optimize `model` at `level` and plan it for every input shape (see the module's docstring)."""
+def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = False) -> Plan:
+    """Optimize `model` at `level` and plan it for every input shape (see the module's docstring). `in_place`:
+    the model's graph may be consumed (it is not cloned)."""
     initialized = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initialized]
-    optimized, stats = optimize(model, level)
+    optimized, stats = optimize(model, level, in_place=in_place)
     graph = optimized.graph
     syms = _input_symbols(graph)
     facts = infer(graph, optimized.opsets, _input_facts(graph))

@@ -83,10 +83,13 @@ class InferenceSession:
         frozen = replace(source_model, graph=replace(source, inputs=[v for v in source.inputs
                                                                      if v.name not in initialized]))
         level = int(options.graph_optimization_level)
-        plan = build_plan(frozen, level, arena=options.enable_mem_pattern)
         if options.optimized_model_filepath:
             save_model(optimize(frozen, level)[0], options.optimized_model_filepath)
         overridable = any(v.name in initialized for v in source.inputs)
+        inputs, outputs = list(source.inputs), list(source.outputs)
+        # the source graph is consumed by the plan unless runs may override its initializers (then they run it)
+        plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable)
+        source = replace(source, inputs=inputs, outputs=outputs) if not overridable else source
         self._start(plan, options, source_model if overridable else None, source)
 
     def _start(self, plan: Plan, options: SessionOptions, source_model: Model | None, source: Graph) -> None:

@@ -12,17 +12,18 @@ import numpy as np
 LAYERS, HEADS, HIDDEN, VOCAB = 2, 4, 32, 97
 
 
-def export_gpt2_with_past(path: Path, dynamo: bool) -> list[str]:
+def export_gpt2_with_past(path: Path, dynamo: bool, layers: int = LAYERS, heads: int = HEADS, hidden: int = HIDDEN,
+                          vocab: int = VOCAB) -> list[str]:
     """Write the model; returns its past input names (past_key_values.N.key/value) in order."""
     import torch
     import transformers
     from transformers import DynamicCache
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=128, vocab_size=VOCAB)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024, vocab_size=vocab)
     model = transformers.GPT2LMHeadModel(config).eval()
-    past = [f"past_key_values.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
-    present = [f"present.{i}.{k}" for i in range(LAYERS) for k in ("key", "value")]
+    past = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+    present = [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
 
     class WithPast(torch.nn.Module):
         def __init__(self) -> None:
@@ -31,7 +32,7 @@ def export_gpt2_with_past(path: Path, dynamo: bool) -> list[str]:
 
         def forward(self, input_ids, attention_mask, *pkv):
             cache = DynamicCache()
-            for i in range(LAYERS):
+            for i in range(layers):
                 cache.update(pkv[2 * i], pkv[2 * i + 1], i)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                              use_cache=True)
@@ -40,9 +41,8 @@ def export_gpt2_with_past(path: Path, dynamo: bool) -> list[str]:
                 flat += [layer.keys, layer.values]
             return (out.logits, *flat)
 
-    head = HIDDEN // HEADS
     example = (torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 7, dtype=torch.long),
-               *[torch.randn(1, HEADS, 4, head) for _ in past])
+               *[torch.randn(1, heads, 4, hidden // heads) for _ in past])
     names = ["input_ids", "attention_mask", *past]
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -62,10 +62,10 @@ def export_gpt2_with_past(path: Path, dynamo: bool) -> list[str]:
     return past
 
 
-def greedy_decode(run, past_names: list[str], prompt: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:
+def greedy_decode(run, past_names: list[str], prompt: np.ndarray, steps: int, heads: int = HEADS,
+                  head_size: int = HIDDEN // HEADS) -> tuple[list[int], list[np.ndarray]]:
     """Prompt then `steps` greedy tokens with the KV cache fed back; returns the tokens and every step's logits."""
-    head = HIDDEN // HEADS
-    past = {p: np.zeros((prompt.shape[0], HEADS, 0, head), np.float32) for p in past_names}
+    past = {p: np.zeros((prompt.shape[0], heads, 0, head_size), np.float32) for p in past_names}
     ids, total, tokens, logits = prompt, prompt.shape[1], [], []
     for _ in range(steps):
         outs = run({"input_ids": ids, "attention_mask": np.ones((prompt.shape[0], total), np.int64), **past})
