@@ -22,7 +22,7 @@ def fold_known_values(graph: Graph, facts: Mapping, limit_bytes: int = FOLD_LIMI
     keep, folded = [], 0
     for node in graph.nodes:
         outs = [facts.get(o) for o in node.outputs if o]
-        if (node.op_type not in _NEVER_FOLD and outs and all(f is not None and f.is_concrete() for f in outs)
+        if (_foldable(node) and outs and all(f is not None and f.is_concrete() for f in outs)
                 and sum(f.value.nbytes for f in outs) <= limit_bytes):
             for name in node.outputs:
                 if name:
@@ -58,13 +58,17 @@ def remove_dropout(node: Node, view: GraphView, ctx: Context) -> bool:
     return view.bypass(node, node.inputs[0], node.outputs[0])
 
 
-_NEVER_FOLD = registry.IMPURE_OPS | {"If", "Loop", "Scan", "SequenceMap"}
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def _foldable(node: Node) -> bool:
+    return node.op_type not in _CONTROL_FLOW and registry.is_pure(node.domain, node.op_type)
 
 
 @RULES.rewrite("constant_folding", level=BASIC)
 def fold_constants(node: Node, view: GraphView, ctx: Context) -> bool:
     """Evaluate a node whose inputs are all constants, if its outputs stay under the size cap."""
-    if node.op_type in _NEVER_FOLD or node.op_type == "Constant" or not node.outputs:
+    if not _foldable(node) or node.op_type == "Constant" or not node.outputs:
         return False
     values = []
     for name in node.inputs:

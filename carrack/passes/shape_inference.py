@@ -116,7 +116,7 @@ def _bounded(fact: Fact) -> Fact:
 
 def _fold(node: Node, ins: list[Fact], cls, version: int) -> list[Fact] | None:
     """Run the real kernel when every input is a small known constant (shape arithmetic, mostly)."""
-    if cls is None or node.subgraphs() or node.op_type in registry.IMPURE_OPS:
+    if cls is None or node.subgraphs() or not cls.pure:
         return None
     if not all(f.is_concrete() for f, name in zip(ins, node.inputs) if name):
         return None

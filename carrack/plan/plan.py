@@ -35,15 +35,6 @@ from carrack.passes.shape_inference import infer
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
 from carrack.plan.exprs import compile_function, function_source
 
-#: ops whose output may overwrite their first input (same shape and dtype, each element read before written)
-IN_PLACE_OPS = frozenset(
-    "Relu Sigmoid Tanh Neg Abs Exp Log Sqrt Erf LeakyRelu Elu Selu Celu HardSigmoid HardSwish Softplus Softsign "
-    "Clip Gelu Mish Identity Dropout Reciprocal Floor Ceil Round Sign Sin Cos".split())
-
-#: ops whose output may be a view of their first input: the output gets no bytes of its own, and the input's bytes
-#: stay reserved until the view's last reader
-VIEW_OPS = frozenset("Reshape Flatten Squeeze Unsqueeze Identity Transpose Dropout".split())
-
 #: how many distinct input-size combinations a plan keeps evaluated
 BOUND_CACHE_SIZE = 256
 
@@ -242,7 +233,7 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
     kept: list[Node] = []
     for node in graph.nodes:
         named = [(o, facts.get(o)) for o in node.outputs if o]
-        if (not named or node.op_type in registry.IMPURE_OPS or node.subgraphs()
+        if (not named or not registry.is_pure(node.domain, node.op_type) or node.subgraphs()
                 or not all(_derivable(f, syms) for _, f in named)):
             kept.append(node)
             continue
@@ -260,18 +251,11 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
     return derived
 
 
-def _writes_into(node: Node, opsets: Mapping[str, int]) -> bool:
-    opset = node.opset or opsets.get(node.domain) or registry.default_opset(node.domain)
-    cls, _ = registry.resolve(node.domain, node.op_type, opset)
-    # `_into`: kernels that write into a given buffer when their node has one output (ops.contrib.offer_run_into)
-    writer = hasattr(cls, "run_into") or hasattr(cls, "_into")
-    return cls is not None and writer and cls.execute is registry.Kernel.execute
-
-
 def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opsets: Mapping[str, int],
                   first_dim: int) -> tuple[list[Block], list[Placed], list[DimLike]]:
     """The blocks of every intermediate a kernel can write into a given buffer, with symbolic sizes and lifetimes;
-    in-place ops share their input's block, views keep their source's block alive."""
+    in-place ops share their input's block, views keep their source's block alive (traits of the kernel classes:
+    `writes_into`, `in_place`, `view`)."""
     outputs = {o.name for o in graph.outputs}
     last_use: dict[str, int] = {}
     for step, node in enumerate(graph.nodes):
@@ -283,16 +267,18 @@ def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opset
     placed: list[Placed] = []
     shapes: list[DimLike] = []
     for step, node in enumerate(graph.nodes):
+        kernel = registry.traits(node, opsets)
         first = node.inputs[0] if node.inputs else ""
         src = view_of.get(first, block_of.get(first))
         for name in node.outputs:
             if not name:
                 continue
             end = len(graph.nodes) if name in outputs else last_use.get(name, step)
-            if node.op_type in VIEW_OPS and not node.domain and src is not None:
+            if kernel is not None and kernel.view and src is not None:
                 view_of[name] = src
                 blocks[src].end = max(blocks[src].end, end)
-        if len(node.outputs) != 1 or not node.outputs[0] or not node.inputs or not _writes_into(node, opsets):
+        if len(node.outputs) != 1 or not node.outputs[0] or not node.inputs or kernel is None \
+                or not kernel.writes_into():
             continue
         name = node.outputs[0]
         fact = facts.get(name, Fact())
@@ -305,7 +291,7 @@ def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opset
         for d in shape:
             size = symbolic.mul(size, d)
         end = last_use.get(name, step)
-        if (node.op_type in IN_PLACE_OPS and not node.domain and src is not None and first not in view_of
+        if (kernel.in_place and src is not None and first not in view_of
                 and blocks[src].size == size and blocks[src].end <= step):
             blocks[src].end = max(blocks[src].end, end)
             block = src

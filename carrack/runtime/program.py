@@ -21,7 +21,6 @@ from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
-from carrack.plan.plan import VIEW_OPS
 
 if TYPE_CHECKING:
     from carrack.plan.plan import Bound, Plan
@@ -206,8 +205,7 @@ class Program:
         for k, st in enumerate(self.steps):
             if len(st.outs) == 1 and st.node.outputs[0] in index and hasattr(st.kernel, "run_into"):
                 self._placed[k] = index[st.node.outputs[0]]
-        self._views = {name for st in self.steps for name in st.node.outputs
-                       if st.node.op_type in VIEW_OPS and not st.node.domain}
+        self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
 
     def _compile_plan(self) -> list[tuple]:
