@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from carrack.errors import CarrackError, InvalidModel, RunFailure
+from carrack.errors import CarrackError, InvalidModel, RunFailure, RunTerminated
 from carrack.ir.graph import Graph, Node
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
@@ -132,8 +132,10 @@ class Program:
         return self._dependencies
 
     def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None,
-            concurrency: int = 1) -> list[Any]:
-        """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads."""
+            concurrency: int = 1, should_stop: Any = None) -> list[Any]:
+        """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads.
+        `should_stop` (optional callable) is asked before each step; when it returns true the run raises
+        RunTerminated (RunOptions.terminate)."""
         env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
         for s, v in self.constants.items():
             env[s] = v
@@ -155,6 +157,8 @@ class Program:
         try:
             if profiler is None:
                 for step, call, gather, arity, single, release, into, guard in self._plan:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
                     if into is not None:
                         offset, nbytes, shape, dtype = into
                         out = arena[offset:offset + nbytes].view(dtype).reshape(shape)
@@ -177,11 +181,13 @@ class Program:
                         env[s] = None
             else:
                 for step in self.steps:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
                     args = [env[s] if s >= 0 else None for s in step.ins]
                     t0 = time.perf_counter_ns()
                     result = step.kernel.execute(args, _scope(step, env))
                     profiler.record(step.node.name or step.node.outputs[0], step.node.op_type, t0,
-                                    time.perf_counter_ns())
+                                    time.perf_counter_ns(), io=(args, result, [s in self.constants for s in step.ins]))
                     _store(step.outs, result, env)
                     for s in step.release:
                         env[s] = None

@@ -25,6 +25,7 @@ from carrack.runtime.allocator import retain_freed_memory
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
+from carrack.runtime.ort_session import OrtSessionApi, apply_session_options, terminate_check
 from carrack.runtime.profiler import Profiler
 from carrack.runtime.program import BuildContext, Program
 
@@ -62,7 +63,7 @@ def _node_arg(v: ValueInfo) -> NodeArg:
     return NodeArg(v.name, t.ort_name(), None)
 
 
-class InferenceSession:
+class InferenceSession(OrtSessionApi):
     """Load a model once, run it many times (from several threads at once if you like).
 
     ``InferenceSession(path_or_bytes_or_ModelProto, sess_options=None, providers=None)``; ``providers`` is accepted
@@ -76,7 +77,7 @@ class InferenceSession:
         self._concurrency = _inter_op_threads(self._options)
         if self._options.enable_cpu_mem_arena:
             retain_freed_memory()
-        self._source_model: Model = load_model(path_or_bytes)
+        self._source_model: Model = apply_session_options(load_model(path_or_bytes), self._options)
         source = self._source_model.graph
         initialized = set(source.initializers)
         self._inputs = [v for v in source.inputs if v.name not in initialized]
@@ -121,13 +122,15 @@ class InferenceSession:
         return self._options
 
     def get_modelmeta(self) -> ModelMetadata:
-        m = self._model
-        return ModelMetadata(m.producer, m.graph.name, "", m.doc_string, "", 0, dict(m.metadata))
+        m = self._source_model
+        return ModelMetadata(m.producer, m.graph.name, m.domain, m.doc_string, m.graph_doc_string, m.model_version,
+                             dict(m.metadata))
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
+        should_stop = terminate_check(run_options)
         feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
@@ -136,10 +139,10 @@ class InferenceSession:
         # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
         with limited_blas_threads(self._options.intra_op_num_threads or None):
             if self._profiler is None:
-                results = program.run(inputs, concurrency=self._concurrency)
+                results = program.run(inputs, concurrency=self._concurrency, should_stop=should_stop)
             else:
                 t0 = time.perf_counter_ns()
-                results = program.run(inputs, profiler=self._profiler)
+                results = program.run(inputs, profiler=self._profiler, should_stop=should_stop)
                 self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [_owned(results[i], feed) for i in wanted]
 
