@@ -6,6 +6,7 @@ providers, and the SessionOptions that change the model (free-dimension override
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -27,6 +28,16 @@ class OrtSessionApi:
     """Mixed into InferenceSession; relies on its `run`, `get_inputs` and `_profiler`."""
 
     _fallback_enabled = True
+
+    def _record_source(self, path_or_bytes: Any, providers: Sequence[Any] | None,
+                       provider_options: Sequence[Any] | None) -> None:
+        """onnxruntime's private attributes that libraries read (optimum reads `_model_path`)."""
+        is_path = isinstance(path_or_bytes, (str, os.PathLike))
+        self._model_path = os.fspath(path_or_bytes) if is_path else None
+        self._model_bytes = path_or_bytes if isinstance(path_or_bytes, (bytes, bytearray)) else None
+        self.set_providers(providers, provider_options)
+        self._providers = list(AVAILABLE_PROVIDERS)
+        self._provider_options = provider_options
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)  # type: ignore[arg-type]

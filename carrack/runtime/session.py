@@ -74,6 +74,7 @@ class InferenceSession(OrtSessionApi):
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
         self._options = sess_options or SessionOptions()
+        self._record_source(path_or_bytes, providers, provider_options)
         self._concurrency = _inter_op_threads(self._options)
         if self._options.enable_cpu_mem_arena:
             retain_freed_memory()
