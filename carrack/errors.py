@@ -34,8 +34,9 @@ class UnsupportedModel(CarrackError, NotImplementedError, _ort.NotImplemented):
     """The model needs something carrack does not implement (an operator, an opset, a type)."""
 
 
-class NotImplementedOps(UnsupportedModel):
-    """Operators without a kernel, listed all at once."""
+class NotImplementedOps(UnsupportedModel, _ort.InvalidGraph):
+    """Operators without a kernel, listed all at once (onnxruntime says InvalidGraph for operators without a schema,
+    NotImplemented for those without a kernel: this is both)."""
 
     def __init__(self, missing: list[tuple[str, str, int, str]]):
         self.missing = missing
@@ -43,8 +44,8 @@ class NotImplementedOps(UnsupportedModel):
         super().__init__(f"{len(missing)} node(s) use operators carrack does not implement:\n" + "\n".join(lines))
 
 
-class RunFailure(CarrackError, RuntimeError, _ort.RuntimeException):
-    """A kernel failed while running; the message names the node."""
+class RunFailure(CarrackError, RuntimeError, _ort.Fail, _ort.RuntimeException):
+    """A kernel failed while running; the message names the node (onnxruntime raises Fail or RuntimeException)."""
 
 
 class MemoryLimitExceeded(CarrackError, MemoryError, _ort.Fail):
@@ -61,3 +62,7 @@ class RunTerminated(CarrackError, RuntimeError, _ort.Fail):
 
 class UnsupportedFeature(UnsupportedModel):
     """An onnxruntime API carrack does not provide (custom-op libraries, execution providers)."""
+
+
+class UnknownProvider(CarrackError, RuntimeError, _ort.InvalidArgument):
+    """An execution provider name onnxruntime does not know (onnxruntime raises RuntimeError)."""

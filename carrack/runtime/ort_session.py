@@ -6,6 +6,7 @@ providers, and the SessionOptions that change the model (free-dimension override
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from carrack.errors import InvalidArgument, RunTerminated, UnsupportedFeature
+from carrack.errors import InvalidArgument, RunTerminated, UnknownProvider, UnsupportedFeature
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import TensorType
@@ -22,6 +23,8 @@ from carrack.runtime.environment import ALL_PROVIDERS, AVAILABLE_PROVIDERS
 from carrack.runtime.iobinding import IOBinding
 from carrack.runtime.options import RunOptions, SessionOptions
 from carrack.runtime.ortvalue import OrtValue, as_value
+
+_LOG = logging.getLogger("carrack")
 
 
 class OrtSessionApi:
@@ -80,7 +83,7 @@ class OrtSessionApi:
         for provider in providers or ():
             name = provider[0] if isinstance(provider, tuple) else provider
             if name not in ALL_PROVIDERS:
-                raise InvalidArgument(f"Unknown Provider Type: {name}")
+                raise UnknownProvider(f"Unknown Provider Type: {name}")
             if name not in AVAILABLE_PROVIDERS:
                 raise UnsupportedFeature(f"{name} is not available: carrack runs on its CPU engine only "
                                          f"(available: {list(AVAILABLE_PROVIDERS)})")
@@ -162,16 +165,17 @@ def _input_dim(inputs: list[ValueInfo], name: str, axis: int) -> Any:
 
 
 def _add_initializers(model: Model, added: Mapping[str, OrtValue]) -> Model:
+    """Initializers named in `added` take its values; other names are ignored (with a warning), as onnxruntime
+    ignores them."""
     graph = model.graph
-    known = set(graph.initializers) | {v.name for v in graph.inputs}
-    unknown = sorted(set(added) - known)
+    unknown = sorted(set(added) - set(graph.initializers))
     if unknown:
-        raise InvalidArgument(f"SessionOptions.add_initializer: the model has no initializer or input named "
-                              f"{unknown}")
+        _LOG.warning("SessionOptions.add_initializer: the model has no initializer named %s (ignored)", unknown)
     initializers = dict(graph.initializers)
     for name, value in added.items():
         array = value.numpy()
         if not isinstance(array, np.ndarray):
             raise InvalidArgument(f"SessionOptions.add_initializer('{name}'): the OrtValue must hold a tensor")
-        initializers[name] = array
+        if name in initializers:
+            initializers[name] = array
     return replace(model, graph=replace(graph, initializers=initializers))

@@ -32,7 +32,7 @@ def write_tokenizer(directory: str):
 def export(root: str) -> None:
     import torch
     from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForFeatureExtraction, ORTModelForSequenceClassification
-    from transformers import (BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel)
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     bert = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
