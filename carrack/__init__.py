@@ -22,11 +22,14 @@ from carrack.errors import (
 )
 from carrack.onnxruntime_compat import install_as_onnxruntime
 from carrack.runtime.environment import (
+    disable_telemetry_events,
+    enable_telemetry_events,
     get_all_providers,
     get_available_providers,
     get_build_info,
     get_device,
     get_version_string,
+    has_collective_ops,
     set_default_logger_severity,
     set_default_logger_verbosity,
 )
@@ -42,6 +45,7 @@ __all__ = [
     "InferenceSession", "InvalidArgument", "InvalidGraph", "InvalidModel", "MemoryLimitExceeded", "ModelFileNotFound",
     "ModelMetadata", "NodeArg", "NotImplementedOps", "OrtDevice", "OrtValue", "RunFailure", "RunOptions",
     "RunTerminated", "SessionIOBinding", "SessionOptions", "UnsupportedFeature", "UnsupportedModel",
-    "get_all_providers", "get_available_providers", "get_build_info", "get_device", "get_version_string",
-    "install_as_onnxruntime", "set_default_logger_severity", "set_default_logger_verbosity",
+    "disable_telemetry_events", "enable_telemetry_events", "get_all_providers", "get_available_providers",
+    "get_build_info", "get_device", "get_version_string", "has_collective_ops", "install_as_onnxruntime",
+    "set_default_logger_severity", "set_default_logger_verbosity",
 ]

@@ -69,8 +69,10 @@ def _package(name: str) -> types.ModuleType:
 
 def _root_module() -> types.ModuleType:
     import carrack
+    import carrack.capi
 
     root = _package("onnxruntime")
+    root.capi = carrack.capi  # type: ignore[attr-defined]
     for name in carrack.__all__:
         setattr(root, name, getattr(carrack, name))
     root.__doc__ = f"carrack {carrack.__version__} standing in for onnxruntime (carrack.install_as_onnxruntime)"

@@ -62,3 +62,16 @@ def set_default_logger_verbosity(verbosity: int) -> None:
     if not isinstance(verbosity, int) or verbosity < 0:
         raise ValueError(f"logger verbosity must be a non-negative int, got {verbosity!r}")
 
+
+
+def has_collective_ops() -> bool:
+    """carrack has no collective (multi-device communication) operators."""
+    return False
+
+
+def enable_telemetry_events() -> None:
+    """Accepted for compatibility: carrack sends no telemetry."""
+
+
+def disable_telemetry_events() -> None:
+    """Accepted for compatibility: carrack sends no telemetry."""

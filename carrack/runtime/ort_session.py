@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from carrack.errors import InvalidArgument, RunTerminated, UnknownProvider, UnsupportedFeature
+from carrack.errors import InvalidArgument, RunTerminated, UnknownProvider
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Model, ValueInfo
 from carrack.ir.types import TensorType
@@ -38,7 +39,7 @@ class OrtSessionApi:
         is_path = isinstance(path_or_bytes, (str, os.PathLike))
         self._model_path = os.fspath(path_or_bytes) if is_path else None
         self._model_bytes = path_or_bytes if isinstance(path_or_bytes, (bytes, bytearray)) else None
-        self.set_providers(providers, provider_options)
+        self._check_providers_at_start(providers)
         self._providers = list(AVAILABLE_PROVIDERS)
         self._provider_options = provider_options
 
@@ -79,14 +80,13 @@ class OrtSessionApi:
 
     def set_providers(self, providers: Sequence[Any] | None = None,
                       provider_options: Sequence[Mapping[str, Any]] | None = None) -> None:
-        """Only the CPU provider runs carrack; any other known provider name is refused as unavailable."""
-        for provider in providers or ():
-            name = provider[0] if isinstance(provider, tuple) else provider
-            if name not in ALL_PROVIDERS:
-                raise UnknownProvider(f"Unknown Provider Type: {name}")
-            if name not in AVAILABLE_PROVIDERS:
-                raise UnsupportedFeature(f"{name} is not available: carrack runs on its CPU engine only "
-                                         f"(available: {list(AVAILABLE_PROVIDERS)})")
+        """carrack runs on its CPU engine whatever the list says: as onnxruntime without those providers, a known but
+        unavailable provider (CUDA ...) gets a UserWarning and the CPU; an unknown name raises RuntimeError."""
+        _check_providers(providers, unknown_falls_back=False)
+
+    def _check_providers_at_start(self, providers: Sequence[Any] | None) -> None:
+        # at construction onnxruntime falls back to the CPU for unknown names too (with fallback enabled)
+        _check_providers(providers, unknown_falls_back=True)
 
     def disable_fallback(self) -> None:
         self._fallback_enabled = False
@@ -102,6 +102,18 @@ class OrtSessionApi:
     def create_ortvalue_from_shape_and_type(self, shape: Sequence[int], element_type: Any,
                                             device: Any = None) -> OrtValue:
         return OrtValue.ortvalue_from_shape_and_type(shape, element_type)
+
+
+def _check_providers(providers: Sequence[Any] | None, unknown_falls_back: bool) -> None:
+    for provider in providers or ():
+        name = provider[0] if isinstance(provider, tuple) else provider
+        if name in AVAILABLE_PROVIDERS:
+            continue
+        if name not in ALL_PROVIDERS and not unknown_falls_back:
+            raise UnknownProvider(f"Unknown Provider Type: {name}")
+        warnings.warn(f"Specified provider '{name}' is not in available provider names. Available providers: "
+                      f"'{', '.join(AVAILABLE_PROVIDERS)}' (carrack runs on its CPU engine)", UserWarning,
+                      stacklevel=4)
 
 
 def terminate_check(run_options: RunOptions | None) -> Callable[[], bool] | None:

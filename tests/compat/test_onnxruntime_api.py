@@ -263,6 +263,18 @@ def test_providers_fallback_and_profiling_start():
     assert assert_same(snippet)[1] == 0
 
 
+@pytest.mark.filterwarnings("ignore:Specified provider")
+@pytest.mark.parametrize("providers", [["CUDAExecutionProvider"], ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                       [("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})]])
+def test_unavailable_providers_fall_back_to_the_cpu(providers):
+    def snippet(rt):
+        sess = rt.InferenceSession(add_relu(), providers=providers)
+        sess.set_providers(providers)
+        return [sess.get_providers(), sess.run(None, {"x": X})]
+    assert assert_same(snippet)[0] == ["CPUExecutionProvider"]
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
 def test_set_providers_refuses_an_unknown_provider():
     assert assert_same(lambda rt: session(rt).set_providers(["NoSuchExecutionProvider"])) == "RuntimeError"
 
