@@ -7,7 +7,7 @@ After the call, ``import onnxruntime`` (and the submodules code written for onnx
 unchanged. The stand-in module's ``__version__`` is the onnxruntime API version carrack follows
 (ONNXRUNTIME_API_VERSION); ``carrack.__version__`` stays carrack's own. Other onnxruntime submodules
 (quantization, the transformers graph optimizer, training) are not provided: importing them raises
-ModuleNotFoundError saying so.
+ModuleNotFoundError, and importlib.util.find_spec finds none of them.
 """
 
 from __future__ import annotations
@@ -81,7 +81,6 @@ def _root_module() -> types.ModuleType:
     root.__carrack_version__ = carrack.__version__  # type: ignore[attr-defined]
     root.package_name = "carrack"  # type: ignore[attr-defined]
     root.cuda_version = ""  # type: ignore[attr-defined]
-    root.__path__ = [os.path.dirname(carrack.__file__)]  # code that looks for onnxruntime's files finds carrack's
     root.get_version_string = lambda: ONNXRUNTIME_API_VERSION  # type: ignore[attr-defined]
     return root
 
@@ -104,15 +103,10 @@ class _StandInDistribution(importlib.metadata.Distribution):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Refuses onnxruntime submodules carrack does not provide (with a message saying why) and answers
-    importlib.metadata's questions about the onnxruntime distribution."""
+    """Answers importlib.metadata's questions about the onnxruntime distribution while carrack stands in for it."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname.startswith("onnxruntime.") and fullname not in sys.modules:
-            raise ModuleNotFoundError(f"No module named '{fullname}': carrack stands in for onnxruntime in this "
-                                      f"process (install_as_onnxruntime) and provides only onnxruntime, "
-                                      f"{', '.join(sorted(_SUBMODULES))}", name=fullname)
-        return None
+        return None  # modules come from sys.modules; onnxruntime submodules carrack lacks are simply not found
 
     def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
