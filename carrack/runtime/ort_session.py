@@ -6,7 +6,9 @@ providers, and the SessionOptions that change the model (free-dimension override
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 import threading
 import warnings
@@ -116,6 +118,9 @@ def _check_providers(providers: Sequence[Any] | None, unknown_falls_back: bool) 
                       stacklevel=4)
 
 
+_TERMINATE_FLAG = operator.attrgetter("terminate")
+
+
 def terminate_check(run_options: RunOptions | None) -> Callable[[], bool] | None:
     """A callable the run loop calls between nodes: true once run_options.terminate is set. A run whose flag is
     already set stops before its first node."""
@@ -123,7 +128,7 @@ def terminate_check(run_options: RunOptions | None) -> Callable[[], bool] | None
         return None
     if run_options.terminate:
         raise RunTerminated()
-    return lambda: run_options.terminate
+    return functools.partial(_TERMINATE_FLAG, run_options)  # C-level calls: cheap once per node
 
 
 def apply_session_options(model: Model, options: SessionOptions) -> Model:
