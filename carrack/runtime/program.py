@@ -147,7 +147,7 @@ class Program:
         if concurrency > 1 and profiler is None and len(self.steps) > 1:
             from carrack.runtime.concurrent import run_concurrently
 
-            run_concurrently(self, env, concurrency, _execute_step)
+            run_concurrently(self, env, concurrency, _stoppable(_execute_step, should_stop))
             return [env[s] for s in self.output_slots]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
@@ -341,3 +341,15 @@ def _function_body(sch, opset: int) -> onnx.FunctionProto | None:
     fp = onnx.FunctionProto()
     fp.ParseFromString(sch.get_function_with_opset_version(max(versions)))
     return fp
+
+
+def _stoppable(execute_step, should_stop):
+    """`execute_step` that first asks `should_stop` (RunOptions.terminate) when there is one."""
+    if should_stop is None:
+        return execute_step
+
+    def checked(step: Step, env: list[Any]) -> None:
+        if should_stop():
+            raise RunTerminated(f"before {step.node.label()}")
+        execute_step(step, env)
+    return checked

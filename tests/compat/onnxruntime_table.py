@@ -128,9 +128,7 @@ NOTES: dict[str, tuple[str, str]] = {
     "InferenceSession.disable_fallback": ("different", "stored; there is nothing to fall back from"),
     "InferenceSession.enable_fallback": ("different", "stored; there is nothing to fall back from"),
     "InferenceSession.run": ("different", "RunOptions.only_execute_path_to_fetches and log settings are accepted and "
-                                          "ignored; Python scalars are accepted as feeds (onnxruntime refuses them); "
-                                          "a run with inter-op parallelism checks RunOptions.terminate only before it "
-                                          "starts"),
+                                          "ignored; Python scalars are accepted as feeds (onnxruntime refuses them)"),
     "InferenceSession.run_with_iobinding": ("different", "an output bound to a buffer receives a copy of the result"),
     "InferenceSession.end_profiling": ("different", "node events carry onnxruntime's args except the memory and "
                                                     "thread-scheduling ones; no fence events"),

@@ -403,10 +403,13 @@ def test_terminate_set_before_the_run():
     assert_same(cleared)
 
 
-def test_terminate_set_during_the_run_stops_between_nodes():
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+def test_terminate_set_during_the_run_stops_between_nodes(parallel):
     model, x = long_chain(), np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
     for name, rt in ENGINES.items():
-        sess = session(rt, model, graph_optimization_level=rt.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        mode = rt.ExecutionMode.ORT_PARALLEL if parallel else rt.ExecutionMode.ORT_SEQUENTIAL
+        sess = session(rt, model, graph_optimization_level=rt.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                       execution_mode=mode, inter_op_num_threads=2)
         sess.run(None, {"x": x})  # warm-up (first-use work is not part of a run's time)
         full = min(_timed(lambda sess=sess: sess.run(None, {"x": x})) for _ in range(2))
         ro = rt.RunOptions()
