@@ -18,7 +18,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, ModelProto, TypeProto
 
-from carrack.errors import InvalidModel, UnsupportedModel
+from carrack.errors import CorruptModel, InvalidModel, ModelFileNotFound, UnsupportedModel
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
@@ -56,12 +56,12 @@ def _parse(source: bytes | bytearray | memoryview | ModelProto) -> tuple[ModelPr
 
 def _parse_bytes(data: bytes, what: str) -> ModelProto:
     if not data:
-        raise InvalidModel(f"{what} is empty")
+        raise CorruptModel(f"{what} is empty")
     proto = ModelProto()
     try:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as e:
-        raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+        raise CorruptModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
     return proto
 
 
@@ -70,9 +70,9 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
     file (keyed by initializer index)."""
     what = f"model file '{path}'"
     if not os.path.isfile(path):
-        raise InvalidModel(f"model file '{path}' does not exist")
+        raise ModelFileNotFound(f"model file '{path}' does not exist")
     if os.path.getsize(path) == 0:
-        raise InvalidModel(f"{what} is empty")
+        raise CorruptModel(f"{what} is empty")
     try:
         with memoryview(mapped_file(path)) as buf:
             split = split_model(buf, IN_PLACE_RAW_BYTES)
@@ -80,7 +80,7 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
         try:  # protobuf has the last word on what parses (the walk's message says better what is wrong)
             return _parse_whole_file(path, what), {}
         except InvalidModel:
-            raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+            raise CorruptModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
     proto = _parse_bytes(split.skeleton, what)
     if len(proto.graph.initializer) != split.initializers:  # protobuf read the fields differently: trust it
         return _parse_whole_file(path, what), {}
@@ -104,7 +104,19 @@ def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "mo
     if functions:
         graph = inline_functions(graph, functions, opsets)
     return Model(graph=graph, opsets=opsets, ir_version=proto.ir_version, producer=proto.producer_name,
-                 metadata={p.key: p.value for p in proto.metadata_props}, doc_string=proto.doc_string)
+                 metadata={p.key: p.value for p in proto.metadata_props}, doc_string=proto.doc_string,
+                 domain=proto.domain, model_version=proto.model_version, graph_doc_string=proto.graph.doc_string,
+                 dim_denotations=_dim_denotations(proto.graph))
+
+
+def _dim_denotations(graph: onnx.GraphProto) -> dict[tuple[str, int], str]:
+    found = {}
+    for v in graph.input:
+        if v.type.WhichOneof("value") == "tensor_type" and v.type.tensor_type.HasField("shape"):
+            for axis, d in enumerate(v.type.tensor_type.shape.dim):
+                if d.denotation:
+                    found[(v.name, axis)] = d.denotation
+    return found
 
 
 def _opsets(proto: ModelProto, what: str) -> dict[str, int]:

@@ -442,6 +442,8 @@ def gemm_between_reshapes(gemm: Node, view: GraphView, ctx: Context) -> bool:
     x, a2, y2, y = (_shape(view, ctx, n) for n in (flat.inputs[0], gemm.inputs[0], gemm.outputs[0], unflat.outputs[0]))
     if x is None or a2 is None or y2 is None or y is None or len(x) < 3 or len(a2) != 2 or len(y2) != 2:
         return False
+    if any(d is None for d in x):  # an unknown dim (GPT-2 exported with past): its row count cannot be checked
+        return False
     rows = x[0]
     for d in x[1:-1]:
         rows = symbolic.mul(rows, d)

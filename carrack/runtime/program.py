@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from carrack.errors import CarrackError, InvalidModel, RunFailure
+from carrack.errors import CarrackError, InvalidModel, RunFailure, RunTerminated
 from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
@@ -133,9 +133,11 @@ class Program:
         return self._dependencies
 
     def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None,
-            concurrency: int = 1, bound: Bound | None = None) -> list[Any]:
+            concurrency: int = 1, bound: Bound | None = None, should_stop: Any = None) -> list[Any]:
         """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads;
-        `bound` (the session's plan evaluated for this run's sizes) places intermediates in one arena."""
+        `bound` (the session's plan evaluated for this run's sizes) places intermediates in one arena.
+        `should_stop` (optional callable) is asked before each step; when it returns true the run raises
+        RunTerminated (RunOptions.terminate)."""
         env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
         for s, v in self.constants.items():
             env[s] = v
@@ -147,7 +149,7 @@ class Program:
         if concurrency > 1 and profiler is None and len(self.steps) > 1:
             from carrack.runtime.concurrent import run_concurrently
 
-            run_concurrently(self, env, concurrency, _execute_step)
+            run_concurrently(self, env, concurrency, _stoppable(_execute_step, should_stop))
             return [env[s] for s in self.output_slots]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
@@ -158,6 +160,8 @@ class Program:
         try:
             if profiler is None:
                 for step, call, gather, arity, single, release, placed, guard, run_into in self._plan:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
                     if placed >= 0 and arena is not None and places[placed] is not None:
                         offset, nbytes, shape, dtype = places[placed]
                         out = arena[offset:offset + nbytes].view(dtype).reshape(shape)
@@ -181,11 +185,13 @@ class Program:
                         env[s] = None
             else:
                 for step in self.steps:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
                     args = [env[s] if s >= 0 else None for s in step.ins]
                     t0 = time.perf_counter_ns()
                     result = step.kernel.execute(args, _scope(step, env))
                     profiler.record(step.node.name or step.node.outputs[0], step.node.op_type, t0,
-                                    time.perf_counter_ns())
+                                    time.perf_counter_ns(), io=(args, result, [s in self.constants for s in step.ins]))
                     _store(step.outs, result, env)
                     for s in step.release:
                         env[s] = None
@@ -306,3 +312,15 @@ def _function_body(sch, opset: int) -> onnx.FunctionProto | None:
     fp = onnx.FunctionProto()
     fp.ParseFromString(sch.get_function_with_opset_version(max(versions)))
     return fp
+
+
+def _stoppable(execute_step, should_stop):
+    """`execute_step` that first asks `should_stop` (RunOptions.terminate) when there is one."""
+    if should_stop is None:
+        return execute_step
+
+    def checked(step: Step, env: list[Any]) -> None:
+        if should_stop():
+            raise RunTerminated(f"before {step.node.label()}")
+        execute_step(step, env)
+    return checked

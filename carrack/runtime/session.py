@@ -27,6 +27,7 @@ from carrack.runtime.allocator import retain_freed_memory
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
+from carrack.runtime.ort_session import OrtSessionApi, apply_session_options, terminate_check
 from carrack.runtime.profiler import Profiler
 from carrack.runtime.program import BuildContext, Program
 
@@ -64,7 +65,7 @@ def _node_arg(v: ValueInfo) -> NodeArg:
     return NodeArg(v.name, t.ort_name(), None)
 
 
-class InferenceSession:
+class InferenceSession(OrtSessionApi):
     """Load a model once, run it many times (from several threads at once if you like).
 
     ``InferenceSession(path_or_bytes_or_ModelProto, sess_options=None, providers=None)``; ``providers`` is accepted
@@ -75,7 +76,8 @@ class InferenceSession:
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
         options = sess_options or SessionOptions()
-        source_model = load_model(path_or_bytes)
+        self._record_source(path_or_bytes, providers, provider_options)
+        source_model = apply_session_options(load_model(path_or_bytes), options)
         source = source_model.graph
         initialized = set(source.initializers)
         # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
@@ -147,12 +149,14 @@ class InferenceSession:
 
     def get_modelmeta(self) -> ModelMetadata:
         m = self._model
-        return ModelMetadata(m.producer, m.graph.name, "", m.doc_string, "", 0, dict(m.metadata))
+        return ModelMetadata(m.producer, m.graph.name, m.domain, m.doc_string, m.graph_doc_string, m.model_version,
+                             dict(m.metadata))
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
+        should_stop = terminate_check(run_options)
         feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
@@ -166,10 +170,10 @@ class InferenceSession:
         # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
         with limited_blas_threads(self._options.intra_op_num_threads or None):
             if self._profiler is None:
-                results = program.run(inputs, concurrency=self._concurrency, bound=bound)
+                results = program.run(inputs, concurrency=self._concurrency, bound=bound, should_stop=should_stop)
             else:
                 t0 = time.perf_counter_ns()
-                results = program.run(inputs, profiler=self._profiler)
+                results = program.run(inputs, profiler=self._profiler, should_stop=should_stop)
                 self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [_owned(results[i], feed) for i in wanted]
 
@@ -303,6 +307,7 @@ def _interface(session: InferenceSession) -> Graph:
 def _restore_session(plan: Plan, options: SessionOptions, source_model: Model | None,
                      interface: Graph) -> InferenceSession:
     session = InferenceSession.__new__(InferenceSession)
+    session._record_source(None, None, None)  # the model file stays where it was: not a path of this process
     source = source_model.graph if source_model is not None else interface
     session._start(plan, options, source_model, source)
     return session
