@@ -15,6 +15,7 @@ one set of symbol sizes in microseconds, and executors are built from it (`carra
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,14 +86,17 @@ class Plan:
     def __post_init__(self) -> None:
         self._function: Callable[..., tuple[int, ...]] | None = None
         self._bound: dict[tuple[int, ...], Bound] = {}
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        del state["_lock"]
         state["_function"], state["_bound"] = None, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def graph(self) -> Graph:
@@ -103,14 +107,15 @@ class Plan:
         bound = self._bound.get(sizes)
         if bound is None:
             bound = self._evaluate(sizes)
-            if len(self._bound) >= BOUND_CACHE_SIZE:
-                self._bound.pop(next(iter(self._bound)))
-            self._bound[sizes] = bound
+            with self._lock:  # runs share the plan across threads
+                if len(self._bound) >= BOUND_CACHE_SIZE:
+                    self._bound.pop(next(iter(self._bound)))
+                self._bound[sizes] = bound
         return bound
 
     def _evaluate(self, sizes: tuple[int, ...]) -> Bound:
         if self._function is None:
-            self._function = compile_function(self.dims_source)
+            self._function = compile_function(self.dims_source)  # racing threads compile the same function
         flat = self._function(*sizes)
         derived = []
         for d in self.derived:
