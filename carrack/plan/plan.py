@@ -25,7 +25,7 @@ import numpy as np
 from carrack.ir import symbolic
 from carrack.ir.dims import Sym, binding_name
 from carrack.ir.graph import Graph, Model, Node, ValueInfo
-from carrack.ir.order import topological_order
+from carrack.ir.order import node_reads, topological_order
 from carrack.ir.symbolic import DimLike, Expr, symbols
 from carrack.ir.types import TensorType
 from carrack.ops import registry
@@ -117,11 +117,15 @@ class Plan:
         if self._function is None:
             self._function = compile_function(self.dims_source)  # racing threads compile the same function
         flat = self._function(*sizes)
+        numbers = np.array(flat[:self.n_derived_dims], dtype=np.int64)
+        numbers.flags.writeable = False  # shared by every run with these sizes
         derived = []
         for d in self.derived:
             count = math.prod(d.shape)
-            value = np.array(flat[d.first:d.first + count], dtype=d.dtype).reshape(d.shape)
-            value.flags.writeable = False  # shared by every run with these sizes
+            value = numbers[d.first:d.first + count].reshape(d.shape)
+            if value.dtype != d.dtype:
+                value = value.astype(d.dtype)
+                value.flags.writeable = False
             derived.append(value)
         if self.arena is None:
             return Bound(derived, 0, [None] * len(self.placed))
@@ -234,7 +238,7 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
                      stats: dict[str, int]) -> list[Derived]:
     """Remove nodes whose every output is known as an expression over the input symbols; their values become
     inputs of the plan's graph, computed per run from the sizes."""
-    derived: list[Derived] = []
+    found: list[tuple[str, Fact]] = []
     kept: list[Node] = []
     for node in graph.nodes:
         named = [(o, facts.get(o)) for o in node.outputs if o]
@@ -242,17 +246,23 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
                 or not all(_derivable(f, syms) for _, f in named)):
             kept.append(node)
             continue
-        for name, fact in named:
-            derived.append(Derived(name, numpy_dtype(fact.elem_type).str, tuple(fact.value.shape), len(dims)))
-            dims.extend(_dim(x) for x in fact.value.reshape(-1))
-            graph.inputs.append(ValueInfo(name, TensorType(fact.elem_type, tuple(fact.value.shape))))
-    removed = len(graph.nodes) - len(kept)
-    if removed:
-        stats["shape_arithmetic_planned"] = stats.get("shape_arithmetic_planned", 0) + removed
-        graph.nodes = kept
-        view = GraphView(graph)
-        remove_dead_nodes(view, stats)
-        view.commit()
+        found.extend(named)
+    if len(kept) == len(graph.nodes):
+        return []
+    stats["shape_arithmetic_planned"] = stats.get("shape_arithmetic_planned", 0) + len(graph.nodes) - len(kept)
+    graph.nodes = kept
+    # only the values something still reads are computed per run (not the steps of the arithmetic)
+    read = {o.name for o in graph.outputs} | {i for node in kept for i in node_reads(node)}
+    derived: list[Derived] = []
+    for name, fact in found:
+        if name not in read:
+            continue
+        derived.append(Derived(name, numpy_dtype(fact.elem_type).str, tuple(fact.value.shape), len(dims)))
+        dims.extend(_dim(x) for x in fact.value.reshape(-1))
+        graph.inputs.append(ValueInfo(name, TensorType(fact.elem_type, tuple(fact.value.shape))))
+    view = GraphView(graph)
+    remove_dead_nodes(view, stats)
+    view.commit()
     return derived
 
 
