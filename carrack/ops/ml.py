@@ -547,7 +547,7 @@ class SVMClassifier(_SVMBase):
         if self.prob_a.size:
             pairwise = _sigmoid_prob(decision.astype(np.float64), self.prob_a, self.prob_b)
             probs = _couple_probabilities(pairwise, k).astype(np.float32)
-            if k == 2:  # two classes: the decision picks the label (libsvm), even where the probabilities favour the other
+            if k == 2:  # libsvm: the decision picks the label, even where the probabilities favour the other class
                 return self._binary_labels(decision), probs
             labels = self.labels[np.argmax(probs, axis=1)]
             return labels, probs
@@ -777,10 +777,10 @@ class TreeEnsembleClassifier(_PostTransform):
 
     def _binary(self, scores: np.ndarray, voted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Two classes as onnxruntime scores them. The positive score is class 1's sum where a leaf voted for
-        class 1, else class 0's; two base_values make the positive score base[1] + class 0's sum (and the
-        negative its opposite) where class 1 was voted for, else add base[0] to class 0's sum alone; a row with no class-1 vote (and fewer than two base values) is a one-column score expanded to
-        two columns: (1 - s, s) for a probability, (-s, s) for a margin, (sigmoid(-s), sigmoid(s)) under
-        LOGISTIC."""
+        class 1, else class 0's. Two base_values make it base[1] + class 0's sum (the negative score its
+        opposite) where class 1 was voted for, else add base[0] to class 0's sum alone. A row with no class-1
+        vote (and fewer than two base values) is a one-column score s written as two columns: (1 - s, s) for a
+        probability, (-s, s) for a margin, (sigmoid(-s), sigmoid(s)) under LOGISTIC."""
         s0, s1 = scores[:, 0], scores[:, 1]
         has0, has1 = voted[:, 0], voted[:, 1]
         one_column = ~has1
