@@ -10,6 +10,7 @@ once into its aligned array, so loading holds the weights about once, not three 
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -133,11 +134,46 @@ def import_graph(g: onnx.GraphProto, base_dir: str | None, raw_data: Mapping[int
         name=g.name,
         inputs=[_value_info(v) for v in g.input],
         outputs=[_value_info(v) for v in g.output],
-        nodes=[_import_node(n, base_dir) for n in g.node],
+        nodes=producers_first([_import_node(n, base_dir) for n in g.node]),
         initializers=inits,
         value_info={v.name: _value_info(v) for v in g.value_info},
     )
     return graph
+
+
+def producers_first(nodes: list[Node]) -> list[Node]:
+    """The nodes in an order where each comes after the nodes producing its inputs, otherwise as given. ONNX
+    requires that order, but some tools break it (onnxruntime's float16 converter appends the Casts it adds for
+    keep_io_types after their consumers) and onnxruntime sorts; a graph with a cycle is returned as it is (building
+    it then names the node whose input is never produced)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs if o}
+    needs = [{producer[x] for x in _reads(n) if x in producer} for n in nodes]
+    if all(max(d, default=-1) < i for i, d in enumerate(needs)):
+        return nodes
+    waiting = [len(d) for d in needs]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, d in enumerate(needs):
+        for j in d:
+            users[j].append(i)
+    ready = [i for i, w in enumerate(waiting) if not w]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for u in users[i]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, u)
+    return order if len(order) == len(nodes) else nodes
+
+
+def _reads(node: Node) -> set[str]:
+    """The names a node reads: its inputs and what its subgraphs take from the enclosing scope."""
+    names = {x for x in node.inputs if x}
+    for g in node.subgraphs():
+        names |= g.free_names()
+    return names
 
 
 def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):

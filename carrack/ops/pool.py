@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from carrack.native import convolution as native_conv
+from carrack.ops import half
 from carrack.ops.conv import pad_spatial, same_pads
 from carrack.ops.registry import Kernel, register
 
@@ -80,7 +81,11 @@ class _WindowPool(Kernel):
         self.native = native_conv.load() if nd == 2 else None  # float32 2-D pools: None = numpy only
 
     def native_pool(self, x: np.ndarray, geometry: PoolGeometry, mode: int) -> np.ndarray | None:
-        """The pool by the native kernel (float32 images); None when it cannot do it."""
+        """The pool by the native kernel (float32 images; float16 ones widened, pooled, rounded once); None when it
+        cannot do it."""
+        if self.native is not None and x.dtype == np.float16 and x.ndim == 4:
+            y = self.native_pool(half.widen(x), geometry, mode)
+            return None if y is None else half.narrow(y)
         if self.native is None or x.dtype != np.float32 or x.ndim != 4:
             return None
         if (mode != native_conv.POOL_MAX and list(geometry.kernel) == list(x.shape[2:]) and not any(geometry.pads)
@@ -220,6 +225,10 @@ class GlobalAveragePool(Kernel):
         self.native = native_conv.load()  # float32 inputs: None = numpy only
 
     def run(self, x):
+        if self.native is not None and x.dtype == np.float16:  # a float32 mean, rounded once
+            y = self.native.plane_mean(half.widen(x))
+            if y is not None:
+                return half.narrow(y)
         y = None if self.native is None else self.native.plane_mean(x)
         if y is not None:
             return y
