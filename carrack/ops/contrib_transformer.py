@@ -1,0 +1,196 @@
+"""com.microsoft kernels that onnxruntime's transformer optimizer (onnxruntime.transformers.optimizer) and its
+generation tools emit, beyond those of carrack.ops.contrib: BERT's fused embedding, T5/LLaMA-style RMS
+normalizations, diffusion models' bias fusions, rotary embeddings and grouped-query attention.
+
+Half floats are computed in float32 and rounded back once, as onnxruntime does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from carrack.ops.contrib import MS, _outputs, _work, layer_norm
+from carrack.ops.elementwise import gelu, tanh_gelu
+from carrack.ops.registry import Kernel, register
+
+
+def _rms_norm(x: np.ndarray, scale: np.ndarray, axis: int, epsilon: float) -> tuple[np.ndarray, np.ndarray]:
+    """(x / sqrt(mean(x^2) + epsilon) * scale, 1 / rms with reduced dims kept), over the axes from `axis` on, in
+    float32 (float64 for float64 x)."""
+    axes = tuple(range(axis, x.ndim))
+    inv_rms = 1 / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + x.dtype.type(epsilon))
+    return x * inv_rms * _work(scale), inv_rms
+
+
+@register("EmbedLayerNormalization", domain=MS)
+class EmbedLayerNormalization(Kernel):
+    """LayerNormalization(word_embedding[input_ids] + position_embedding[positions] + segment_embedding[segment_ids])
+    (BERT's embeddings); positions are 0..S-1 unless position_ids are given. Outputs: the normalized embeddings,
+    mask_index (each row's count of mask ones, zeros without a mask) and the sum before normalization."""
+
+    def setup(self) -> None:
+        self.epsilon = float(self.attr("epsilon", 1e-12))
+
+    def run(self, input_ids, segment_ids, word_embedding, position_embedding, segment_embedding=None, gamma=None,
+            beta=None, mask=None, position_ids=None):
+        if input_ids.ndim != 2:
+            self.fail(f"input_ids must be 2-D (batch, sequence), got shape {input_ids.shape}")
+        batch, seq = input_ids.shape
+        if position_ids is None:
+            positions = np.arange(seq)[None, :]
+        else:
+            positions = np.broadcast_to(position_ids, (batch, seq)) if position_ids.shape[0] == 1 else position_ids
+        total = self._lookup(word_embedding, input_ids, "input_ids") + self._lookup(position_embedding, positions,
+                                                                                    "position ids")
+        if segment_embedding is not None and segment_ids is not None:
+            total = total + self._lookup(segment_embedding, segment_ids, "segment_ids")
+        y, _, _ = layer_norm(total, gamma, beta, -1, self.epsilon)
+        dtype = word_embedding.dtype
+        if mask is None:
+            mask_index = np.zeros(batch, np.int32)
+        else:
+            mask_index = np.count_nonzero(mask == 1, axis=-1).astype(np.int32)
+        return _outputs(self.node.outputs, [y.astype(dtype), mask_index, total.astype(dtype)])
+
+    def _lookup(self, table: np.ndarray, ids: np.ndarray, what: str) -> np.ndarray:
+        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            self.fail(f"{what} must be in [0, {table.shape[0]}) (the embedding table's rows), got values from "
+                      f"{ids.min()} to {ids.max()}")
+        return _work(table)[ids]
+
+
+@register("SimplifiedLayerNormalization", since=1)
+class SimplifiedLayerNormalization(Kernel):
+    """RMS normalization: x / sqrt(mean(x^2 over the axes from `axis`) + epsilon) * scale (onnxruntime registers it
+    in the ONNX domain); second output: 1 / rms."""
+
+    def setup(self) -> None:
+        self.axis = int(self.attr("axis", -1))
+        self.epsilon = float(self.attr("epsilon", 1e-5))
+
+    def run(self, x, scale):
+        if not -x.ndim <= self.axis < x.ndim:
+            self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
+        y, inv_rms = _rms_norm(_work(x), scale, self.axis % x.ndim, self.epsilon)
+        return _outputs(self.node.outputs, [y.astype(x.dtype), inv_rms.astype(np.float32)])
+
+
+@register("SkipSimplifiedLayerNormalization", domain=MS)
+class SkipSimplifiedLayerNormalization(Kernel):
+    """RMS normalization of input + skip (+ bias) over the last axis, times gamma; outputs: the result, mean (unused:
+    onnxruntime leaves it unset), 1 / rms, and the sum itself."""
+
+    def setup(self) -> None:
+        self.epsilon = float(self.attr("epsilon", 1e-12))
+
+    def run(self, x, skip, gamma, bias=None):
+        total = _work(x) + _work(skip)
+        if bias is not None:
+            total = total + _work(bias)
+        y, inv_rms = _rms_norm(total, gamma, x.ndim - 1, self.epsilon)
+        kept = np.zeros_like(inv_rms, np.float32)
+        return _outputs(self.node.outputs, [y.astype(x.dtype), kept, inv_rms.astype(np.float32),
+                                            total.astype(x.dtype)])
+
+
+@register("BiasAdd", domain=MS)
+class BiasAdd(Kernel):
+    """x + bias + skip (diffusion models' residual: x and skip (N, S, C), bias (C))."""
+
+    def run(self, x, bias, skip):
+        if x.ndim != 3 or bias.shape != (x.shape[-1],) or skip.shape != x.shape:
+            self.fail(f"expected x and skip of one (N, S, C) shape and bias (C,), got {x.shape}, {skip.shape} and "
+                      f"{bias.shape}")
+        return (_work(x) + _work(bias) + _work(skip)).astype(x.dtype)
+
+
+@register("BiasSplitGelu", domain=MS)
+class BiasSplitGelu(Kernel):
+    """(x + bias) split in two halves over the last axis: left * gelu(right) (exact gelu), (N, S, D) -> (N, S, D/2)."""
+
+    def run(self, x, bias):
+        if x.ndim != 3 or bias.shape != (x.shape[-1],) or x.shape[-1] % 2:
+            self.fail(f"expected x (N, S, D) with D even and bias (D,), got {x.shape} and {bias.shape}")
+        total = _work(x) + _work(bias)
+        half = x.shape[-1] // 2
+        return (total[..., :half] * gelu(np.ascontiguousarray(total[..., half:]))).astype(x.dtype)
+
+
+@register("GemmFastGelu", domain=MS)
+class GemmFastGelu(Kernel):
+    """FastGelu(x @ w + bias): the tanh approximation of gelu after a matrix product."""
+
+    def run(self, x, w, bias=None):
+        y = np.matmul(_work(x), _work(w))
+        if bias is not None:
+            y += _work(bias)
+        return tanh_gelu(y, out=y).astype(x.dtype, copy=False)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, interleaved: bool) -> np.ndarray:
+    """Rotary embedding of the first `dim` features of x's last axis by cos/sin (broadcast against x[..., :dim/2]);
+    the features past `dim` are copied. Interleaved: pairs (2i, 2i + 1); else halves (i, i + dim/2)."""
+    rotated = x[..., :dim]
+    if interleaved:
+        first, second = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        first, second = rotated[..., : dim // 2], rotated[..., dim // 2:]
+    out = np.empty_like(x)
+    real, imag = first * cos - second * sin, first * sin + second * cos
+    if interleaved:
+        out[..., 0:dim:2], out[..., 1:dim:2] = real, imag
+    else:
+        out[..., : dim // 2], out[..., dim // 2: dim] = real, imag
+    out[..., dim:] = x[..., dim:]
+    return out
+
+
+@register("RotaryEmbedding", domain=MS)
+class MsRotaryEmbedding(Kernel):
+    """onnxruntime's rotary embedding: input (B, S, hidden) or (B, N, S, head), position_ids (B, S) or a one-element
+    start position, cos/sin caches (max positions, rotary_dim / 2)."""
+
+    def setup(self) -> None:
+        self.interleaved = bool(self.attr("interleaved", 0))
+        self.rotary_dim = int(self.attr("rotary_embedding_dim", 0))
+        self.num_heads = int(self.attr("num_heads", 0))
+        if self.attr("is_packed_batching", 0):
+            self.fail("is_packed_batching=1 (ragged batches) is not supported")
+        if self.rotary_dim and not self.num_heads:
+            self.fail("rotary_embedding_dim needs num_heads")
+
+    def run(self, x, position_ids, cos_cache, sin_cache):
+        w = _work(x)
+        if x.ndim == 4:  # (B, N, S, head)
+            heads = w.transpose(0, 2, 1, 3)
+        elif x.ndim == 3:
+            b, s, hidden = x.shape
+            head_size = hidden // self.num_heads if self.num_heads else 2 * cos_cache.shape[1]
+            if not head_size or hidden % head_size:
+                self.fail(f"hidden size {hidden} does not split into heads of {head_size}")
+            heads = w.reshape(b, s, hidden // head_size, head_size)
+        else:
+            self.fail(f"input must be 3-D or 4-D, got shape {x.shape}")
+        batch, seq, _, head_size = heads.shape
+        dim = self.rotary_dim or head_size
+        if dim % 2 or dim > head_size or cos_cache.shape[-1] != dim // 2:
+            self.fail(f"rotary dimension {dim} must be even, at most the head size {head_size}, and twice the cos/sin "
+                      f"caches' last dimension {cos_cache.shape[-1]}")
+        positions = self._positions(position_ids, batch, seq, cos_cache.shape[0])
+        cos = _work(cos_cache)[positions][:, :, None, :]
+        sin = _work(sin_cache)[positions][:, :, None, :]
+        out = _rotate(heads, cos, sin, dim, self.interleaved)
+        out = out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
+        return np.ascontiguousarray(out).astype(x.dtype, copy=False)
+
+    def _positions(self, position_ids: np.ndarray, batch: int, seq: int, cached: int) -> np.ndarray:
+        if position_ids.size == 1:  # the first position; the sequence follows it
+            positions = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(seq), (batch, seq))
+        elif position_ids.shape == (batch, seq):
+            positions = position_ids.astype(np.int64)
+        else:
+            self.fail(f"position_ids must have shape (1,) or ({batch}, {seq}), got {position_ids.shape}")
+        if positions.size and (positions.min() < 0 or positions.max() >= cached):
+            self.fail(f"positions must be in [0, {cached}) (the cos/sin caches' rows), got {positions.min()} to "
+                      f"{positions.max()}")
+        return positions
