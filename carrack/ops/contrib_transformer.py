@@ -194,3 +194,147 @@ class MsRotaryEmbedding(Kernel):
             self.fail(f"positions must be in [0, {cached}) (the cos/sin caches' rows), got {positions.min()} to "
                       f"{positions.max()}")
         return positions
+
+
+@register("GroupQueryAttention", domain=MS)
+class GroupQueryAttention(Kernel):
+    """Causal attention with fewer key/value heads than query heads and a key/value cache in (B, kv_heads, length,
+    head) layout. For batch entry b, T = seqlens_k[b] + 1 tokens are in the cache after the step; the S new ones sit
+    at positions [T - S, T) (a first prompt, S == total_sequence_length, starts at 0 and may be right-padded). The
+    cache is past_key's buffer, or a new one of total_sequence_length. Optional: packed QKV, rotary embedding of
+    q and k (cos/sin caches), softcap, a local window, an attention bias, per-head sinks or the smooth softmax, and
+    as a fourth output the QK scores before (hidden ones 0) or after the softmax, total_sequence_length wide.
+    Quantized caches, windowed caches, query_seqlens and Q/K norms are not supported."""
+
+    def setup(self) -> None:
+        self.heads = int(self.required_attr("num_heads"))
+        self.kv_heads = int(self.required_attr("kv_num_heads"))
+        if self.heads <= 0 or self.kv_heads <= 0 or self.heads % self.kv_heads:
+            self.fail(f"num_heads ({self.heads}) must be a positive multiple of kv_num_heads ({self.kv_heads})")
+        self.scale = float(self.attr("scale", 0.0))
+        self.softcap = float(self.attr("softcap", 0.0))
+        self.window = int(self.attr("local_window_size", -1))
+        self.causal = bool(self.attr("causal", 1))
+        self.rotary = bool(self.attr("do_rotary", 0))
+        self.interleaved = bool(self.attr("rotary_interleaved", 0))
+        self.smooth = bool(self.attr("smooth_softmax", 0))
+        self.qk_output = int(self.attr("qk_output", 0))
+        if self.attr("sliding_window_cache", 0):
+            self.fail("sliding_window_cache=1 (window-sized caches) is not supported")
+        for quant in ("k_quant_type", "v_quant_type"):
+            if self.attr(quant, "NONE") not in ("NONE", b"NONE"):
+                self.fail(f"{quant} other than NONE (quantized caches) is not supported")
+
+    def run(self, query, key=None, value=None, past_key=None, past_value=None, seqlens_k=None,
+            total_sequence_length=None, cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None,
+            head_sink=None, *rest):
+        if any(r is not None for r in rest):
+            self.fail("k_scale/v_scale, q_norm_weight/k_norm_weight and query_seqlens are not supported")
+        if seqlens_k is None or total_sequence_length is None:
+            self.fail("seqlens_k and total_sequence_length are required")
+        q, k, v = self._split_heads(query, key, value)
+        batch, _, seq, head = q.shape
+        total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+        lengths = np.asarray(seqlens_k).reshape(-1).astype(np.int64) + 1
+        first_prompt = past_key is None or seq == total
+        starts = np.zeros(batch, np.int64) if first_prompt else lengths - seq
+        if self.rotary:
+            q, k = self._rotary(q, k, starts, position_ids, cos_cache, sin_cache, first_prompt)
+        present_k, present_v = self._caches(past_key, past_value, k, v, starts, lengths, total)
+        out, qk = self._attend(q, present_k, present_v, starts, lengths, attention_bias, head_sink)
+        qk = None if qk is None else qk[..., :total]
+        dtype = query.dtype
+        results = [out.transpose(0, 2, 1, 3).reshape(batch, seq, -1).astype(dtype), present_k.astype(dtype),
+                   present_v.astype(dtype), None if qk is None else qk.astype(dtype)]
+        return _outputs(self.node.outputs, results[:len(self.node.outputs)])
+
+    def _split_heads(self, query, key, value) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q (B, N, S, H), k and v (B, kv_heads, S, H), in float32."""
+        w = _work(query)
+        batch, seq, width = w.shape
+        if key is None:  # packed (B, S, (N + 2 kv_heads) H)
+            head = width // (self.heads + 2 * self.kv_heads)
+            w = w.reshape(batch, seq, self.heads + 2 * self.kv_heads, head)
+            q, k, v = np.split(w, [self.heads, self.heads + self.kv_heads], axis=2)
+        else:
+            head = width // self.heads
+            q = w.reshape(batch, seq, self.heads, head)
+            k = _work(key).reshape(batch, key.shape[1], self.kv_heads, head)
+            v = _work(value).reshape(batch, value.shape[1], self.kv_heads, -1)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def _rotary(self, q, k, starts, position_ids, cos_cache, sin_cache, first_prompt):
+        if cos_cache is None or sin_cache is None:
+            self.fail("do_rotary needs cos_cache and sin_cache")
+        batch, _, seq, head = q.shape
+        if position_ids is not None and not first_prompt:
+            positions = np.asarray(position_ids, np.int64).reshape(batch, seq)
+        else:
+            positions = starts[:, None] + np.arange(seq)[None, :]
+        if positions.max(initial=0) >= cos_cache.shape[0]:
+            self.fail(f"position {positions.max()} is past the cos/sin caches' {cos_cache.shape[0]} rows")
+        cos = _work(cos_cache)[positions][:, None]
+        sin = _work(sin_cache)[positions][:, None]
+        dim = 2 * cos_cache.shape[1]
+        return (_rotate(q, cos, sin, dim, self.interleaved), _rotate(k, cos, sin, dim, self.interleaved))
+
+    def _caches(self, past_key, past_value, k, v, starts, lengths, total) -> tuple[np.ndarray, np.ndarray]:
+        """The present caches: the past's rows before each entry's start, the new rows from it."""
+        batch, kv_heads, seq, head = k.shape
+        capacity = max(total, 0 if past_key is None else past_key.shape[2])
+        present_k = np.zeros((batch, kv_heads, capacity, head), np.float32)
+        present_v = np.zeros((batch, kv_heads, capacity, v.shape[-1]), np.float32)
+        for b in range(batch):
+            start = int(starts[b])
+            if start + seq > capacity or start < 0:
+                self.fail(f"batch entry {b}: {seq} new tokens from position {start} do not fit a cache of {capacity}")
+            if past_key is not None and start:
+                present_k[b, :, :start] = _work(past_key[b, :, :start])
+                present_v[b, :, :start] = _work(past_value[b, :, :start])
+            present_k[b, :, start:start + seq] = k[b]
+            present_v[b, :, start:start + seq] = v[b]
+        return present_k, present_v
+
+    def _attend(self, q, k, v, starts, lengths, attention_bias, head_sink):
+        batch, heads, seq, head = q.shape
+        capacity = k.shape[2]
+        group = heads // self.kv_heads
+        k = np.repeat(k, group, axis=1)
+        v = np.repeat(v, group, axis=1)
+        scale = self.scale or 1 / np.sqrt(head)
+        scores = np.matmul(q * np.float32(scale), k.swapaxes(-1, -2))
+        if self.softcap > 0:
+            scores = self.softcap * np.tanh(scores / self.softcap)
+        if attention_bias is not None:
+            bias = _work(attention_bias)
+            scores = scores + bias[..., :capacity] if bias.shape[-1] >= capacity else scores + np.pad(
+                bias, [(0, 0)] * (bias.ndim - 1) + [(0, capacity - bias.shape[-1])])
+        positions = starts[:, None] + np.arange(seq)[None, :]  # (B, S) absolute query positions
+        key_at = np.arange(capacity)[None, None, :]
+        visible = key_at < lengths[:, None, None]
+        if self.causal:
+            visible = visible & (key_at <= positions[:, :, None])
+        if self.window > 0:
+            visible = visible & (key_at > positions[:, :, None] - self.window)
+        raw = np.where(visible[:, None], scores, 0) if self.qk_output == 1 else None  # hidden scores read 0
+        scores = np.where(visible[:, None], scores, -np.inf).astype(np.float32)
+        probs = self._softmax(scores, head_sink)
+        out = np.matmul(probs, v)
+        qk = raw if self.qk_output == 1 else probs if self.qk_output == 2 else None
+        return out, qk
+
+    def _softmax(self, scores: np.ndarray, head_sink) -> np.ndarray:
+        peak = np.max(scores, axis=-1, keepdims=True)
+        if head_sink is not None:
+            sink = _work(head_sink).reshape(1, -1, 1, 1)
+            peak = np.maximum(peak, sink)
+        elif self.smooth:
+            peak = np.maximum(peak, 0)
+        peak = np.where(np.isfinite(peak), peak, 0)
+        e = np.exp(scores - peak)
+        total = np.sum(e, axis=-1, keepdims=True)
+        if head_sink is not None:
+            total = total + np.exp(sink - peak)
+        elif self.smooth:
+            total = total + np.exp(-peak)
+        return e / np.where(total == 0, 1, total)
