@@ -338,3 +338,99 @@ class GroupQueryAttention(Kernel):
         elif self.smooth:
             total = total + np.exp(-peak)
         return e / np.where(total == 0, 1, total)
+
+
+@register("DecoderMaskedMultiHeadAttention", domain=MS)
+class DecoderMaskedMultiHeadAttention(Kernel):
+    """One decoding step of multi-head attention (query length 1), as onnxruntime's beam search graphs use it.
+    Self attention appends the new key/value to the past (B, N, P, H), in a new cache or, with
+    past_present_share_buffer, in the past's max-length buffer at past_sequence_length; with beam search,
+    cache_indirection[b, beam, t] names the beam whose cache row t a beam reads. Cross attention takes key/value
+    as (B, N, L, H) caches. Optional: packed QKV, projection bias, a (B, total) 0/1 mask, an attention bias, and the
+    scaled QK scores as a fourth output."""
+
+    def setup(self) -> None:
+        self.heads = int(self.required_attr("num_heads"))
+        if self.heads <= 0:
+            self.fail(f"num_heads must be positive, got {self.heads}")
+        self.scale = float(self.attr("scale", 0.0))
+        self.fill = float(self.attr("mask_filter_value", -10000.0))
+        self.shared = bool(self.attr("past_present_share_buffer", 0))
+
+    def run(self, query, key=None, value=None, mask_index=None, attention_bias=None, past_key=None,
+            past_value=None, past_sequence_length=None, beam_width=None, cache_indirection=None, bias=None):
+        if query.ndim != 3 or query.shape[1] != 1:
+            self.fail(f"query must be (batch, 1, hidden), got shape {query.shape}")
+        q, k_new, v_new = self._projections(query, key, value, bias)
+        batch = q.shape[0]
+        cross = key is not None and key.ndim == 4
+        if cross:
+            keys, values = _work(key), _work(value)
+            present = (None, None)
+        else:
+            keys, values, present = self._self_cache(k_new, v_new, past_key, past_value, past_sequence_length)
+            if cache_indirection is not None:
+                keys, values = self._follow_beams(keys, values, cache_indirection, beam_width)
+        total = keys.shape[2]
+        head = q.shape[-1]
+        scores = np.matmul(q * np.float32(self.scale or 1 / np.sqrt(head)), keys.swapaxes(-1, -2))
+        if mask_index is not None:
+            scores = np.where(np.asarray(mask_index)[:batch, None, None, :total] == 0, np.float32(self.fill), scores)
+        if attention_bias is not None:
+            scores = scores + _work(attention_bias)[..., :total]
+        qk = scores
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = np.matmul(probs, values).transpose(0, 2, 1, 3).reshape(batch, 1, -1)
+        dtype = query.dtype
+        results = [out.astype(dtype), *(None if p is None else p.astype(dtype) for p in present), qk.astype(dtype)]
+        return _outputs(self.node.outputs, results[:len(self.node.outputs)])
+
+    def _projections(self, query, key, value, bias) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """q (B, N, 1, H) and, for self attention, the new k and v (B, N, 1, H), projection bias added."""
+        w = _work(query)
+        batch = w.shape[0]
+        if key is None:  # packed (B, 1, 3 D)
+            hidden = w.shape[-1] // 3
+            parts = [w[..., :hidden], w[..., hidden:2 * hidden], w[..., 2 * hidden:]]
+        elif key.ndim == 3:
+            parts = [w, _work(key), _work(value)]
+        else:
+            parts = [w, None, None]
+        if bias is not None:
+            b, d = _work(bias), parts[0].shape[-1]
+            spans = [(0, d), (d, 2 * d), (2 * d, None)]
+            parts = [None if p is None else p + b[lo:hi] for p, (lo, hi) in zip(parts, spans)]
+        heads = [None if p is None else p.reshape(batch, 1, self.heads, -1).transpose(0, 2, 1, 3) for p in parts]
+        return heads[0], heads[1], heads[2]
+
+    def _self_cache(self, k, v, past_key, past_value, past_sequence_length):
+        """(keys, values) to attend over and the present caches."""
+        if past_key is None:
+            return k, v, (k, v)
+        if not self.shared:
+            keys = np.concatenate([_work(past_key), k], axis=2)
+            values = np.concatenate([_work(past_value), v], axis=2)
+            return keys, values, (keys, values)
+        if past_sequence_length is None:
+            self.fail("past_present_share_buffer needs past_sequence_length")
+        past = int(np.asarray(past_sequence_length).reshape(-1)[0])
+        if past >= past_key.shape[2]:
+            self.fail(f"past_sequence_length {past} leaves no room in a cache of {past_key.shape[2]}")
+        present_k, present_v = _work(past_key).copy(), _work(past_value).copy()
+        present_k[:, :, past:past + 1] = k
+        present_v[:, :, past:past + 1] = v
+        return present_k[:, :, :past + 1], present_v[:, :, :past + 1], (present_k, present_v)
+
+    def _follow_beams(self, keys, values, cache_indirection, beam_width):
+        """Row t of beam j reads the cache of the beam cache_indirection[b, j, t] (the newest row is its own)."""
+        beams = int(np.asarray(beam_width).reshape(-1)[0]) if beam_width is not None else 1
+        batch_beams, _, total, _ = keys.shape
+        if beams <= 1:
+            return keys, values
+        source = np.asarray(cache_indirection, np.int64).reshape(batch_beams, -1)[:, :total].copy()
+        source[:, total - 1] = np.arange(batch_beams) % beams
+        rows = (np.arange(batch_beams) // beams * beams)[:, None] + source
+        steps = np.arange(total)[None, :]
+        return (keys[rows, :, steps].transpose(0, 2, 1, 3), values[rows, :, steps].transpose(0, 2, 1, 3))
