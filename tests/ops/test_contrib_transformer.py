@@ -302,3 +302,40 @@ def test_gemm_fast_gelu_single_node(bias):
         nodes.append(helper.make_node("Add", ["t", "b"], ["tb"]))
     nodes.append(helper.make_node("Gelu", ["tb" if bias else "t"], ["y0"], approximate="tanh"))
     _assert_close(got, _ort_run(_equivalent_graph(nodes, feeds, inits), feeds), 1e-5)
+
+
+def _vit(transformers):
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                                    image_size=32, patch_size=8, attn_implementation="eager")
+    return transformers.ViTModel(config), (torch.randn(2, 3, 32, 32),), ["pixel_values"], {"Gelu"}
+
+
+def _clip_text(transformers):
+    config = transformers.CLIPTextConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=37, max_position_embeddings=64,
+                                         attn_implementation="eager")
+    return transformers.CLIPTextModel(config), (torch.randint(0, 99, (2, 7)),), ["input_ids"], {"QuickGelu"}
+
+
+def _bart_encoder(transformers):
+    config = transformers.BartConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                                     decoder_ffn_dim=37, max_position_embeddings=64, use_cache=False,
+                                     attn_implementation="eager")
+    ids, mask = torch.randint(0, 99, (2, 7)), torch.ones(2, 7, dtype=torch.int64)
+    return (transformers.BartModel(config).get_encoder(), (ids, mask), ["input_ids", "attention_mask"],
+            {"SkipLayerNormalization", "BiasGelu"})
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["float32", "float16"])
+@pytest.mark.parametrize("model_type, build", [("vit", _vit), ("clip", _clip_text), ("bart", _bart_encoder)])
+def test_optimized_encoders(model_type, build, float16, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    module, args, names, expected_ops = build(transformers)
+    dynamic = model_type != "vit"
+    path = _export(_FirstOutput(module), args, names, tmp_path / f"{model_type}.onnx", dynamic=dynamic)
+    model = _optimize(path, model_type, float16)
+    assert expected_ops <= set(_contrib_ops(model))
+    feeds = {n: a.numpy() for n, a in zip(names, args)}
+    _assert_close(carrack.InferenceSession(model).run(None, feeds), _ort_run(model, feeds), 5e-3 if float16 else 1e-4)
