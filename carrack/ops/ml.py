@@ -547,15 +547,29 @@ class SVMClassifier(_SVMBase):
         if self.prob_a.size:
             pairwise = _sigmoid_prob(decision.astype(np.float64), self.prob_a, self.prob_b)
             probs = _couple_probabilities(pairwise, k).astype(np.float32)
+            scores = self.post_transform(probs).astype(np.float32)  # onnxruntime transforms the probabilities too
             if k == 2:  # libsvm: the decision picks the label, even where the probabilities favour the other class
-                return self._binary_labels(decision), probs
-            labels = self.labels[np.argmax(probs, axis=1)]
-            return labels, probs
+                return self._binary_labels(decision), scores
+            return self.labels[np.argmax(probs, axis=1)], scores
         if k == 2:
-            scores = np.concatenate([-decision, decision], axis=1)
-            return self._binary_labels(decision), self.post_transform(scores).astype(np.float32)
+            return self._binary_labels(decision), self._binary_decision_scores(decision[:, 0])
         labels = self.labels[np.argmax(votes, axis=1)]
         return labels, self.post_transform(decision).astype(np.float32)
+
+    def _binary_decision_scores(self, d: np.ndarray) -> np.ndarray:
+        """Two columns from a two-class SVC's one decision d, as onnxruntime writes them: (-d, d) without a
+        post_transform, (1 - sigmoid(d), sigmoid(d)) under LOGISTIC, (probit(d), 0) under PROBIT (it writes the
+        first column only), and (1 - d, d) under the softmaxes, which a single score leaves untransformed."""
+        if self.post_transform_name == "NONE":
+            pair = (-d, d)
+        elif self.post_transform_name == "LOGISTIC":
+            positive = _POST_TRANSFORMS["LOGISTIC"](d)
+            pair = (1 - positive, positive)
+        elif self.post_transform_name == "PROBIT":
+            pair = (_POST_TRANSFORMS["PROBIT"](d), np.zeros_like(d))
+        else:
+            pair = (1 - d, d)
+        return np.stack(pair, axis=1).astype(np.float32)
 
     def _binary_labels(self, decision: np.ndarray) -> np.ndarray:
         """libsvm's sign convention: a positive decision votes for the first class."""
