@@ -550,7 +550,7 @@ class SVMClassifier(_SVMBase):
             scores = self.post_transform(probs).astype(np.float32)  # onnxruntime transforms the probabilities too
             if k == 2:  # libsvm: the decision picks the label, even where the probabilities favour the other class
                 return self._binary_labels(decision), scores
-            return self.labels[np.argmax(probs, axis=1)], scores
+            return self.labels[np.argmax(votes, axis=1)], scores  # the votes too, as onnxruntime decides
         if k == 2:
             return self._binary_labels(decision), self._binary_decision_scores(decision[:, 0])
         labels = self.labels[np.argmax(votes, axis=1)]

@@ -137,18 +137,20 @@ def test_tree_ensemble_binary_convention(class_ids, weights, base, post):
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
 
 
-# -- SVMClassifier's binary conventions ----------------------------------------------------------------------------
+# -- SVMClassifier's conventions ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("post", ["NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO", "PROBIT"])
 @pytest.mark.parametrize("probabilities", [False, True], ids=["decision", "probabilities"])
-@pytest.mark.parametrize("labels", [[0, 1], [3, 7]], ids=["labels01", "labels37"])
-def test_svm_classifier_binary_convention(post, probabilities, labels):
+@pytest.mark.parametrize("labels", [[0, 1], [3, 7], [0, 1, 2]], ids=["labels01", "labels37", "three_classes"])
+def test_svm_classifier_convention(post, probabilities, labels):
     rng = np.random.default_rng(5)
-    attrs = dict(kernel_type="RBF", kernel_params=[0.3, 0.0, 0.0], vectors_per_class=[2, 2],
-                 support_vectors=rng.standard_normal(12).tolist(), coefficients=rng.standard_normal(4).tolist(),
-                 rho=[0.05], classlabels_ints=labels, post_transform=post)
+    three = len(labels) == 3
+    attrs = dict(kernel_type="RBF", kernel_params=[0.3, 0.0, 0.0], vectors_per_class=[2, 2, 1] if three else [2, 2],
+                 support_vectors=rng.standard_normal(15 if three else 12).tolist(),
+                 coefficients=rng.standard_normal(10 if three else 4).tolist(),
+                 rho=[0.1, -0.2, 0.3] if three else [0.05], classlabels_ints=labels, post_transform=post)
     if probabilities:
-        attrs.update(prob_a=[-1.3], prob_b=[0.2])
+        attrs.update(prob_a=[-1.5, -2.0, -1.0] if three else [-1.3], prob_b=[0.1, -0.1, 0.05] if three else [0.2])
     node = helper.make_node("SVMClassifier", ["X"], ["Y", "Z"], domain="ai.onnx.ml", **attrs)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 3])],
                               [helper.make_tensor_value_info("Y", TensorProto.INT64, [None]),
@@ -160,6 +162,6 @@ def test_svm_classifier_binary_convention(post, probabilities, labels):
         warnings.simplefilter("ignore", RuntimeWarning)
         expected, got = _run_both(model, {"X": x})
     np.testing.assert_array_equal(got[0], expected[0])
-    if post == "PROBIT" and not probabilities:  # onnxruntime writes the first column only
+    if post == "PROBIT" and not probabilities and not three:  # onnxruntime writes the first column only
         expected[1], got[1] = expected[1][:, :1], got[1][:, :1]
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-4, atol=1e-5)
