@@ -21,6 +21,7 @@ from onnx import AttributeProto, ModelProto, TypeProto
 from carrack.errors import CorruptModel, InvalidModel, ModelFileNotFound, UnsupportedModel
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
+from carrack.ir.order import topological_order
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
 from carrack.onnx.tensors import (
@@ -145,11 +146,18 @@ def import_graph(g: onnx.GraphProto, base_dir: str | None, raw_data: Mapping[int
         name=g.name,
         inputs=[_value_info(v) for v in g.input],
         outputs=[_value_info(v) for v in g.output],
-        nodes=[_import_node(n, base_dir) for n in g.node],
+        nodes=producers_first([_import_node(n, base_dir) for n in g.node]),
         initializers=inits,
         value_info={v.name: _value_info(v) for v in g.value_info},
     )
     return graph
+
+
+def producers_first(nodes: list[Node]) -> list[Node]:
+    """The nodes in an order where each comes after the nodes producing its inputs, otherwise as given. ONNX
+    requires that order, but some tools break it (onnxruntime's float16 converter appends the Casts it adds for
+    keep_io_types after their consumers) and onnxruntime sorts; a cycle is an InvalidModel naming its nodes."""
+    return topological_order(Graph(nodes=nodes))
 
 
 def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
