@@ -65,7 +65,7 @@ def clone_graph(graph: Graph) -> Graph:
     return copy.deepcopy(graph, memo)
 
 
-def _reads_by_name(graph: Graph) -> bool:
+def reads_by_name(graph: Graph) -> bool:
     """Gradient names the value it differentiates in an attribute, a use no rewrite can see: leave such graphs be."""
     return any(n.op_type == "Gradient" and n.domain == "ai.onnx.preview.training" for n in graph.nodes)
 
@@ -75,7 +75,7 @@ RUNS = [0]
 
 
 def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int], max_rounds: int = 50) -> None:
-    if _reads_by_name(graph):
+    if reads_by_name(graph):
         return
     RUNS[0] += 1
     view = GraphView(graph)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from carrack.ir import symbolic
-from carrack.ir.dims import Sym, binding_name
+from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo
 from carrack.ir.order import node_reads, topological_order
 from carrack.ir.symbolic import DimLike, Expr, symbols
@@ -31,8 +31,15 @@ from carrack.ir.types import TensorType
 from carrack.ops import registry
 from carrack.passes.facts import Fact, numpy_dtype
 from carrack.passes.graph_view import GraphView
-from carrack.passes.optimizer import Context, fold_known_values, optimize, optimize_graph, remove_dead_nodes
-from carrack.passes.shape_inference import infer
+from carrack.passes.optimizer import (
+    Context,
+    fold_known_values,
+    optimize,
+    optimize_graph,
+    reads_by_name,
+    remove_dead_nodes,
+)
+from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
 from carrack.plan.exprs import compile_function, function_source
 
@@ -158,7 +165,7 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
     graph = optimized.graph
     syms = _input_symbols(graph)
     facts = infer(graph, optimized.opsets, _input_facts(graph))
-    if level > 0 and not _reads_by_name(graph):
+    if level > 0 and not reads_by_name(graph):
         if fold_known_values(graph, facts):
             view = GraphView(graph)
             remove_dead_nodes(view, stats)
@@ -167,7 +174,7 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
             facts = infer(graph, optimized.opsets, _input_facts(graph))
     derived_dims: list[DimLike] = []
     derived: list[Derived] = []
-    if level > 0 and not _reads_by_name(graph):
+    if level > 0 and not reads_by_name(graph):
         derived = _extract_derived(graph, facts, set(syms), derived_dims, stats)
     graph.nodes = topological_order(graph)
     placed: list[Placed] = []
@@ -185,24 +192,9 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
                 stats)
 
 
-def _reads_by_name(graph: Graph) -> bool:
-    return any(n.op_type == "Gradient" and n.domain == "ai.onnx.preview.training" for n in graph.nodes)
-
-
 def _input_facts(graph: Graph) -> dict[str, Fact]:
     """Run inputs' facts with every non-fixed dim as the symbol it is bound under at run time."""
-    facts = {}
-    for v in graph.inputs:
-        if v.name in graph.initializers:
-            continue
-        t = v.type
-        if isinstance(t, TensorType) and t.shape is not None:
-            dims = tuple(d if isinstance(d, int) else Sym(binding_name(d, v.name, axis))
-                         for axis, d in enumerate(t.shape))
-            facts[v.name] = Fact(TensorType(t.elem_type, dims))
-        else:
-            facts[v.name] = Fact(t)
-    return facts
+    return input_facts(graph, parse_names=False)
 
 
 def _input_symbols(graph: Graph) -> list[Sym]:
