@@ -159,3 +159,43 @@ def test_a_cycle_is_reported_with_its_nodes():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(InvalidModel, match=r"cycle: .*(second.*third|third.*second)"):
         carrack.InferenceSession(model.SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def cnn(tmp_path_factory) -> str:
+    """A small CNN (conv + BN + ReLU, depthwise, residual, pooling) with dynamic batch, height and width."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            self.dw = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6(), nn.Conv2d(8, 8, 1))
+            self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x):
+            x = self.stem(x)
+            x = x + self.dw(x)
+            x = torch.relu(self.down(x))
+            return self.head(x.mean(dim=(2, 3)))
+
+    path = str(tmp_path_factory.mktemp("cnn") / "cnn.onnx")
+    with torch.no_grad():
+        torch.onnx.export(Net().eval(), (torch.randn(1, 3, 16, 16),), path, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}}, opset_version=17, dynamo=False)
+    return path
+
+
+def test_cnn_at_many_sizes_in_one_session_equals_fresh_sessions(cnn):
+    session = carrack.InferenceSession(cnn)
+    reference = ort.InferenceSession(cnn, providers=["CPUExecutionProvider"])
+    for batch, height, width in [(1, 16, 16), (2, 9, 31), (3, 32, 8), (1, 1, 1), (2, 9, 31), (4, 64, 48)]:
+        x = np.random.default_rng(height).standard_normal((batch, 3, height, width)).astype(np.float32)
+        runs = optimizer.RUNS[0]
+        shared = session.run(None, {"x": x})[0]
+        assert optimizer.RUNS[0] == runs
+        np.testing.assert_array_equal(shared, carrack.InferenceSession(cnn).run(None, {"x": x})[0])
+        np.testing.assert_allclose(shared, reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
