@@ -55,6 +55,7 @@ class Derived:
     dtype: str
     shape: tuple[int, ...]
     first: int
+    values: tuple[DimLike, ...] = ()  # the expressions, flattened (for facts about the plan's graph)
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,12 @@ class Plan:
         self._function: Callable[..., tuple[int, ...]] | None = None
         self._bound: dict[tuple[int, ...], Bound] = {}
         self._lock = threading.Lock()
+        self._facts: dict[str, Fact] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
-        state["_function"], state["_bound"] = None, {}
+        state["_function"], state["_bound"], state["_facts"] = None, {}, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -148,12 +150,35 @@ class Plan:
             places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
         return Bound(derived, arena_bytes, places)
 
+    def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
+        """What shape inference knows about every value of the plan's graph, with the symbols named in `dims`
+        replaced by their sizes (inferred once per process; a new `dims` only substitutes)."""
+        if self._facts is None:
+            known = _input_facts(self.graph)
+            for d in self.derived:
+                value = np.empty(len(d.values), dtype=object)
+                value[:] = d.values
+                known[d.name] = Fact(known[d.name].type, value.reshape(d.shape))
+            self._facts = infer(self.graph, self.model.opsets, known)
+        if not dims:
+            return dict(self._facts)
+        sizes = {Sym(name): int(size) for name, size in dims.items()}
+        return {name: _substitute(fact, sizes) for name, fact in self._facts.items()}
+
     def sizes_of(self, dims: Mapping[str, int]) -> tuple[int, ...]:
         """Symbol sizes in `bind` order from a name -> size mapping (as `InferenceSession.memory_plan` takes)."""
         missing = [s for s in self.symbols if s not in dims]
         if missing:
             raise KeyError(f"no size given for dim(s) {missing}")
         return tuple(int(dims[s]) for s in self.symbols)
+
+
+def _substitute(fact: Fact, sizes: Mapping[Sym, int]) -> Fact:
+    t = fact.tensor
+    if t is None or t.shape is None or all(isinstance(d, int) for d in t.shape):
+        return fact
+    shape = tuple(d if d is None or isinstance(d, int) else symbolic.evaluate(d, sizes) for d in t.shape)
+    return Fact(TensorType(t.elem_type, shape))
 
 
 def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = False) -> Plan:
@@ -249,8 +274,9 @@ def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], di
     for name, fact in found:
         if name not in read:
             continue
-        derived.append(Derived(name, numpy_dtype(fact.elem_type).str, tuple(fact.value.shape), len(dims)))
-        dims.extend(_dim(x) for x in fact.value.reshape(-1))
+        values = tuple(_dim(x) for x in fact.value.reshape(-1))
+        derived.append(Derived(name, numpy_dtype(fact.elem_type).str, tuple(fact.value.shape), len(dims), values))
+        dims.extend(values)
         graph.inputs.append(ValueInfo(name, TensorType(fact.elem_type, tuple(fact.value.shape))))
     view = GraphView(graph)
     remove_dead_nodes(view, stats)

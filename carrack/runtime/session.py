@@ -18,10 +18,8 @@ from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import seal_constants
-from carrack.passes.facts import const_fact
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
-from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan import Plan, build_plan
 from carrack.runtime.allocator import retain_freed_memory
 from carrack.runtime.blas import limited_blas_threads
@@ -197,13 +195,7 @@ class InferenceSession(OrtSessionApi):
             plan = self._plans.get(key)
         if plan is None:
             graph = self._plan.graph
-            facts = input_facts(graph, dict(key))
-            if all(s in dict(key) for s in self._plan.symbols):
-                bound = self._plan.bind(self._plan.sizes_of(dict(key)))
-                for d, value in zip(self._plan.derived, bound.derived):
-                    facts[d.name] = const_fact(value, facts[d.name].elem_type)
-            plan = plan_memory(graph, self._model.opsets, dict(key),
-                               facts=infer(graph, self._model.opsets, facts))
+            plan = plan_memory(graph, self._model.opsets, dict(key), facts=self._plan.facts(dict(key)))
             with self._lock:
                 self._plans.setdefault(key, plan)
         return plan

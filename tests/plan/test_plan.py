@@ -199,3 +199,27 @@ def test_cnn_at_many_sizes_in_one_session_equals_fresh_sessions(cnn):
         assert optimizer.RUNS[0] == runs
         np.testing.assert_array_equal(shared, carrack.InferenceSession(cnn).run(None, {"x": x})[0])
         np.testing.assert_allclose(shared, reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_memory_plan_for_new_sizes_substitutes_instead_of_inferring(cnn, monkeypatch):
+    """The memory report for any sizes comes from the plan's symbolic facts (inferred once): a new set of sizes
+    runs no shape inference, and the report equals one planned from facts inferred at those sizes."""
+    from carrack.passes.memory_plan import plan_memory
+    from carrack.passes.shape_inference import infer, input_facts
+    from carrack.plan import plan as plan_module
+
+    session = carrack.InferenceSession(cnn)
+    session.memory_plan({"batch": 1, "height": 8, "width": 8})
+    calls = []
+    monkeypatch.setattr(plan_module, "infer", lambda *a, **k: calls.append(1) or infer(*a, **k))
+    for dims in ({"batch": 2, "height": 32, "width": 16}, {"batch": 5, "height": 7, "width": 9}):
+        report = session.memory_plan(dims)
+        assert calls == []
+        graph = session._plan.graph
+        facts = input_facts(graph, dims, parse_names=False)
+        for d, value in zip(session._plan.derived, session._plan.bind(session._plan.sizes_of(dims)).derived):
+            facts[d.name] = plan_module.Fact(facts[d.name].type, value)
+        direct = plan_memory(graph, session._model.opsets, dims, facts=infer(graph, session._model.opsets, facts))
+        assert (report.arena_bytes, report.intermediate_bytes, report.unknown) == \
+               (direct.arena_bytes, direct.intermediate_bytes, direct.unknown)
+        assert report.arena_bytes > 0 and not report.unknown
