@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import carrack
+from carrack.onnx.importer import load_model
 from carrack.passes.memory_plan import plan_memory
 
 LAYERS, CHANNELS, SIDE = 50, 16, 64
@@ -109,7 +110,8 @@ def test_measured_peak_is_close_to_the_plan(net):
     # kxk convolutions also hold their padded input and im2col columns while they run: the plan counts that scratch
     scratch = 0 if kernel == 1 else (CHANNELS * kernel * kernel * SIDE * SIDE * 4
                                      + CHANNELS * (SIDE + kernel - 1) ** 2 * 4)
-    source = plan_memory(sess._source_model.graph, sess._source_model.opsets)
+    source_model = load_model(model)
+    source = plan_memory(source_model.graph, source_model.opsets)
     budget = plan.arena_bytes + y.nbytes
     print(f"\n{kernel}x{kernel}: traced peak {peak / 2**20:.2f} MiB; plan arena {plan.arena_bytes / 2**20:.2f} MiB "
           f"(with conv scratch {scratch / 2**20:.2f} MiB) + output {y.nbytes / 2**20:.2f} MiB "

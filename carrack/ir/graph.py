@@ -85,6 +85,11 @@ class Model:
     producer: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     doc_string: str = ""
+    domain: str = ""
+    model_version: int = 0
+    graph_doc_string: str = ""
+    #: (graph input name, axis) -> the dim's denotation (e.g. DATA_BATCH), for free-dimension overrides
+    dim_denotations: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def opset(self, domain: str) -> int:
         return self.opsets.get(canonical_domain(domain), 0)

@@ -8,6 +8,7 @@ left is returned as a plain ``int``. Good enough for the Shape -> Gather -> Conc
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class Expr:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):
+        return (Expr, (self.terms,))  # the hash is recomputed: string hashes differ between processes
 
     def __repr__(self) -> str:
         return f"Expr({self})"
@@ -134,6 +138,19 @@ def lower(e: Expr) -> DimLike:
     return e
 
 
+def _unknown_absorbs(fn):
+    """Arithmetic on an unknown dim (None) gives an unknown dim: rules never have to test for it first."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: DimLike | None) -> DimLike | None:
+        if any(a is None for a in args):
+            return None
+        return fn(*args)
+
+    return wrapper
+
+
+@_unknown_absorbs
 def add(a: DimLike, b: DimLike) -> DimLike:
     if isinstance(a, int) and isinstance(b, int):
         return a + b
@@ -143,6 +160,7 @@ def add(a: DimLike, b: DimLike) -> DimLike:
     return lower(Expr(terms))
 
 
+@_unknown_absorbs
 def mul(a: DimLike, b: DimLike) -> DimLike:
     if isinstance(a, int) and isinstance(b, int):
         return a * b
@@ -154,6 +172,7 @@ def mul(a: DimLike, b: DimLike) -> DimLike:
     return lower(Expr(terms))
 
 
+@_unknown_absorbs
 def floordiv(a: DimLike, b: DimLike) -> DimLike:
     if isinstance(a, int) and isinstance(b, int):
         return a // b
@@ -190,6 +209,7 @@ def _divide_by_monomial(a: Expr, b: Expr) -> DimLike | None:
     return lower(Expr(out))
 
 
+@_unknown_absorbs
 def mod(a: DimLike, b: DimLike) -> DimLike:
     if isinstance(a, int) and isinstance(b, int):
         return a % b
@@ -198,12 +218,18 @@ def mod(a: DimLike, b: DimLike) -> DimLike:
     return lower(Expr.atom(OpAtom("mod", (a, b))))
 
 
+@_unknown_absorbs
 def ceildiv(a: DimLike, b: DimLike) -> DimLike:
     return mul(floordiv(mul(a, -1), b), -1)
 
 
 def _minmax(op: str, args: Iterable[DimLike]) -> DimLike:
     args = list(dict.fromkeys(args))
+    if any(a is None for a in args):
+        return None
+    # absorption: max(min(x, s), s) = s and min(max(x, s), s) = s (a Slice clamped to a table, then broadcast)
+    dual = "min" if op == "max" else "max"
+    args = [a for a in args if not any(b in _operands(a, dual) for b in args if b is not a)] or args
     ints = [a for a in args if isinstance(a, int)]
     syms = [a for a in args if not isinstance(a, int)]
     if not syms:
@@ -215,12 +241,31 @@ def _minmax(op: str, args: Iterable[DimLike]) -> DimLike:
     return lower(Expr.atom(OpAtom(op, tuple(sorted(syms, key=str)))))
 
 
+def _operands(d: DimLike, op: str) -> tuple[DimLike, ...]:
+    """The arguments of `d` when it is exactly one min/max (per `op`) atom, else ()."""
+    if isinstance(d, Expr) and len(d.terms) == 1:
+        (mono, c), = d.terms.items()
+        if c == 1 and len(mono) == 1 and isinstance(mono[0], OpAtom) and mono[0].op == op:
+            return mono[0].args
+    return ()
+
+
 def dmin(*args: DimLike) -> DimLike:
     return _minmax("min", args)
 
 
 def dmax(*args: DimLike) -> DimLike:
     return _minmax("max", args)
+
+
+def nonnegative(d: DimLike) -> bool:
+    """Whether `d` is provably >= 0 for any sizes of its symbols (sizes are never negative)."""
+    if isinstance(d, int):
+        return d >= 0
+    if isinstance(d, Sym):
+        return True
+    return all(c >= 0 and all(isinstance(a, Sym) or all(nonnegative(x) for x in a.args) for a in mono)
+               for mono, c in d.terms.items())
 
 
 def complexity(d: DimLike) -> int:

@@ -337,3 +337,62 @@ void carrack_gelu(const float *x, const float *bias, float *y, int64_t row0, int
 #endif
     }
 }
+
+/* float16 <-> float32 over n contiguous elements (IEEE binary16, round to nearest even, NaN kept NaN). Numpy's own
+ * conversions take a few ns an element; float16 models convert every convolution's and product's operands. */
+static inline float half_to_float1(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) { /* subnormal: normalize */
+        int shift = 0;
+        while (!(mantissa & 0x400)) { mantissa <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half1(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000);
+    uint32_t magnitude = bits & 0x7FFFFFFFu;
+    if (magnitude >= 0x7F800000u) /* inf, or NaN (kept quiet and non-zero) */
+        return sign | 0x7C00 | (magnitude > 0x7F800000u ? 0x200 | ((magnitude >> 13) & 0x3FF) : 0);
+    if (magnitude >= 0x477FF000u) return sign | 0x7C00; /* rounds past 65504 */
+    if (magnitude < 0x38800000u) { /* below 2^-14: a subnormal half, or zero */
+        if (magnitude < 0x33000000u) return sign; /* below half the smallest subnormal */
+        uint32_t exponent = magnitude >> 23, mantissa = (magnitude & 0x7FFFFF) | 0x800000;
+        uint32_t shift = 126 - exponent; /* 14..24 */
+        uint32_t half = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), midpoint = 1u << (shift - 1);
+        if (rest > midpoint || (rest == midpoint && (half & 1))) half++;
+        return sign | (uint16_t)half;
+    }
+    uint32_t rounded = magnitude + 0xFFF + ((magnitude >> 13) & 1); /* to nearest even at bit 13 */
+    return sign | (uint16_t)((rounded - 0x38000000u) >> 13);
+}
+
+void carrack_half_to_float(const uint16_t *x, float *y, int64_t n) {
+    int64_t i = 0;
+#ifdef USE_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))));
+#endif
+    for (; i < n; i++) y[i] = half_to_float1(x[i]);
+}
+
+void carrack_float_to_half(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+#ifdef USE_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) y[i] = float_to_half1(x[i]);
+}

@@ -1,4 +1,5 @@
-"""The Python side of rowops.c: softmax, layer normalization and GELU over the rows of float32 arrays.
+"""The Python side of rowops.c: softmax, layer normalization and GELU over the rows of float32 arrays, and
+float16 <-> float32 conversion.
 
 Kernels call `library()` when they are built and keep their numpy path for when it returns None; the functions
 below take any float32 arrays (they make the contiguous, aligned copies the C code needs, never write into their
@@ -39,7 +40,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.carrack_softmax.argtypes = [p, p, i64, i64, i64, f32, p, i64, i64, i64, i64, i64, i32]
     lib.carrack_layer_norm.argtypes = [p, p, p, p, p, p, p, p, p, i64, i64, i64, f32]
     lib.carrack_gelu.argtypes = [p, p, p, i64, i64, i64, i32]
-    for fn in (lib.carrack_softmax, lib.carrack_layer_norm, lib.carrack_gelu):
+    lib.carrack_half_to_float.argtypes = [p, p, i64]
+    lib.carrack_float_to_half.argtypes = [p, p, i64]
+    for fn in (lib.carrack_softmax, lib.carrack_layer_norm, lib.carrack_gelu, lib.carrack_half_to_float,
+               lib.carrack_float_to_half):
         fn.restype = None
 
 
@@ -183,3 +187,32 @@ def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = Fals
 
     _split(piece, n, 1)
     return y
+
+
+# -- float16 <-> float32 -----------------------------------------------------------------------------------------------
+def _convert(x: np.ndarray, dtype: np.dtype, fn_name: str, out: np.ndarray | None) -> np.ndarray:
+    lib = library()
+    if lib is None:
+        if out is not None and out.shape == x.shape and out.dtype == dtype:
+            np.copyto(out, x, casting="unsafe")
+            return out
+        return x.astype(dtype)
+    x = np.require(x, x.dtype, ("C_CONTIGUOUS", "ALIGNED"))
+    y = out if (out is not None and out.dtype == dtype and out.shape == x.shape and out.flags.c_contiguous
+                and out.flags.aligned and out.flags.writeable and not np.may_share_memory(out, x)) \
+        else np.empty(x.shape, dtype)
+    if x.size:
+        fn, xp, yp = getattr(lib, fn_name), data_address(x), data_address(y)
+        x_item, y_item = x.itemsize, y.itemsize
+        _split(lambda start, count: fn(xp + start * x_item, yp + start * y_item, count), x.size, 1)
+    return y
+
+
+def half_to_float(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float16 x as float32 (exact), into `out` when it is a float32 buffer of x's shape."""
+    return _convert(x, _F32, "carrack_half_to_float", out)
+
+
+def float_to_half(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 x rounded to float16 (to nearest even, as numpy's astype), into `out` when it fits."""
+    return _convert(np.asarray(x, _F32), np.dtype(np.float16), "carrack_float_to_half", out)

@@ -18,9 +18,10 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import AttributeProto, ModelProto, TypeProto
 
-from carrack.errors import InvalidModel, UnsupportedModel
+from carrack.errors import CorruptModel, InvalidModel, ModelFileNotFound, UnsupportedModel
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo, canonical_domain
+from carrack.ir.order import topological_order
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
 from carrack.onnx.tensors import (
@@ -56,12 +57,12 @@ def _parse(source: bytes | bytearray | memoryview | ModelProto) -> tuple[ModelPr
 
 def _parse_bytes(data: bytes, what: str) -> ModelProto:
     if not data:
-        raise InvalidModel(f"{what} is empty")
+        raise CorruptModel(f"{what} is empty")
     proto = ModelProto()
     try:
         proto.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as e:
-        raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+        raise CorruptModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
     return proto
 
 
@@ -70,9 +71,9 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
     file (keyed by initializer index)."""
     what = f"model file '{path}'"
     if not os.path.isfile(path):
-        raise InvalidModel(f"model file '{path}' does not exist")
+        raise ModelFileNotFound(f"model file '{path}' does not exist")
     if os.path.getsize(path) == 0:
-        raise InvalidModel(f"{what} is empty")
+        raise CorruptModel(f"{what} is empty")
     try:
         with memoryview(mapped_file(path)) as buf:
             split = split_model(buf, IN_PLACE_RAW_BYTES)
@@ -80,7 +81,7 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
         try:  # protobuf has the last word on what parses (the walk's message says better what is wrong)
             return _parse_whole_file(path, what), {}
         except InvalidModel:
-            raise InvalidModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
+            raise CorruptModel(f"{what} is not a valid ONNX model (truncated or corrupt protobuf: {e})") from None
     proto = _parse_bytes(split.skeleton, what)
     if len(proto.graph.initializer) != split.initializers:  # protobuf read the fields differently: trust it
         return _parse_whole_file(path, what), {}
@@ -104,7 +105,19 @@ def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "mo
     if functions:
         graph = inline_functions(graph, functions, opsets)
     return Model(graph=graph, opsets=opsets, ir_version=proto.ir_version, producer=proto.producer_name,
-                 metadata={p.key: p.value for p in proto.metadata_props}, doc_string=proto.doc_string)
+                 metadata={p.key: p.value for p in proto.metadata_props}, doc_string=proto.doc_string,
+                 domain=proto.domain, model_version=proto.model_version, graph_doc_string=proto.graph.doc_string,
+                 dim_denotations=_dim_denotations(proto.graph))
+
+
+def _dim_denotations(graph: onnx.GraphProto) -> dict[tuple[str, int], str]:
+    found = {}
+    for v in graph.input:
+        if v.type.WhichOneof("value") == "tensor_type" and v.type.tensor_type.HasField("shape"):
+            for axis, d in enumerate(v.type.tensor_type.shape.dim):
+                if d.denotation:
+                    found[(v.name, axis)] = d.denotation
+    return found
 
 
 def _opsets(proto: ModelProto, what: str) -> dict[str, int]:
@@ -133,11 +146,18 @@ def import_graph(g: onnx.GraphProto, base_dir: str | None, raw_data: Mapping[int
         name=g.name,
         inputs=[_value_info(v) for v in g.input],
         outputs=[_value_info(v) for v in g.output],
-        nodes=[_import_node(n, base_dir) for n in g.node],
+        nodes=producers_first([_import_node(n, base_dir) for n in g.node]),
         initializers=inits,
         value_info={v.name: _value_info(v) for v in g.value_info},
     )
     return graph
+
+
+def producers_first(nodes: list[Node]) -> list[Node]:
+    """The nodes in an order where each comes after the nodes producing its inputs, otherwise as given. ONNX
+    requires that order, but some tools break it (onnxruntime's float16 converter appends the Casts it adds for
+    keep_io_types after their consumers) and onnxruntime sorts; a cycle is an InvalidModel naming its nodes."""
+    return topological_order(Graph(nodes=nodes))
 
 
 def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):

@@ -10,6 +10,7 @@ from carrack.ops import (  # noqa: F401
     cast,
     contrib,
     contrib_quant,
+    contrib_transformer,
     control_flow,
     conv,
     detection,

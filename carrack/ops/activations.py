@@ -16,6 +16,7 @@ from carrack.ops.registry import Kernel, register
 
 class _FloatActivation(Kernel):
     """y = f(x) elementwise; subclasses implement `compute` on the widened input."""
+    in_place = True
 
     def run(self, x):
         with np.errstate(all="ignore"):
@@ -39,6 +40,8 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 @register("Relu", since=1)
 class Relu(Kernel):
+    in_place = True
+
     def run(self, x):
         return relu(x)
 

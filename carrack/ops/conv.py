@@ -14,6 +14,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from carrack.native import convolution as native_conv
+from carrack.ops import half
 from carrack.ops.registry import Kernel, register
 
 
@@ -518,6 +519,7 @@ class Conv(_ConvBase):
         self.native = native_conv.load()  # None: numpy only (CARRACK_NATIVE=0, no compiler)
         self.dense = self._dense_constants() if self.native is not None else {}
         self.bound: dict[tuple, native_conv.BoundConvolution | None] = {}  # by input shape and operands
+        self.widened = half.WidenedConstants()
 
     def _dense_constants(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{input index: (constant, its C-contiguous aligned read-only copy)} for a weight or bias initializer the
@@ -556,6 +558,10 @@ class Conv(_ConvBase):
     def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
         """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
         the result (else allocated)."""
+        if self.native is not None and half.is_half(x, w, b, residual):
+            y = self.run_into(None, half.widen(x), self.widened(w), self.widened(b), activation,
+                              half.widen(residual))
+            return half.narrow(y, out)
         if self.dense:
             w = self.dense[1][1] if 1 in self.dense and w is self.dense[1][0] else w
             b = self.dense[2][1] if 2 in self.dense and b is self.dense[2][0] else b

@@ -217,6 +217,7 @@ _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 @register("Round", since=11)
 class UnaryMath(Kernel):
     """One numpy function applied elementwise, computed in float32 for half-precision inputs."""
+    in_place = True
 
     def setup(self) -> None:
         self.fn = _UNARY[self.node.op_type]
@@ -386,6 +387,8 @@ def tanh_gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 @register("Erf", since=9)
 class Erf(Kernel):
+    in_place = True
+
     def run(self, x):
         with np.errstate(all="ignore"):
             return erf(x).astype(x.dtype)
@@ -417,6 +420,7 @@ class IsInf(Kernel):
 @register("Clip", since=1)
 class Clip(Kernel):
     """Bounds are attributes before opset 11 and optional inputs from 11 on; min > max gives max everywhere."""
+    in_place = True
 
     def setup(self) -> None:
         self.attr_bounds = (self.attr("min"), self.attr("max")) if self.version < 11 else None

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from carrack.native.convolution import ACTIVATIONS
-from carrack.ops import registry
+from carrack.ops import half, registry
 from carrack.ops.conv import Epilogue
 from carrack.ops.registry import Kernel, register
 
@@ -93,6 +93,8 @@ class _FusedBase(Kernel):
         return list(self.attr("activation_params", []))
 
     def run(self, *inputs):
+        if hasattr(self.inner, "widened_product") and half.is_half(*inputs):
+            return half.narrow(self.act(self.inner.widened_product(*inputs)))
         y = self.inner.run(*inputs)
         if type(y) is not np.ndarray or not y.flags.writeable or any(y is i for i in inputs):
             y = np.array(y)  # Conv, Gemm and MatMul return fresh arrays; anything else gets a private copy
@@ -103,6 +105,8 @@ class _FusedIntoBase(_FusedBase):
     """A fused op whose layer can write into a planned buffer: the activation then runs in place there."""
 
     def run_into(self, out, *inputs):
+        if hasattr(self.inner, "widened_product") and half.is_half(*inputs):
+            return half.narrow(self.act(self.inner.widened_product(*inputs)), out)
         y = self.inner.run_into(out, *inputs)
         if y is not out:  # the planned buffer did not fit: the layer allocated its result itself
             return self.run(*inputs) if not (type(y) is np.ndarray and y.flags.writeable) else self.act(y)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from carrack.native import matmul as native_matmul
+from carrack.ops import half
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -37,7 +38,12 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
 
 @register("MatMul", since=1)
 class MatMul(Kernel):
+    def setup(self):
+        self.widened = half.WidenedConstants()
+
     def run(self, a, b):
+        if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
+            return half.narrow(self.widened_product(a, b))
         y = _native_product(a, b, None)
         if y is not None:
             return y
@@ -46,8 +52,14 @@ class MatMul(Kernel):
             return np.matmul(flat, b).reshape(a.shape[:-1] + b.shape[-1:])
         return np.matmul(_widen(a), _widen(b)).astype(a.dtype, copy=False)
 
+    def widened_product(self, a, b) -> np.ndarray:
+        """The float32 product of float16 operands (a fused activation runs on it before the one rounding)."""
+        return self.run(self.widened(a), self.widened(b))
+
     def run_into(self, out, a, b):
         """Into the planned buffer when it fits (a wrong planned shape costs an allocation, not a wrong result)."""
+        if half.is_half(a, b):
+            return half.narrow(self.widened_product(a, b), out)
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
                 and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
                 and a.shape[-1] == b.shape[-2]):
@@ -70,6 +82,8 @@ class Gemm(Kernel):
         self.beta = float(self.attr("beta", 1.0))
         self.trans_a = bool(self.attr("transA", 0))
         self.trans_b = bool(self.attr("transB", 0))
+        self.widened = half.WidenedConstants()
+        self.widened_b = half.WidenedConstants(transposed=self.trans_b)
 
     def run(self, a, b, c=None):
         return self.run_into(None, a, b, c)
@@ -77,10 +91,20 @@ class Gemm(Kernel):
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias
         are applied there in place, rather than each in a new array."""
+        if half.is_half(a, b, c):  # in float32, rounded once (carrack.ops.half)
+            return half.narrow(self.widened_product(a, b, c), out)
+        return self._product(out, a, b, c, self.trans_b)
+
+    def widened_product(self, a, b, c=None) -> np.ndarray:
+        """The float32 result for float16 operands (a fused activation runs on it before the one rounding); B
+        comes widened and already transposed."""
+        return self._product(None, self.widened(a), self.widened_b(b), self.widened(c), trans_b=False)
+
+    def _product(self, out, a, b, c, trans_b: bool):
         wa, wb = _widen(a), _widen(b)
         if self.trans_a:
             wa = wa.T
-        if self.trans_b:
+        if trans_b:
             wb = wb.T
         if not (out is not None and out.dtype == wa.dtype == wb.dtype and wa.ndim == wb.ndim == 2
                 and out.shape == (wa.shape[0], wb.shape[1]) and wa.shape[1] == wb.shape[0]

@@ -547,14 +547,33 @@ class SVMClassifier(_SVMBase):
         if self.prob_a.size:
             pairwise = _sigmoid_prob(decision.astype(np.float64), self.prob_a, self.prob_b)
             probs = _couple_probabilities(pairwise, k).astype(np.float32)
-            labels = self.labels[np.argmax(probs, axis=1)]
-            return labels, probs
+            scores = self.post_transform(probs).astype(np.float32)  # onnxruntime transforms the probabilities too
+            if k == 2:  # libsvm: the decision picks the label, even where the probabilities favour the other class
+                return self._binary_labels(decision), scores
+            return self.labels[np.argmax(votes, axis=1)], scores  # the votes too, as onnxruntime decides
         if k == 2:
-            positive = decision[:, 0] > 0
-            labels = np.where(positive, self.labels[0], self.labels[1]).astype(self.labels.dtype)
-            return labels, self.post_transform(np.concatenate([-decision, decision], axis=1)).astype(np.float32)
+            return self._binary_labels(decision), self._binary_decision_scores(decision[:, 0])
         labels = self.labels[np.argmax(votes, axis=1)]
         return labels, self.post_transform(decision).astype(np.float32)
+
+    def _binary_decision_scores(self, d: np.ndarray) -> np.ndarray:
+        """Two columns from a two-class SVC's one decision d, as onnxruntime writes them: (-d, d) without a
+        post_transform, (1 - sigmoid(d), sigmoid(d)) under LOGISTIC, (probit(d), 0) under PROBIT (it writes the
+        first column only), and (1 - d, d) under the softmaxes, which a single score leaves untransformed."""
+        if self.post_transform_name == "NONE":
+            pair = (-d, d)
+        elif self.post_transform_name == "LOGISTIC":
+            positive = _POST_TRANSFORMS["LOGISTIC"](d)
+            pair = (1 - positive, positive)
+        elif self.post_transform_name == "PROBIT":
+            pair = (_POST_TRANSFORMS["PROBIT"](d), np.zeros_like(d))
+        else:
+            pair = (1 - d, d)
+        return np.stack(pair, axis=1).astype(np.float32)
+
+    def _binary_labels(self, decision: np.ndarray) -> np.ndarray:
+        """libsvm's sign convention: a positive decision votes for the first class."""
+        return np.where(decision[:, 0] > 0, self.labels[0], self.labels[1]).astype(self.labels.dtype)
 
     def _linear(self, rows: np.ndarray) -> tuple:
         scores = rows @ self.coef.T + self.rho[: self.coef.shape[0]]
@@ -751,22 +770,63 @@ class TreeEnsembleClassifier(_PostTransform):
             self.fail("one of classlabels_int64s and classlabels_strings must be set")
         base = _tensor_or_list(self, "base_values")
         self.base = np.zeros(0, np.float32) if base is None else base
+        class_ids = _ints(self.attr("class_ids", []))
+        weights = self.forest.vote_weights
+        # onnxruntime's binary conventions: one class carrying every leaf weight makes the ensemble a single score
+        # (a probability when no weight is negative, a margin otherwise), whatever class id the weights name
+        self.single_score = self.labels.size == 2 and np.unique(class_ids).size == 1
+        self.all_positive = bool((weights >= 0).all())
 
     def run(self, x):
         rows = _rows(x)
         k = self.labels.size
         scores, voted = self.forest.aggregate(rows, k, "SUM", np.dtype(np.float64))
+        if k == 2:
+            return self._binary(scores, voted)
         if self.base.size == k:
             scores = scores + self.base
         labels = self.labels[np.argmax(scores, axis=1)]
         z = self.post_transform(scores.astype(np.float32)).astype(np.float32)
-        if k == 2:
-            # onnxruntime: a binary row where no leaf voted for class 1 is scored by its class-0 sum alone
-            single = ~voted[:, 1]
-            score = scores[single, :1] if self.base.size == k else scores[single, :1] + self.base[:1].sum()
-            labels[single] = np.where(score[:, 0] > 0, self.labels[1], self.labels[0])
-            z[single] = _binary_scores(score.astype(np.float32), self.post_transform_name, complement=False)
         return labels.astype(self.labels.dtype), z
+
+    def _binary(self, scores: np.ndarray, voted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Two classes as onnxruntime scores them. The positive score is class 1's sum where a leaf voted for
+        class 1, else class 0's. Two base_values make it base[1] + class 0's sum (the negative score its
+        opposite) where class 1 was voted for, else add base[0] to class 0's sum alone. A row with no class-1
+        vote (and fewer than two base values) is a one-column score s written as two columns: (1 - s, s) for a
+        probability, (-s, s) for a margin, (sigmoid(-s), sigmoid(s)) under LOGISTIC."""
+        s0, s1 = scores[:, 0], scores[:, 1]
+        has0, has1 = voted[:, 0], voted[:, 1]
+        one_column = ~has1
+        if self.base.size == 2:
+            s1 = np.where(has1, self.base[1] + s0, s1)
+            s0 = np.where(has1, -s1, s0 + self.base[0])
+            one_column = np.zeros_like(has1)
+        elif self.base.size == 1:
+            s0 = s0 + self.base[0]
+        elif self.base.size:
+            one_column = np.zeros_like(has1)
+        positive = np.where(has1, s1, np.where(has0, s0, 0))
+        threshold = 0.5 if self.single_score and self.all_positive else 0.0
+        labels = np.where(positive > threshold, self.labels[1], self.labels[0]).astype(self.labels.dtype)
+        z = self.post_transform(np.stack([s0, s1], axis=1).astype(np.float32)).astype(np.float32)
+        if one_column.any():
+            z[one_column] = self._one_column(s0[one_column].astype(np.float32))
+        return labels, z
+
+    def _one_column(self, s: np.ndarray) -> np.ndarray:
+        zeros = np.zeros_like(s)
+        if self.post_transform_name == "PROBIT":
+            # onnxruntime writes only the first column here; the second is left 0
+            return np.stack([self.post_transform(s), zeros], axis=1)
+        if not self.single_score and self.base.size == 1:
+            return np.stack([s, zeros], axis=1)
+        if self.post_transform_name == "LOGISTIC":
+            positive = _POST_TRANSFORMS["LOGISTIC"](s)
+            return np.stack([1 - positive, positive], axis=1)
+        if self.single_score and self.all_positive:
+            return np.stack([1 - s, s], axis=1)
+        return np.stack([-s, s], axis=1)
 
 
 @register("TreeEnsemble", since=5, domain=ML)

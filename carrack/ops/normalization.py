@@ -291,6 +291,8 @@ class Dropout(Kernel):
     """Identity at inference. Random dropout in training (`training_mode` input from version 12, `is_test=0`
     before version 7): mask = uniform[0, 1) >= ratio, output = x * mask / (1 - ratio), seeded by `seed` if given.
     The mask output is bool from version 10 and has x's dtype before."""
+    pure = False  # training mode draws a random mask
+    in_place = view = True
 
     def setup(self):
         self.ratio = float(self.attr("ratio", 0.5))

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from carrack.native import convolution as native_conv
+from carrack.ops import half
 from carrack.ops.conv import pad_spatial, same_pads
 from carrack.ops.registry import Kernel, register
 
@@ -39,10 +40,24 @@ class PoolGeometry:
                 if ceil_mode and (count - 1) * s >= i + b:  # a last window starting in the end padding is dropped
                     count -= 1
                 self.out_shape.append(count)
+        self.kernel = self._reachable_kernel(in_shape, kernel, dilations)
+        extents = [(k - 1) * d + 1 for k, d in zip(self.kernel, dilations)]
         # ceil_mode windows may overhang the explicit end padding; pad those cells too (never counted as padding).
         self.overhang = [max(0, (o - 1) * s + e - (i + b + end))
                          for o, s, e, i, b, end in zip(self.out_shape, strides, extents, in_shape,
                                                        self.pads[:nd], self.pads[nd:])]
+
+    def _reachable_kernel(self, in_shape: Sequence[int], kernel: Sequence[int], dilations: Sequence[int],
+                          ) -> list[int]:
+        """The kernel cut to the taps that land inside the input or its explicit pads for some window.
+
+        Every window starts at or after the first padded cell, so a tap whose offset reaches past the padded
+        input even from the first window reads only the ceil_mode overhang, for every window: it adds nothing to
+        a sum, a maximum or a count, and pooling without it bounds the work by the input, not the kernel (a
+        320x320 average over a 3x3 map reads 9 taps, not 102400)."""
+        nd = len(kernel)
+        padded = [i + b + end for i, b, end in zip(in_shape, self.pads[:nd], self.pads[nd:])]
+        return [max(1, min(k, -(-p // d))) for k, d, p in zip(kernel, dilations, padded)]
 
     def padded(self, x: np.ndarray, value) -> np.ndarray:
         nd = len(self.overhang)
@@ -66,13 +81,17 @@ class _WindowPool(Kernel):
         self.native = native_conv.load() if nd == 2 else None  # float32 2-D pools: None = numpy only
 
     def native_pool(self, x: np.ndarray, geometry: PoolGeometry, mode: int) -> np.ndarray | None:
-        """The pool by the native kernel (float32 images); None when it cannot do it."""
+        """The pool by the native kernel (float32 images; float16 ones widened, pooled, rounded once); None when it
+        cannot do it."""
+        if self.native is not None and x.dtype == np.float16 and x.ndim == 4:
+            y = self.native_pool(half.widen(x), geometry, mode)
+            return None if y is None else half.narrow(y)
         if self.native is None or x.dtype != np.float32 or x.ndim != 4:
             return None
-        if (mode != native_conv.POOL_MAX and list(self.kernel) == list(x.shape[2:]) and not any(geometry.pads)
+        if (mode != native_conv.POOL_MAX and list(geometry.kernel) == list(x.shape[2:]) and not any(geometry.pads)
                 and geometry.out_shape == [1, 1] and self.dilations == [1, 1]):
             return self.native.plane_mean(x)  # a window over the whole image: a global average
-        return self.native.pool(x, self.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape,
+        return self.native.pool(x, geometry.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape,
                                 mode)
 
     def geometry(self, x: np.ndarray) -> PoolGeometry:
@@ -85,7 +104,7 @@ class _WindowPool(Kernel):
         Accumulating over these views is far faster than reducing a sliding-window view over its kernel axes.
         """
         padded = geometry.padded(x, value)
-        for offset in np.ndindex(*self.kernel):
+        for offset in np.ndindex(*geometry.kernel):
             yield padded[(Ellipsis,) + tuple(slice(k * d, k * d + (o - 1) * s + 1, s) for k, d, o, s in
                                              zip(offset, self.dilations, geometry.out_shape, self.strides))]
 
@@ -112,7 +131,8 @@ class MaxPool(_WindowPool):
         if x.dtype in (np.uint8, np.int8) and (len(self.node.outputs) < 2 or not self.node.outputs[1]):
             from carrack.native import qconv  # quantized models' pools: native when the library loads
 
-            y = qconv.maxpool_8bit(x, self.kernel, self.strides, self.dilations, geometry.pads, geometry.out_shape)
+            y = qconv.maxpool_8bit(x, geometry.kernel, self.strides, self.dilations, geometry.pads,
+                                   geometry.out_shape)
             if y is not None:
                 return y
         if len(self.node.outputs) < 2 or not self.node.outputs[1]:
@@ -136,7 +156,7 @@ class MaxPool(_WindowPool):
         """Flat input index of each chosen window tap (row-major, or column-major spatial if storage_order=1)."""
         nd = len(self.kernel)
         spatial = in_shape[2:]
-        offsets = np.unravel_index(tap, self.kernel)
+        offsets = np.unravel_index(tap, geometry.kernel)
         coords = []
         for axis in range(nd):
             start = np.arange(geometry.out_shape[axis]) * self.strides[axis] - geometry.pads[axis]
@@ -180,7 +200,7 @@ class AveragePool(_WindowPool):
             return y
         acc = np.float32 if x.dtype == np.float16 else x.dtype
         total = _sum(view.astype(acc, copy=False) for view in self.taps(x, geometry, 0))
-        counts = _window_counts(geometry, x.shape[2:], self.kernel, self.strides, self.dilations,
+        counts = _window_counts(geometry, x.shape[2:], geometry.kernel, self.strides, self.dilations,
                                 self.count_include_pad)
         np.divide(total, np.maximum(counts, 1).astype(acc), out=total)  # total is a fresh sum
         return total.astype(x.dtype, copy=False)
@@ -205,6 +225,10 @@ class GlobalAveragePool(Kernel):
         self.native = native_conv.load()  # float32 inputs: None = numpy only
 
     def run(self, x):
+        if self.native is not None and x.dtype == np.float16:  # a float32 mean, rounded once
+            y = self.native.plane_mean(half.widen(x))
+            if y is not None:
+                return half.narrow(y)
         y = None if self.native is None else self.native.plane_mean(x)
         if y is not None:
             return y

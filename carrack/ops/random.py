@@ -15,6 +15,8 @@ from carrack.ops.registry import Kernel, register
 
 
 class _RandomKernel(Kernel):
+    pure = False
+
     def setup(self) -> None:
         seed = self.attr("seed")
         # the float attribute's bit pattern, so distinct seeds give distinct streams

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import onnx
 
@@ -21,12 +21,6 @@ if TYPE_CHECKING:
     from carrack.runtime.program import BuildContext
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
-
-#: ops whose outputs are not a function of their inputs (random draws; Dropout in training mode): never evaluated
-#: ahead of a run, by constant folding or by shape inference
-IMPURE_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                        "Multinomial", "Dropout"})
-
 
 class Kernel:
     """One operator instance: parses its attributes once (``setup``), then runs many times (``run``).
@@ -39,6 +33,20 @@ class Kernel:
     op_type: str = ""
     domain: str = ""
     since: int = 1
+    # traits the planner reads from the class (never per instance):
+    #: the outputs are a function of the inputs (False: random draws, Dropout's mask); only pure nodes are
+    #: evaluated ahead of a run, by constant folding, shape inference or the plan
+    pure: ClassVar[bool] = True
+    #: the output may overwrite the first input (same shape and dtype, each element read before it is written)
+    in_place: ClassVar[bool] = False
+    #: the output may be a view of the first input (no bytes of its own)
+    view: ClassVar[bool] = False
+
+    @classmethod
+    def writes_into(cls) -> bool:
+        """Whether the kernel can compute its single output into a buffer it is given (`run_into`, or `_into`
+        offered per node by `carrack.ops.contrib.offer_run_into`)."""
+        return (hasattr(cls, "run_into") or hasattr(cls, "_into")) and cls.execute is Kernel.execute
 
     def __init__(self, node: Node, version: int, ctx: BuildContext | None = None):
         self.node = node
@@ -66,6 +74,17 @@ class Kernel:
     def execute(self, inputs: Sequence[Any], scope: Mapping[str, Any]) -> Any:
         """What the executor calls; control-flow kernels override it to see outer-scope values."""
         return self.run(*inputs)
+
+
+def is_pure(domain: str, op_type: str) -> bool:
+    """False when any kernel registered for the op draws random numbers (whatever the opset)."""
+    return all(cls.pure for _, cls in _REGISTRY.get((canonical_domain(domain), op_type), ()))
+
+
+def traits(node: Node, opsets: Mapping[str, int]) -> type[Kernel] | None:
+    """The kernel class that will run `node` (its traits are what the planner reads), or None."""
+    opset = node.opset or opsets.get(node.domain) or default_opset(node.domain)
+    return resolve(node.domain, node.op_type, opset)[0]
 
 
 def register(op_type: str | Sequence[str], since: int = 1, domain: str = "") -> Callable[[type], type]:

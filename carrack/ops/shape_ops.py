@@ -41,6 +41,8 @@ def constant_input(kernel: Kernel, index: int) -> np.ndarray | None:
 
 @register("Identity", since=1)
 class Identity(Kernel):
+    in_place = view = True
+
     def run(self, x):
         return x if type(x) is not list and x is not None else (x,)
 
@@ -73,6 +75,8 @@ def reshape_target(in_shape: tuple[int, ...], shape: list[int], allowzero: bool)
 
 @register("Reshape", since=1)
 class Reshape(Kernel):
+    view = True
+
     def setup(self):
         self.allowzero = bool(self.attr("allowzero", 0))
         self.shape_attr = self.attr("shape") if self.version < 5 else None
@@ -91,6 +95,8 @@ class Reshape(Kernel):
 
 @register("Transpose", since=1)
 class Transpose(Kernel):
+    view = True
+
     def setup(self):
         self.perm = self.attr("perm")
         if self.perm is not None:
@@ -207,6 +213,8 @@ class Slice(Kernel):
 
 @register("Squeeze", since=1)
 class Squeeze(Kernel):
+    view = True
+
     def setup(self):
         self.axes_attr = self.attr("axes") if self.version < 13 else None
 
@@ -223,6 +231,8 @@ class Squeeze(Kernel):
 
 @register("Unsqueeze", since=1)
 class Unsqueeze(Kernel):
+    view = True
+
     def setup(self):
         if self.version < 13:
             self.axes_attr = self.required_attr("axes")
@@ -237,6 +247,8 @@ class Unsqueeze(Kernel):
 
 @register("Flatten", since=1)
 class Flatten(Kernel):
+    view = True
+
     def setup(self):
         self.axis = self.attr("axis", 1)
 

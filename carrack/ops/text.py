@@ -179,3 +179,58 @@ def _joint_codes(grams: np.ndarray) -> np.ndarray:
         _, code = np.unique(code * base + grams[:, k] + 1, return_inverse=True)
         code = code.reshape(-1).astype(np.int64)
     return code
+
+
+@register("Tokenizer", domain="com.microsoft")
+class Tokenizer(Kernel):
+    """onnxruntime's Tokenizer (skl2onnx's text vectorizers emit it): each string of a [C] or [N, C] tensor becomes a
+    row of tokens, padded with `pad_value` to the longest row: [C, D] or [N, C, D]. Tokens are the pieces between
+    matches of the `separators` regular expressions, or the matches of `tokenexp`, scanned left to right; tokens
+    shorter than `mincharnum` are dropped; `mark` wraps each row in 0x02 ... 0x03 unless no row has a token. An empty
+    separator or the tokenexp "." splits into characters."""
+
+    def setup(self) -> None:
+        self.mark = bool(self.required_attr("mark"))
+        self.pad = _text(self.required_attr("pad_value"))
+        self.min_chars = int(self.required_attr("mincharnum"))
+        separators = [_text(s) for s in self.attr("separators", []) or []]
+        token = self.attr("tokenexp")
+        if bool(separators) == (token is not None):
+            self.fail("exactly one of the separators and tokenexp attributes must be set")
+        if (separators == [""] or token in (".", b".")) and self.min_chars > 1:
+            self.fail(f"mincharnum {self.min_chars} drops every token of character tokenization (1 at most)")
+        try:
+            if token is not None:
+                self.split = self._matches(re.compile(_text(token)))
+            elif separators == [""]:
+                self.split = list
+            else:
+                self.split = self._between(re.compile("|".join(f"(?:{s})" for s in separators if s)))
+        except re.error as e:
+            self.fail(f"invalid regular expression: {e}")
+
+    @staticmethod
+    def _matches(pattern: re.Pattern):
+        return lambda text: [m.group(0) for m in pattern.finditer(text) if m.group(0)]
+
+    @staticmethod
+    def _between(pattern: re.Pattern):
+        return lambda text: pattern.split(text)
+
+    def run(self, x):
+        if x.ndim not in (1, 2):
+            self.fail(f"input must be [C] or [N, C] strings, got shape {x.shape}")
+        if x.size == 0:
+            return np.empty(x.shape, dtype=object)
+        rows = [[t for t in self.split(s) if len(t) >= self.min_chars] for s in x.reshape(-1)]
+        if self.mark and any(rows):  # (no token anywhere: an empty last axis, without marks)
+            rows = [["\x02", *r, "\x03"] for r in rows]
+        width = max(len(r) for r in rows)
+        out = np.full((len(rows), width), self.pad, dtype=object)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = r
+        return out.reshape(x.shape + (width,))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

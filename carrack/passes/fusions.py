@@ -6,9 +6,10 @@ import numpy as np
 
 from carrack.ir.graph import Node
 from carrack.passes.graph_view import GraphView
-from carrack.passes.optimizer import EXTENDED, Context, rewrite
+from carrack.passes.rewrite import EXTENDED, Context, RuleSet
 
 MS = "com.microsoft"
+RULES = RuleSet("fusions")
 
 
 def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] | None:
@@ -25,7 +26,7 @@ def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] 
     return scale, beta - mean * scale
 
 
-@rewrite("affine_folding", "Mul", "Add", level=EXTENDED)
+@RULES.rewrite("affine_folding", "Mul", "Add", level=EXTENDED)
 def fold_affine(node: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/BatchNormalization -> Mul or Add by a per-channel constant (Caffe's Scale layer after a BatchNorm)
     becomes one Conv/BatchNormalization with adjusted parameters."""
@@ -125,7 +126,7 @@ def _rank(view: GraphView, name: str, depth: int = 64) -> int | None:
     return None
 
 
-@rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
+@RULES.rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
 def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization becomes one layer with adjusted weights and bias."""
     if bn.domain or ctx.version(bn) < 7 and bn.attrs.get("spatial", 1) == 0:
@@ -182,7 +183,7 @@ def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     return True
 
 
-@rewrite("conv_bias_fusion", "Add", level=EXTENDED)
+@RULES.rewrite("conv_bias_fusion", "Add", level=EXTENDED)
 def fuse_conv_bias(add: Node, view: GraphView, ctx: Context) -> bool:
     """Conv (without bias) -> Add(constant of shape [C,1,1] or [1,C,1,1]) becomes Conv with a bias."""
     for i in (0, 1):
@@ -207,7 +208,7 @@ def fuse_conv_bias(add: Node, view: GraphView, ctx: Context) -> bool:
     return False
 
 
-@rewrite("matmul_add_to_gemm", "Add", level=EXTENDED)
+@RULES.rewrite("matmul_add_to_gemm", "Add", level=EXTENDED)
 def fuse_matmul_add(add: Node, view: GraphView, ctx: Context) -> bool:
     """MatMul(A[M,K], B[K,N]) + C becomes Gemm when A is known to be 2-D and C broadcasts to [M,N]."""
     if ctx.facts is None:
@@ -235,7 +236,7 @@ _ORT_FUSABLE = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": (("alpha", 0
 _CARRACK_FUSABLE = {**_ORT_FUSABLE, "HardSwish": (), "Gelu": ()}
 
 
-@rewrite("activation_fusion", *_CARRACK_FUSABLE, "Clip", level=EXTENDED)
+@RULES.rewrite("activation_fusion", *_CARRACK_FUSABLE, "Clip", level=EXTENDED)
 def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/Gemm/MatMul/BatchNormalization -> activation becomes one fused node: com.microsoft FusedConv/FusedGemm
     where onnxruntime knows the combination, else carrack's own FusedConv/FusedGemm/FusedMatMul/
@@ -271,7 +272,7 @@ def fuse_activation(act: Node, view: GraphView, ctx: Context) -> bool:
     return True
 
 
-@rewrite("conv_residual_fusion", "Add", "Sum", level=EXTENDED)
+@RULES.rewrite("conv_residual_fusion", "Add", "Sum", level=EXTENDED)
 def fuse_conv_residual(add: Node, view: GraphView, ctx: Context) -> bool:
     """Conv -> Add(residual) (or a Sum of two) [-> Relu-like activation] becomes onnxruntime's FusedConv(X, W, B,
     Z): the convolution adds the residual (and applies the activation) as it stores its result, instead of two
@@ -329,7 +330,7 @@ def _clip_params(act: Node, view: GraphView, ctx: Context) -> list[float] | None
     return bounds
 
 
-@rewrite("transpose_cancellation", "Transpose", level=EXTENDED)
+@RULES.rewrite("transpose_cancellation", "Transpose", level=EXTENDED)
 def merge_transposes(node: Node, view: GraphView, ctx: Context) -> bool:
     """Transpose(Transpose(x, p), q) is one Transpose (or nothing when the permutations cancel)."""
     prev = view.producer.get(node.inputs[0])
@@ -346,7 +347,7 @@ def merge_transposes(node: Node, view: GraphView, ctx: Context) -> bool:
     return True
 
 
-@rewrite("reshape_cancellation", "Reshape", level=EXTENDED)
+@RULES.rewrite("reshape_cancellation", "Reshape", level=EXTENDED)
 def merge_reshapes(node: Node, view: GraphView, ctx: Context) -> bool:
     """Reshape(Reshape(x, a), b) is Reshape(x, b) when b is a constant that copies no dim from its input (no 0s),
     and Reshape(x, shape of x) is nothing."""
@@ -386,7 +387,7 @@ def _reaches_transpose(view: GraphView, name: str, depth: int = 8) -> bool:
     return False
 
 
-@rewrite("transpose_sinking", *_LAYOUT_FREE, level=EXTENDED)
+@RULES.rewrite("transpose_sinking", *_LAYOUT_FREE, level=EXTENDED)
 def sink_transpose(node: Node, view: GraphView, ctx: Context) -> bool:
     """Transpose -> elementwise op becomes elementwise op -> Transpose, so the Transpose can meet and cancel the next
     one (Transpose, Relu, Transpose back is just Relu)."""

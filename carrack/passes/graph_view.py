@@ -1,32 +1,35 @@
-"""A mutable view of a graph for rewrites: who produces and who reads each value, and which values are constant."""
+"""A mutable view of a graph for rewrites: who produces and who reads each value, and which values are constant.
+
+Every edit updates the producer/consumer index locally, so a rewrite costs what it touches, not the graph's size.
+While rules run, node order is only a hint (each node keeps a position); `commit` writes the live nodes back to the
+graph in a topological order that follows those positions, so a rule never has to keep the node list sorted.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from carrack.ir.graph import Graph, Node
+from carrack.ir.order import topological_order
 
 
 class GraphView:
     def __init__(self, graph: Graph):
         self.graph = graph
         self._fresh = itertools.count()
-        self.reindex()
-
-    def reindex(self) -> None:
+        self._live: dict[int, Node] = {}
+        self._position: dict[int, float] = {}
         self.producer: dict[str, Node] = {}
         self.consumers: dict[str, list[Node]] = {}
-        for node in self.graph.nodes:
-            for o in node.outputs:
-                if o:
-                    self.producer[o] = node
-            for i in self._reads(node):
-                self.consumers.setdefault(i, []).append(node)
-        self.outputs = {o.name for o in self.graph.outputs}
-        self.input_names = {v.name for v in self.graph.inputs}
+        self.outputs = {o.name for o in graph.outputs}
+        self.input_names = {v.name for v in graph.inputs}
+        self._taken = {v.name for v in graph.inputs} | set(graph.initializers) | self.outputs
+        self._sorted: list[Node] | None = None  # the live nodes in position order, until the next edit
+        for position, node in enumerate(graph.nodes):
+            self._add(node, float(position))
 
     @staticmethod
     def _reads(node: Node) -> Iterable[str]:
@@ -34,7 +37,54 @@ class GraphView:
         for g in node.subgraphs():
             yield from g.free_names()
 
+    # index maintenance ------------------------------------------------------------------------------------------------
+    def _add(self, node: Node, position: float) -> None:
+        self._sorted = None
+        self._live[id(node)] = node
+        self._position[id(node)] = position
+        for o in node.outputs:
+            if o:
+                self.producer[o] = node
+                self._taken.add(o)
+        for i in set(self._reads(node)):
+            self.consumers.setdefault(i, []).append(node)
+            self._taken.add(i)
+
+    def _drop(self, node: Node) -> None:
+        if self._live.pop(id(node), None) is None:
+            return
+        self._sorted = None
+        self._position.pop(id(node), None)
+        for o in node.outputs:
+            if o and self.producer.get(o) is node:
+                del self.producer[o]
+        for i in set(self._reads(node)):
+            readers = self.consumers.get(i)
+            if readers is not None:
+                readers[:] = [r for r in readers if r is not node]
+                if not readers:
+                    del self.consumers[i]
+
+    def _rewire(self, node: Node, inputs: list[str]) -> None:
+        """Give a live node new inputs, keeping the consumer index true."""
+        position = self._position[id(node)]
+        self._drop(node)
+        node.inputs = inputs
+        self._add(node, position)
+
     # queries ----------------------------------------------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        """The live nodes, in position order (a topological order only after `commit`)."""
+        if self._sorted is None:
+            self._sorted = sorted(self._live.values(), key=lambda n: self._position[id(n)])
+        return list(self._sorted)
+
+    def alive(self, node: Node) -> bool:
+        return id(node) in self._live
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes())
+
     def const(self, name: str) -> np.ndarray | None:
         """The value of `name` if it is fixed when the session is created (an initializer no feed can override,
         or a Constant node's output)."""
@@ -59,10 +109,10 @@ class GraphView:
 
     # edits ------------------------------------------------------------------------------------------------------------
     def fresh_name(self, base: str) -> str:
-        taken = self.graph.defined_names()
         while True:
             name = f"{base}__opt{next(self._fresh)}"
-            if name not in taken:
+            if name not in self._taken:
+                self._taken.add(name)
                 return name
 
     def add_initializer(self, base: str, value: np.ndarray) -> str:
@@ -74,29 +124,22 @@ class GraphView:
 
     def replace_uses(self, old: str, new: str) -> None:
         """Make every reader of `old` read `new` instead (graph outputs keep their names via the producer)."""
-        for node in self.consumers.get(old, []):
-            node.inputs = [new if i == old else i for i in node.inputs]
-        self.reindex()
+        for node in list(self.consumers.get(old, [])):
+            self._rewire(node, [new if i == old else i for i in node.inputs])
 
     def remove(self, nodes: Iterable[Node]) -> None:
-        doomed = {id(n) for n in nodes}
-        self.graph.nodes = [n for n in self.graph.nodes if id(n) not in doomed]
-        self.reindex()
+        for node in nodes:
+            self._drop(node)
 
     def replace(self, old_nodes: Iterable[Node], new_nodes: list[Node]) -> None:
-        """Swap a connected group of nodes for new ones, keeping topological order at the first old node."""
-        old_ids = {id(n) for n in old_nodes}
-        out: list[Node] = []
-        inserted = False
-        for n in self.graph.nodes:
-            if id(n) in old_ids:
-                if not inserted:
-                    out.extend(new_nodes)
-                    inserted = True
-                continue
-            out.append(n)
-        self.graph.nodes = out
-        self.reindex()
+        """Swap a group of nodes for new ones, placed where the first (in position order) of the old ones was."""
+        old = [n for n in old_nodes if self.alive(n)]
+        start = min((self._position[id(n)] for n in old), default=float(len(self._live)))
+        for node in old:
+            self._drop(node)
+        step = 1.0 / (len(new_nodes) + 1) / 1024
+        for k, node in enumerate(new_nodes):
+            self._add(node, start + k * step)
 
     def bypass(self, node: Node, src: str, dst: str) -> bool:
         """Remove a node whose output `dst` equals its input `src`. Returns False when that is not possible
@@ -105,17 +148,29 @@ class GraphView:
             producer = self.producer.get(src)
             if producer is None or src in self.outputs or self.n_uses(src) > 1:
                 return False
+            position = self._position[id(producer)]
+            readers = [r for r in self.consumers.get(src, []) if r is not node]
+            self._drop(producer)
             producer.outputs = [dst if o == src else o for o in producer.outputs]
-            for reader in self.consumers.get(src, []):
-                reader.inputs = [dst if i == src else i for i in reader.inputs]
-            self.remove([node])
+            self._drop(node)
+            self._add(producer, position)
+            for reader in readers:
+                self._rewire(reader, [dst if i == src else i for i in reader.inputs])
             return True
-        for reader in self.consumers.get(dst, []):
+        readers = [r for r in self.consumers.get(dst, [])]
+        self._drop(node)
+        for reader in readers:
+            position = self._position[id(reader)]
+            self._drop(reader)
             reader.inputs = [src if i == dst else i for i in reader.inputs]
             for g in reader.subgraphs():
                 _rename_free(g, dst, src)
-        self.remove([node])
+            self._add(reader, position)
         return True
+
+    def commit(self) -> None:
+        """Write the live nodes back to the graph, in a topological order that follows their positions."""
+        self.graph.nodes = topological_order(self.graph, self.nodes())
 
 
 def _rename_free(g: Graph, old: str, new: str) -> None:

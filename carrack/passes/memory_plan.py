@@ -14,21 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from carrack.ir.graph import Graph, Node
+from carrack.ops import registry
 from carrack.passes.facts import Fact, numpy_dtype
 from carrack.passes.shape_inference import infer, input_facts
 
 ALIGNMENT = 64
-
-#: ops whose output may overwrite their first input (same shape and dtype, each element read before written)
-IN_PLACE_OPS = frozenset(
-    "Relu Sigmoid Tanh Neg Abs Exp Log Sqrt Erf LeakyRelu Elu Selu Celu HardSigmoid HardSwish Softplus Softsign "
-    "Clip Gelu Mish Identity Dropout Reciprocal Floor Ceil Round Sign Sin Cos".split())
-
-
-#: ops whose output may be a view of their first input: the output gets no bytes of its own, and the input's bytes
-#: stay reserved until the view's last reader
-VIEW_OPS = frozenset("Reshape Flatten Squeeze Unsqueeze Identity Transpose Dropout".split())
-
 
 @dataclass
 class Block:
@@ -52,7 +42,7 @@ class MemoryPlan:
     output_bytes: int = 0  # graph outputs: allocated for the caller, outside the arena
     #: value name -> the block it is written into (its own, or its input's when computed in place)
     storage: dict[str, str] = field(default_factory=dict)
-    #: values that may be views of a block (outputs of VIEW_OPS whose input lives in the arena)
+    #: values that may be views of a block (outputs of view kernels whose input lives in the arena)
     views: frozenset[str] = frozenset()
 
     def placement(self, name: str) -> tuple[int, tuple[int, ...], np.dtype] | None:
@@ -157,6 +147,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
     shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     output_bytes = 0
     for step, node in enumerate(graph.nodes):
+        kernel = registry.traits(node, opsets)
         placed_here = writes_into is None or writes_into(node)
         for name in node.outputs:
             if not name:
@@ -166,7 +157,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
             end = len(graph.nodes) if name in outputs else last_use.get(name, step)
             first = node.inputs[0] if node.inputs else ""
             src = view_of.get(first) or storage.get(first, "")
-            if node.op_type in VIEW_OPS and not node.domain and src in blocks:
+            if kernel is not None and kernel.view and src in blocks:
                 view_of[name] = src  # no bytes of its own; the source stays reserved while the view is read
                 blocks[src].end = max(blocks[src].end, end)
                 continue
@@ -179,7 +170,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
                 output_bytes += size  # handed to the caller: allocated outside the arena
                 continue
             shapes[name] = (tuple(fact.shape), numpy_dtype(fact.elem_type))
-            if (node.op_type in IN_PLACE_OPS and not node.domain and src in blocks and first not in view_of
+            if (kernel is not None and kernel.in_place and src in blocks and first not in view_of
                     and blocks[src].nbytes == size and blocks[src].end <= step):
                 blocks[src].end = max(blocks[src].end, end)  # write in place: extend the input's block
                 storage[name] = src

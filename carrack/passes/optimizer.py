@@ -1,64 +1,44 @@
-"""The graph optimizer: small rewrite rules, each matching at one node, applied until nothing changes.
+"""The graph optimizer: small rewrite rules, each matching at one node, applied in a fixed order until nothing changes.
 
 Levels follow onnxruntime's: DISABLE_ALL runs nothing; BASIC removes what cannot matter (dead nodes, Identity,
 inference-mode Dropout) and folds constants; EXTENDED folds BatchNormalization into the layer before it and fuses
-bias, activations and MatMul+Add; ALL adds the transformer-block fusions.
+bias, activations and MatMul+Add; ALL adds the transformer-block fusions. `PIPELINE` is the order: quantized
+patterns first (they must see quantized weights before constant folding dequantizes them), then the basic rules,
+the layer fusions and the transformer fusions.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import os
 
 import numpy as np
 
-from carrack.ir.graph import Graph, Model, Node
-from carrack.ops import registry
+from carrack.errors import InvalidModel
+from carrack.ir.graph import Graph, Model
+from carrack.passes import basic, fusions, quant_lowering, transformer_fusions
+from carrack.passes.basic import FOLD_LIMIT_BYTES, fold_known_values
 from carrack.passes.graph_view import GraphView
+from carrack.passes.rewrite import ALL, BASIC, EXTENDED, Context, Rewrite
 
-BASIC, EXTENDED, ALL = 1, 2, 99
-#: tract's cap: constant folding never creates a constant larger than this
-FOLD_LIMIT_BYTES = 4 * 2**20
-
-RuleFn = Callable[[Node, GraphView, "Context"], bool]
+PIPELINE: tuple[Rewrite, ...] = (*quant_lowering.RULES, *basic.RULES, *fusions.RULES, *transformer_fusions.RULES)
 
 
-@dataclass(frozen=True)
-class Rewrite:
-    name: str
-    ops: frozenset[str] | None  # op types the rule looks at (None: every node)
-    level: int
-    fn: RuleFn
+def _checking() -> bool:
+    """CARRACK_CHECK_REWRITES=1 (the test suite sets it) checks the graph's invariants after every rewrite."""
+    return os.environ.get("CARRACK_CHECK_REWRITES", "") not in ("", "0")
+
+__all__ = ["ALL", "BASIC", "EXTENDED", "FOLD_LIMIT_BYTES", "PIPELINE", "Context", "clone_graph",
+           "fold_known_values", "optimize", "optimize_graph", "remove_dead_nodes"]
 
 
-REWRITES: list[Rewrite] = []
-
-
-def rewrite(name: str, *ops: str, level: int = EXTENDED) -> Callable[[RuleFn], RuleFn]:
-    """Register a rewrite rule: ``fn(node, view, ctx) -> changed``."""
-
-    def wrap(fn: RuleFn) -> RuleFn:
-        REWRITES.append(Rewrite(name, frozenset(ops) if ops else None, level, fn))
-        return fn
-
-    return wrap
-
-
-@dataclass
-class Context:
-    opsets: Mapping[str, int]
-    facts: dict | None = None  # shape facts, when the caller computed them (bound input shapes)
-
-    def version(self, node: Node) -> int:
-        opset = node.opset or self.opsets.get(node.domain) or registry.default_opset(node.domain)
-        return registry.resolve(node.domain, node.op_type, opset)[1]
-
-
-def optimize(model: Model, level: int = ALL, facts: dict | None = None, max_rounds: int = 50) -> tuple[Model, dict]:
-    """A new, optimized model (the input is not changed) and how often each rule fired."""
+def optimize(model: Model, level: int = ALL, facts: dict | None = None, max_rounds: int = 50,
+             in_place: bool = False) -> tuple[Model, dict]:
+    """A new, optimized model and how often each rule fired. The input is not changed unless `in_place` (for a
+    caller that has no further use for it: cloning a large graph costs more than optimizing it)."""
     model = copy.copy(model)
-    model.graph = clone_graph(model.graph)
+    if not in_place:
+        model.graph = clone_graph(model.graph)
     fired: dict[str, int] = {}
     if level <= 0:
         return model, fired
@@ -85,188 +65,81 @@ def clone_graph(graph: Graph) -> Graph:
     return copy.deepcopy(graph, memo)
 
 
-def fold_known_values(graph: Graph, facts: Mapping, limit_bytes: int = FOLD_LIMIT_BYTES) -> int:
-    """Replace nodes whose every output is a known constant (per `facts`) by initializers; returns how many."""
-    keep, folded = [], 0
-    for node in graph.nodes:
-        outs = [facts.get(o) for o in node.outputs if o]
-        if (node.op_type not in _NEVER_FOLD and outs and all(f is not None and f.is_concrete() for f in outs)
-                and sum(f.value.nbytes for f in outs) <= limit_bytes):
-            for name in node.outputs:
-                if name:
-                    graph.initializers[name] = np.asarray(facts[name].value)
-            folded += 1
-        else:
-            keep.append(node)
-    graph.nodes = keep
-    return folded
-
-
-def _reads_by_name(graph: Graph) -> bool:
+def reads_by_name(graph: Graph) -> bool:
     """Gradient names the value it differentiates in an attribute, a use no rewrite can see: leave such graphs be."""
     return any(n.op_type == "Gradient" and n.domain == "ai.onnx.preview.training" for n in graph.nodes)
 
 
+#: how many times the rewrite loop has run in this process (tests use it to prove a new shape optimizes nothing)
+RUNS = [0]
+
+
 def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int], max_rounds: int = 50) -> None:
-    if _reads_by_name(graph):
+    if reads_by_name(graph):
         return
+    RUNS[0] += 1
     view = GraphView(graph)
-    rules = [r for r in REWRITES if r.level <= level]
+    rules = [r for r in PIPELINE if r.level <= level]
+    checking = _checking()
     for _ in range(max_rounds):
         changed = False
         for r in rules:
-            for node in list(graph.nodes):
-                if not _alive(view, node) or (r.ops is not None and node.op_type not in r.ops):
+            for node in view.nodes():
+                if not view.alive(node) or (r.ops is not None and node.op_type not in r.ops):
                     continue
                 if r.fn(node, view, ctx):
                     fired[r.name] = fired.get(r.name, 0) + 1
                     changed = True
+                    if checking:
+                        check_invariants(view, r.name)
         changed |= remove_dead_nodes(view, fired)
         if not changed:
             break
+    view.commit()
     for node in graph.nodes:  # subgraph bodies are optimized on their own
         for g in node.subgraphs():
             optimize_graph(g, ctx, level, fired, max_rounds)
 
 
-def _alive(view: GraphView, node: Node) -> bool:
-    return any(view.producer.get(o) is node for o in node.outputs if o) or not any(node.outputs)
-
-
 def remove_dead_nodes(view: GraphView, fired: dict[str, int]) -> bool:
-    """Drop nodes none of whose outputs is read or returned; unused initializers go too."""
+    """Drop nodes none of whose outputs is read (transitively) by a graph output; unused initializers go too.
+    Walks producers back from the outputs, so it needs no particular node order."""
     graph = view.graph
-    needed = {o.name for o in graph.outputs}
-    keep: list[Node] = []
-    for node in reversed(graph.nodes):
-        if any(o in needed for o in node.outputs if o):
-            keep.append(node)
-            needed.update(view._reads(node))
-    removed = len(graph.nodes) - len(keep)
+    needed: set[str] = set()
+    live: set[int] = set()
+    stack = [o.name for o in graph.outputs]
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        node = view.producer.get(name)
+        if node is not None and id(node) not in live:
+            live.add(id(node))
+            stack.extend(view._reads(node))
+    dead = [n for n in view.nodes() if id(n) not in live]
     unused = [k for k in graph.initializers if k not in needed and k not in view.input_names]
     for k in unused:
         del graph.initializers[k]
-    if removed:
-        graph.nodes = keep[::-1]
-        view.reindex()
-        fired["dead_node_elimination"] = fired.get("dead_node_elimination", 0) + removed
-    return bool(removed)
+    if dead:
+        view.remove(dead)
+        fired["dead_node_elimination"] = fired.get("dead_node_elimination", 0) + len(dead)
+    return bool(dead)
 
 
-# -- basic -------------------------------------------------------------------------------------------------------------
+def check_invariants(view: GraphView, after: str) -> None:
+    """Every value a live node reads is defined, every graph output is still produced, and the nodes can be ordered:
+    a rewrite that breaks one of these is a bug in that rewrite."""
+    graph = view.graph
+    defined = view.input_names | set(graph.initializers) | set(view.producer)
+    outer = graph.free_names()  # graph.nodes is the graph as given until commit: these are its outer reads
+    for node in view.nodes():
+        missing = [n for n in view._reads(node) if n not in defined and n not in outer]
+        if missing:
+            raise InvalidModel(f"rewrite '{after}' left {node.label()} reading {missing}, which nothing defines")
+    lost = [o.name for o in graph.outputs if o.name not in defined and o.name not in outer]
+    if lost:
+        raise InvalidModel(f"rewrite '{after}' left graph output(s) {lost} unproduced")
+    from carrack.ir.order import topological_order
 
-@rewrite("identity_removal", "Identity", level=BASIC)
-def remove_identity(node: Node, view: GraphView, ctx: Context) -> bool:
-    if node.domain or not node.inputs or not node.inputs[0]:
-        return False
-    return view.bypass(node, node.inputs[0], node.outputs[0])
-
-
-@rewrite("dropout_removal", "Dropout", level=BASIC)
-def remove_dropout(node: Node, view: GraphView, ctx: Context) -> bool:
-    """Dropout is the identity at inference unless training_mode is a true constant (or a runtime input)."""
-    if len(node.outputs) > 1 and node.outputs[1] and view.n_uses(node.outputs[1]):
-        return False
-    if len(node.inputs) > 2 and node.inputs[2]:
-        mode = view.const(node.inputs[2])
-        if mode is None or bool(mode):
-            return False
-    if ctx.version(node) < 7 and not node.attrs.get("is_test", 0):
-        # opset < 7 Dropout in training mode scales; in inference mode (is_test) it is the identity
-        return False
-    return view.bypass(node, node.inputs[0], node.outputs[0])
-
-
-_NEVER_FOLD = registry.IMPURE_OPS | {"If", "Loop", "Scan", "SequenceMap"}
-
-
-@rewrite("constant_folding", level=BASIC)
-def fold_constants(node: Node, view: GraphView, ctx: Context) -> bool:
-    """Evaluate a node whose inputs are all constants, if its outputs stay under the size cap."""
-    if node.op_type in _NEVER_FOLD or node.op_type == "Constant" or not node.outputs:
-        return False
-    values = []
-    for name in node.inputs:
-        if not name:
-            values.append(None)
-            continue
-        v = view.const(name)
-        if v is None:
-            return False
-        values.append(v)
-    if node.op_type == "ConstantOfShape" and not node.domain and values and values[0] is not None:
-        return _fold_uniform(node, view, values[0])
-    if ctx.facts is None and _estimated_bytes(node, values) > FOLD_LIMIT_BYTES:
-        return False
-    opset = node.opset or ctx.opsets.get(node.domain) or registry.default_opset(node.domain)
-    cls, version = registry.resolve(node.domain, node.op_type, opset)
-    if cls is None:
-        return False
-    try:
-        with np.errstate(all="ignore"):
-            result = cls(node, version, None).run(*values)
-    except Exception:  # noqa: BLE001 - leave it to run time, where the error names the node
-        return False
-    outs = result if type(result) is tuple else (result,)
-    if not all(isinstance(o, (np.ndarray, np.generic)) for o in outs):
-        return False
-    if sum(np.asarray(o).nbytes for o in outs) > FOLD_LIMIT_BYTES:
-        return False
-    for name, value in zip(node.outputs, outs):
-        if name:
-            view.graph.initializers[name] = np.asarray(value)
-    view.remove([node])
-    return True
-
-
-def _fold_uniform(node: Node, view: GraphView, shape: np.ndarray) -> bool:
-    """ConstantOfShape of a known shape: a read-only broadcast view of one value, so any size costs no memory."""
-    value = node.attrs.get("value")
-    scalar = np.asarray(value).reshape(-1)[:1] if isinstance(value, np.ndarray) else np.zeros(1, np.float32)
-    dims = tuple(int(d) for d in np.asarray(shape).reshape(-1))
-    if any(d < 0 for d in dims) or scalar.size != 1:
-        return False
-    view.graph.initializers[node.outputs[0]] = np.broadcast_to(scalar.reshape(()), dims)
-    view.remove([node])
-    return True
-
-
-def _estimated_bytes(node: Node, values: list) -> int:
-    """A cheap upper guess of a fold's output size, so that Expand/Tile/ConstantOfShape blow-ups are not even tried."""
-    sizes = [v.nbytes for v in values if isinstance(v, np.ndarray)]
-    if node.op_type in ("ConstantOfShape", "Expand", "Tile", "Range", "EyeLike"):
-        shape_like = values[-1] if node.op_type != "Range" else None
-        if node.op_type == "ConstantOfShape" and isinstance(values[0], np.ndarray):
-            return int(np.prod(values[0].astype(np.float64))) * 8
-        if node.op_type in ("Expand", "Tile") and isinstance(shape_like, np.ndarray):
-            base = values[0]
-            factor = float(np.prod(np.maximum(shape_like.astype(np.float64), 1)))
-            return int(base.itemsize * max(factor, base.size) * (base.size if node.op_type == "Tile" else 1))
-        if node.op_type == "Range":
-            try:
-                n = abs((float(values[1]) - float(values[0])) / float(values[2]))
-            except (TypeError, ValueError, ZeroDivisionError):
-                return FOLD_LIMIT_BYTES + 1
-            return int(n * 8)
-    return max(sizes, default=0)
-
-
-from carrack.passes import fusions as _fusions  # noqa: E402, F401 - registers the fusion rules
-
-
-def specialize(model: Model, bindings: Mapping[str, int], level: int = ALL) -> Graph:
-    """The graph for inputs whose symbolic dims are bound: shape arithmetic folded to constants, then re-optimized."""
-    from carrack.passes.shape_inference import infer, input_facts
-
-    graph = clone_graph(model.graph)
-    if _reads_by_name(graph):
-        return graph
-    facts = infer(graph, model.opsets, input_facts(graph, bindings))
-    fold_known_values(graph, facts)
-    fired: dict[str, int] = {}
-    view = GraphView(graph)
-    remove_dead_nodes(view, fired)
-    optimize_graph(graph, Context(model.opsets, infer(graph, model.opsets, input_facts(graph, bindings))), level, fired)
-    return graph
-from carrack.passes import quant_lowering as _quant_lowering  # noqa: E402, F401
-from carrack.passes import transformer_fusions as _transformer_fusions  # noqa: E402, F401
+    topological_order(graph, view.nodes())

@@ -12,8 +12,8 @@
 
 Integer GEMMs stay exact: `k_splits` (computed here from the actual weight) cut K so that the sum of |products| of
 each float32 GEMM stays within 2**24 for any activation of the input type (see carrack/ops/quant.py).
-These rules go to the front of the rule list, so they see the quantized weights before constant folding
-dequantizes them.
+These rules run first in the pipeline (carrack.passes.optimizer.PIPELINE), so they see the quantized weights before
+constant folding dequantizes them.
 """
 
 from __future__ import annotations
@@ -24,24 +24,17 @@ import numpy as np
 
 from carrack.ir.graph import Node
 from carrack.ops import quant
-from carrack.passes import optimizer, shape_rules
+from carrack.passes import shape_rules
 from carrack.passes.facts import Fact, tensor_fact
 from carrack.passes.graph_view import GraphView
-from carrack.passes.optimizer import BASIC, EXTENDED, Context, Rewrite
+from carrack.passes.rewrite import BASIC, EXTENDED, Context, RuleSet
 from carrack.passes.shape_inference import rule
 
 MS = "com.microsoft"
 CARRACK = "carrack"
 _QUANTIZED = (np.dtype(np.uint8), np.dtype(np.int8))
-_OWN_RULES: list[Rewrite] = []
-
-
-def _rule(name: str, *ops: str, level: int):
-    def wrap(fn):
-        _OWN_RULES.append(Rewrite(name, frozenset(ops), level, fn))
-        return fn
-
-    return wrap
+RULES = RuleSet("quantized")
+_rule = RULES.rewrite
 
 
 @dataclass
@@ -408,7 +401,3 @@ def _qlinear_matmul_shape(node: Node, ins: list[Fact], version: int) -> list[Fac
 def _qlinear_conv_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
     fact = shape_rules.conv_rule(node, ins, version)[0]
     return [tensor_fact(ins[4].elem_type, fact.shape)]
-
-
-# Quantized patterns must be matched before constant folding dequantizes their weights.
-optimizer.REWRITES[:0] = _OWN_RULES

@@ -34,28 +34,30 @@ def rule(*op_types: str, domain: str = "") -> Callable[[Rule], Rule]:
     return wrap
 
 
-def input_facts(graph: Graph, bindings: Mapping[str, int] | None = None) -> dict[str, Fact]:
-    """Facts for graph inputs: declared dims, named ones as symbols, anonymous ones as fresh symbols."""
+def input_facts(graph: Graph, bindings: Mapping[str, int] | None = None, parse_names: bool = True) -> dict[str, Fact]:
+    """Facts for graph inputs: declared dims, named ones as symbols, anonymous ones as fresh symbols. A dim_param
+    such as ``4*batch`` is parsed into an expression unless `parse_names` is False (then every non-fixed dim is the
+    one symbol a run binds it under)."""
     facts = {}
     for v in graph.inputs:
         if v.name in graph.initializers:
             continue
         t = v.type
         if isinstance(t, TensorType) and t.shape is not None:
-            dims = tuple(_input_dim(d, v.name, axis, bindings or {}) for axis, d in enumerate(t.shape))
+            dims = tuple(_input_dim(d, v.name, axis, bindings or {}, parse_names) for axis, d in enumerate(t.shape))
             facts[v.name] = Fact(TensorType(t.elem_type, dims))
         else:
             facts[v.name] = Fact(t)
     return facts
 
 
-def _input_dim(d, name: str, axis: int, bindings: Mapping[str, int]) -> DimLike:
+def _input_dim(d, name: str, axis: int, bindings: Mapping[str, int], parse_names: bool) -> DimLike:
     if isinstance(d, int):
         return d
     label = binding_name(d, name, axis)
     if label in bindings:
         return int(bindings[label])
-    return parse(label) if label == getattr(d, "name", None) else Sym(label)
+    return parse(label) if parse_names and label == getattr(d, "name", None) else Sym(label)
 
 
 def infer(graph: Graph, opsets: Mapping[str, int], facts: dict[str, Fact] | None = None,
@@ -116,7 +118,7 @@ def _bounded(fact: Fact) -> Fact:
 
 def _fold(node: Node, ins: list[Fact], cls, version: int) -> list[Fact] | None:
     """Run the real kernel when every input is a small known constant (shape arithmetic, mostly)."""
-    if cls is None or node.subgraphs() or node.op_type in registry.IMPURE_OPS:
+    if cls is None or node.subgraphs() or not cls.pure:
         return None
     if not all(f.is_concrete() for f, name in zip(ins, node.inputs) if name):
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from carrack.ir.symbolic import DimLike, add, ceildiv, dmax, dmin, floordiv, mul
+from carrack.ir.symbolic import DimLike, add, ceildiv, dmax, dmin, floordiv, mul, nonnegative
 from carrack.passes.facts import Fact, dims_array, tensor_fact
 from carrack.passes.shape_inference import rule
 
@@ -110,12 +110,43 @@ def _dim(v) -> DimLike:
 
 @rule("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor")
 def compare_rule(node, ins, version):
-    return [tensor_fact(BOOL, broadcast_shapes(*(f.shape for f in ins)))]
+    shape = broadcast_shapes(*(f.shape for f in ins))
+    value = _symbolic_equal(ins, shape) if node.op_type == "Equal" else None
+    return [tensor_fact(BOOL, shape, value)]
+
+
+def _symbolic_equal(ins: list[Fact], shape) -> np.ndarray | None:
+    """Equal on shape contents where it is decided for every size: a size (never negative) against a negative
+    constant (exporters test shapes for -1 before Expand), or a dim against itself."""
+    if len(ins) != 2 or shape is None or len(shape) > 1 or ins[0].value is None or ins[1].value is None:
+        return None
+    a, b = (np.broadcast_to(f.value, tuple(shape)).reshape(-1) for f in ins)
+    out = []
+    for x, y in zip(a, b):
+        x, y = _dim(x), _dim(y)
+        if isinstance(x, int) and isinstance(y, int) or x == y:
+            out.append(x == y)
+        elif (isinstance(y, int) and y < 0 and nonnegative(x)) or (isinstance(x, int) and x < 0 and nonnegative(y)):
+            out.append(False)
+        else:
+            return None
+    return np.array(out, dtype=bool).reshape(shape)
 
 
 @rule("Where")
 def where_rule(node, ins, version):
-    return [tensor_fact(ins[1].elem_type or ins[2].elem_type, broadcast_shapes(*(f.shape for f in ins)))]
+    shape = broadcast_shapes(*(f.shape for f in ins))
+    return [tensor_fact(ins[1].elem_type or ins[2].elem_type, shape, _symbolic_where(ins, shape))]
+
+
+def _symbolic_where(ins: list[Fact], shape) -> np.ndarray | None:
+    """Where with a known condition over shape contents: each element picked from the known side."""
+    if len(ins) != 3 or shape is None or len(shape) > 1 or any(f.value is None for f in ins):
+        return None
+    if not ins[0].is_concrete() or not (ins[1].value.dtype == object or ins[2].value.dtype == object):
+        return None
+    cond, x, y = (np.broadcast_to(f.value, tuple(shape)).reshape(-1) for f in ins)
+    return dims_array([_dim(a) if c else _dim(b) for c, a, b in zip(cond, x, y)]).reshape(shape)
 
 
 @rule("Cast")

@@ -3,7 +3,7 @@
 Every rule emits operators onnxruntime knows (standard ONNX ops, or its com.microsoft contrib ops), so an optimized
 model written with `SessionOptions.optimized_model_filepath` still runs there. Rules that need shapes (head counts,
 hidden sizes, the `1 / sqrt(d)` scale computed from a Shape chain) use `ctx.facts` when the caller computed them and
-otherwise infer symbolic shapes of the graph being rewritten once, on first need.
+otherwise infer symbolic shapes of the values they look at, on demand (`LazyFacts`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from carrack.ir.graph import Node
 from carrack.ops import registry
 from carrack.passes.facts import Fact, tensor_fact
 from carrack.passes.graph_view import GraphView
-from carrack.passes.optimizer import ALL, Context, rewrite
-from carrack.passes.shape_inference import infer, rule
+from carrack.passes.lazy_facts import LazyFacts
+from carrack.passes.rewrite import ALL, Context, RuleSet
+from carrack.passes.shape_inference import rule
 from carrack.passes.shape_rules import same_as_first
 
 MS = "com.microsoft"
+RULES = RuleSet("transformer")
 _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 
 
@@ -34,12 +36,10 @@ def _fact(view: GraphView, ctx: Context, name: str) -> Fact:
     """What shape inference knows about `name` (an empty Fact when nothing)."""
     if ctx.facts is not None and name in ctx.facts:
         return ctx.facts[name]
-    cached = ctx.__dict__.get("_transformer_facts")
-    if cached is None or cached[0] is not view.graph or (name not in cached[2] and cached[1] is not view.graph.nodes):
-        # recomputed only after the graph changed; names keep their meaning across rewrites, so older facts stay true
-        cached = (view.graph, view.graph.nodes, infer(view.graph, ctx.opsets))
-        ctx.__dict__["_transformer_facts"] = cached
-    return cached[2].get(name) or Fact()
+    lazy = ctx.__dict__.get("_lazy_facts")
+    if lazy is None or lazy.view is not view:
+        lazy = ctx.__dict__["_lazy_facts"] = LazyFacts(view, ctx.opsets)
+    return lazy.get(name)
 
 
 def _shape(view: GraphView, ctx: Context, name: str) -> tuple | None:
@@ -192,7 +192,7 @@ def _to_norm_shape(value: np.ndarray, norm_shape: tuple[int, ...]) -> np.ndarray
         return None
 
 
-@rewrite("layer_norm_fusion", "ReduceMean", level=ALL)
+@RULES.rewrite("layer_norm_fusion", "ReduceMean", level=ALL)
 def fuse_layer_norm(mean: Node, view: GraphView, ctx: Context) -> bool:
     """x - mean(x), scaled by 1/sqrt(mean((x - mean)^2) + eps), times gamma plus beta -> LayerNormalization."""
     if mean.domain:
@@ -279,7 +279,7 @@ def _gelu_node(ctx: Context, x: str, out: str, approximate: bool, name: str) -> 
     return Node("FastGelu" if approximate else "Gelu", [x], [out], domain=MS, name=name)
 
 
-@rewrite("gelu_fusion", "Erf", level=ALL)
+@RULES.rewrite("gelu_fusion", "Erf", level=ALL)
 def fuse_gelu(erf: Node, view: GraphView, ctx: Context) -> bool:
     """x * 0.5 * (1 + erf(x / sqrt 2)) -> Gelu."""
     if erf.domain:
@@ -317,7 +317,7 @@ def _cube_of(view: GraphView, ctx: Context, name: str) -> tuple[str, list[Node]]
     return None
 
 
-@rewrite("fast_gelu_fusion", "Tanh", level=ALL)
+@RULES.rewrite("fast_gelu_fusion", "Tanh", level=ALL)
 def fuse_fast_gelu(tanh: Node, view: GraphView, ctx: Context) -> bool:
     """0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))) -> FastGelu (Gelu with approximate=tanh)."""
     if tanh.domain:
@@ -362,7 +362,7 @@ def _is_gelu(node: Node) -> str | None:
     return None
 
 
-@rewrite("bias_gelu_fusion", "Gelu", "FastGelu", level=ALL)
+@RULES.rewrite("bias_gelu_fusion", "Gelu", "FastGelu", level=ALL)
 def fuse_bias_gelu(gelu: Node, view: GraphView, ctx: Context) -> bool:
     """Gelu(x + bias) with a 1-D constant bias over the last axis -> com.microsoft BiasGelu / FastGelu(x, bias)."""
     kind = _is_gelu(gelu)
@@ -382,7 +382,7 @@ def fuse_bias_gelu(gelu: Node, view: GraphView, ctx: Context) -> bool:
 
 # -- SkipLayerNormalization ----------------------------------------------------------------------------------------
 
-@rewrite("skip_layer_norm_fusion", "LayerNormalization", level=ALL)
+@RULES.rewrite("skip_layer_norm_fusion", "LayerNormalization", level=ALL)
 def fuse_skip_layer_norm(ln: Node, view: GraphView, ctx: Context) -> bool:
     """LayerNormalization(input + skip [+ bias]) over the last axis -> com.microsoft SkipLayerNormalization."""
     if ln.domain or any(view.n_uses(o) for o in ln.outputs[1:] if o) or len(ln.inputs) < 2:
@@ -425,7 +425,7 @@ def fuse_skip_layer_norm(ln: Node, view: GraphView, ctx: Context) -> bool:
 
 # -- projections -----------------------------------------------------------------------------------------------------
 
-@rewrite("gemm_reshape_to_matmul", "Gemm", level=ALL)
+@RULES.rewrite("gemm_reshape_to_matmul", "Gemm", level=ALL)
 def gemm_between_reshapes(gemm: Node, view: GraphView, ctx: Context) -> bool:
     """Reshape(x, [prod(lead), K]) -> Gemm(., W) -> Reshape(., lead + [N]) becomes MatMul(x, W) (+ Add of the
     bias): exporters flatten (B, S, K) activations around each Gemm, which costs two nodes per projection and gains
@@ -441,6 +441,8 @@ def gemm_between_reshapes(gemm: Node, view: GraphView, ctx: Context) -> bool:
         return False
     x, a2, y2, y = (_shape(view, ctx, n) for n in (flat.inputs[0], gemm.inputs[0], gemm.outputs[0], unflat.outputs[0]))
     if x is None or a2 is None or y2 is None or y is None or len(x) < 3 or len(a2) != 2 or len(y2) != 2:
+        return False
+    if any(d is None for d in x):  # an unknown dim (GPT-2 exported with past): its row count cannot be checked
         return False
     rows = x[0]
     for d in x[1:-1]:
@@ -661,7 +663,7 @@ def _attention_bias(em: _Emitter, scores: _Scores, dims: tuple) -> str | None:
     return em.unsqueeze(bias, list(range(4 - len(shape)))) if len(shape) < 4 else bias
 
 
-@rewrite("attention_fusion", "Softmax", level=ALL)
+@RULES.rewrite("attention_fusion", "Softmax", level=ALL)
 def fuse_attention(softmax: Node, view: GraphView, ctx: Context) -> bool:
     """softmax(Q K^T * scale + mask) V over (B, N, S, H) heads -> com.microsoft MultiHeadAttention.
 

@@ -38,11 +38,24 @@ def _check(name: str, t: ValueType | None, value: Any, symbols: dict[Sym, tuple[
         return value
     if value is None:
         raise InvalidArgument(f"input '{name}' is None, but it is a tensor input and needs an array")
+    if isinstance(t, TensorType) and t.elem_type and isinstance(value, (list, bool, int, float)):
+        value = _python_values_as(name, t, value)
     arr = as_native_array(name, value)
     if isinstance(t, TensorType):
         _check_dtype(name, t, arr)
         _check_shape(name, t, arr, symbols)
     return arr
+
+
+def _python_values_as(name: str, t: TensorType, value: Any) -> np.ndarray:
+    """A Python list (or scalar) fed to a tensor input becomes an array of the input's type, as onnxruntime does
+    for lists (numpy arrays are never cast: their type must match)."""
+    dtype = to_numpy(t.elem_type)
+    try:
+        return np.asarray(value, dtype=object if dtype.kind in "OUS" else dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgument(f"input '{name}' expects tensor({type_name(t.elem_type)}); its Python values "
+                              f"cannot be converted: {e}") from None
 
 
 def as_native_array(name: str, value: Any) -> np.ndarray:

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from carrack.errors import CarrackError, InvalidModel, RunFailure
+from carrack.errors import CarrackError, InvalidModel, RunFailure, RunTerminated
 from carrack.ir.graph import Graph, Node
+from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
 
 if TYPE_CHECKING:
-    from carrack.passes.memory_plan import MemoryPlan
+    from carrack.plan.plan import Bound, Plan
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Program:
             what = f"graph '{graph.name}'" if graph.name else "the graph"
             raise InvalidModel(f"{what} reads values that nothing defines: {', '.join(map(repr, unknown[:10]))}")
         self.capture_slots = [(n, self._slot(n)) for n in free]
-        nodes = _expand_function_ops(_toposort(graph), ctx)
+        nodes = _expand_function_ops(topological_order(graph), ctx)
         visible = frozenset(outer | graph.defined_names() | {o for n in nodes for o in n.outputs})
         self.steps = self._build_steps(nodes, ctx, visible)
         self.output_slots = [self.slot_of[o.name] if o.name in self.slot_of else self._slot(o.name)
@@ -76,8 +77,8 @@ class Program:
         self.n_slots = len(self.slot_of)
         self._assign_release()
         self._dependencies = None
-        self.arena_plan: MemoryPlan | None = None
-        self.arena_bytes = 0
+        self._placed: dict[int, int] = {}  # step -> index of its output among the plan's placed values
+        self._views: set[str] = set()
         self._plan = self._compile_plan()
 
     def _slot(self, name: str) -> int:
@@ -132,8 +133,11 @@ class Program:
         return self._dependencies
 
     def run(self, inputs: Sequence[Any], outer: Mapping[str, Any] | None = None, profiler: Any = None,
-            concurrency: int = 1) -> list[Any]:
-        """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads."""
+            concurrency: int = 1, bound: Bound | None = None, should_stop: Any = None) -> list[Any]:
+        """Run on `inputs` (in input_names order); `concurrency` > 1 runs independent steps on that many threads;
+        `bound` (the session's plan evaluated for this run's sizes) places intermediates in one arena.
+        `should_stop` (optional callable) is asked before each step; when it returns true the run raises
+        RunTerminated (RunOptions.terminate)."""
         env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
         for s, v in self.constants.items():
             env[s] = v
@@ -145,30 +149,34 @@ class Program:
         if concurrency > 1 and profiler is None and len(self.steps) > 1:
             from carrack.runtime.concurrent import run_concurrently
 
-            run_concurrently(self, env, concurrency, _execute_step)
+            run_concurrently(self, env, concurrency, _stoppable(_execute_step, should_stop))
             return [env[s] for s in self.output_slots]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
-        arena = None if self.arena_plan is None or profiler is not None else aligned_empty(
-            (max(self.arena_bytes, 64),), np.uint8)
+        arena = None if bound is None or profiler is not None or not self._placed else aligned_empty(
+            (max(bound.arena_bytes, 64),), np.uint8)
+        places = bound.places if arena is not None else ()
         step = None
         try:
             if profiler is None:
-                for step, call, gather, arity, single, release, into, guard in self._plan:
-                    if into is not None:
-                        offset, nbytes, shape, dtype = into
+                for step, call, gather, arity, single, release, placed, guard, run_into in self._plan:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
+                    if placed >= 0 and arena is not None and places[placed] is not None:
+                        offset, nbytes, shape, dtype = places[placed]
                         out = arena[offset:offset + nbytes].view(dtype).reshape(shape)
-                        result = call(out, gather(env)) if arity == 1 else call(out, *gather(env))
-                    elif arity == 1:
-                        result = call(gather(env))
-                    elif arity > 1:
-                        result = call(*gather(env))
-                    elif arity == 0:
-                        result = call()
+                        result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
                     else:
-                        result = step.kernel.execute(list(gather(env)), _scope(step, env))
-                    if guard and arena is not None:
-                        result = _off_arena(result, arena)
+                        if arity == 1:
+                            result = call(gather(env))
+                        elif arity > 1:
+                            result = call(*gather(env))
+                        elif arity == 0:
+                            result = call()
+                        else:
+                            result = step.kernel.execute(list(gather(env)), _scope(step, env))
+                        if guard and arena is not None:
+                            result = _off_arena(result, arena)
                     if single >= 0 and type(result) is np.ndarray:
                         env[single] = result
                     else:
@@ -177,11 +185,13 @@ class Program:
                         env[s] = None
             else:
                 for step in self.steps:
+                    if should_stop is not None and should_stop():
+                        raise RunTerminated(f"before {step.node.label()}")
                     args = [env[s] if s >= 0 else None for s in step.ins]
                     t0 = time.perf_counter_ns()
                     result = step.kernel.execute(args, _scope(step, env))
                     profiler.record(step.node.name or step.node.outputs[0], step.node.op_type, t0,
-                                    time.perf_counter_ns())
+                                    time.perf_counter_ns(), io=(args, result, [s in self.constants for s in step.ins]))
                     _store(step.outs, result, env)
                     for s in step.release:
                         env[s] = None
@@ -194,46 +204,35 @@ class Program:
         outputs = [env[s] for s in self.output_slots]
         return outputs if arena is None else [_off_arena(v, arena) for v in outputs]
 
-    def use_arena(self, opsets: Mapping[str, int], bindings: Mapping[str, int] | None = None) -> MemoryPlan:
-        """Plan this program's intermediates into one arena (for inputs with these symbol sizes) and write the
-        outputs of kernels that can compute into a given buffer (`run_into`) straight into it."""
-        from carrack.passes.memory_plan import plan_memory
-
-        order = Graph(self.graph.name, self.graph.inputs, self.graph.outputs, [st.node for st in self.steps],
-                      self.graph.initializers, self.graph.value_info)
-        kernels = {id(st.node): st.kernel for st in self.steps}
-        plan = plan_memory(order, opsets, bindings,
-                           writes_into=lambda node: hasattr(kernels.get(id(node)), "run_into"))
-        self.arena_plan = plan
-        self.arena_bytes = plan.arena_bytes
+    def attach(self, plan: Plan) -> None:
+        """Write the intermediates the plan places in its arena straight into it (kernels with `run_into`)."""
+        index = {p.name: k for k, p in enumerate(plan.placed)}
+        self._placed = {}
+        for k, st in enumerate(self.steps):
+            if len(st.outs) == 1 and st.node.outputs[0] in index and hasattr(st.kernel, "run_into"):
+                self._placed[k] = index[st.node.outputs[0]]
+        self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
-        return plan
 
     def _compile_plan(self) -> list[tuple]:
         """Per step, what the run loop needs in the cheapest form: the kernel's `run` (None when the kernel
         overrides `execute`, e.g. control flow reading outer-scope values: arity -1), a C-level getter of its input
         values (omitted inputs read the always-None extra slot), how many inputs it takes, its output slot when it
-        has exactly one (else -1), the slots it releases, where in the arena it writes its output (None: it
-        allocates), and whether its result must be checked for views into the arena."""
+        has exactly one (else -1), the slots it releases, the index of its output among the plan's placed values
+        (-1: it allocates), whether its result must be checked for views into the arena, and its `run_into`."""
         plan = []
-        arena_plan = self.arena_plan
-        for st in self.steps:
+        for k, st in enumerate(self.steps):
             ins = tuple(s if s >= 0 else self.n_slots for s in st.ins)
             overridden = type(st.kernel).execute is not registry.Kernel.execute or bool(st.captures)
             call = None if overridden else st.kernel.run
             arity = -1 if overridden else len(ins)
             gather = _tuple_getter(ins) if overridden else operator.itemgetter(*ins) if ins else None
             single = st.outs[0] if len(st.outs) == 1 else -1  # -1: store through _store
-            into, guard = None, arena_plan is not None
-            if arena_plan is not None and single >= 0 and arity > 0 and hasattr(st.kernel, "run_into"):
-                placed = arena_plan.placement(st.node.outputs[0])
-                if placed is not None:
-                    offset, shape, dtype = placed
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    into, call, guard = (offset, nbytes, shape, dtype), st.kernel.run_into, False
-            if arena_plan is not None and any(o in arena_plan.views for o in st.node.outputs):
-                guard = False  # a planned view: its source's bytes stay reserved while it is read
-            plan.append((st, call, gather, arity, single, st.release, into, guard))
+            placed = self._placed.get(k, -1) if single >= 0 and arity > 0 else -1
+            # a planned view's source bytes stay reserved while it is read; anything else may be a stray view
+            guard = not any(o in self._views for o in st.node.outputs)
+            run_into = st.kernel.run_into if placed >= 0 else None
+            plan.append((st, call, gather, arity, single, st.release, placed, guard, run_into))
         return plan
 
 
@@ -280,28 +279,6 @@ def _store(outs: tuple[int, ...], result: Any, env: list[Any]) -> None:
 _EMPTY: Mapping[str, Any] = {}
 
 
-def _toposort(graph: Graph) -> list[Node]:
-    """Nodes in an order where every input is produced first (ONNX requires it; some exporters forget)."""
-    available = {v.name for v in graph.inputs} | set(graph.initializers) | graph.free_names() | {""}
-    ordered, pending = [], list(graph.nodes)
-    while pending:
-        rest = []
-        for n in pending:
-            needs = set(n.inputs) | {x for g in n.subgraphs() for x in g.free_names()}
-            if needs <= available:
-                ordered.append(n)
-                available.update(n.outputs)
-            else:
-                rest.append(n)
-        if len(rest) == len(pending):
-            n = rest[0]
-            missing = sorted((set(n.inputs) | {x for g in n.subgraphs() for x in g.free_names()}) - available)
-            raise InvalidModel(f"{n.label()} reads {', '.join(map(repr, missing))}, which no node, input or "
-                               "initializer defines (or the graph has a cycle)")
-        pending = rest
-    return ordered
-
-
 def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:
     """Ops without a kernel whose ONNX schema defines a function body are replaced by that body."""
     from carrack.onnx.functions import Function, expand_call
@@ -335,3 +312,15 @@ def _function_body(sch, opset: int) -> onnx.FunctionProto | None:
     fp = onnx.FunctionProto()
     fp.ParseFromString(sch.get_function_with_opset_version(max(versions)))
     return fp
+
+
+def _stoppable(execute_step, should_stop):
+    """`execute_step` that first asks `should_stop` (RunOptions.terminate) when there is one."""
+    if should_stop is None:
+        return execute_step
+
+    def checked(step: Step, env: list[Any]) -> None:
+        if should_stop():
+            raise RunTerminated(f"before {step.node.label()}")
+        execute_step(step, env)
+    return checked

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,17 +13,19 @@ import numpy as np
 
 from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedOps
 from carrack.ir.dims import Sym, binding_name, dim_label
-from carrack.ir.graph import Model, ValueInfo
+from carrack.ir.graph import Graph, Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import seal_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
-from carrack.passes.optimizer import optimize, specialize
+from carrack.passes.optimizer import optimize
+from carrack.plan import Plan, build_plan
 from carrack.runtime.allocator import retain_freed_memory
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
+from carrack.runtime.ort_session import OrtSessionApi, apply_session_options, terminate_check
 from carrack.runtime.profiler import Profiler
 from carrack.runtime.program import BuildContext, Program
 
@@ -62,7 +63,7 @@ def _node_arg(v: ValueInfo) -> NodeArg:
     return NodeArg(v.name, t.ort_name(), None)
 
 
-class InferenceSession:
+class InferenceSession(OrtSessionApi):
     """Load a model once, run it many times (from several threads at once if you like).
 
     ``InferenceSession(path_or_bytes_or_ModelProto, sess_options=None, providers=None)``; ``providers`` is accepted
@@ -72,34 +73,58 @@ class InferenceSession:
     def __init__(self, path_or_bytes: ModelSource, sess_options: SessionOptions | None = None,
                  providers: Sequence[Any] | None = None, provider_options: Sequence[Any] | None = None,
                  **kwargs: Any):
-        self._options = sess_options or SessionOptions()
-        self._concurrency = _inter_op_threads(self._options)
-        if self._options.enable_cpu_mem_arena:
+        options = sess_options or SessionOptions()
+        self._record_source(path_or_bytes, providers, provider_options)
+        source_model = apply_session_options(load_model(path_or_bytes), options)
+        source = source_model.graph
+        initialized = set(source.initializers)
+        # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
+        # the unoptimized source graph instead
+        frozen = replace(source_model, graph=replace(source, inputs=[v for v in source.inputs
+                                                                     if v.name not in initialized]))
+        level = int(options.graph_optimization_level)
+        if options.optimized_model_filepath:
+            save_model(optimize(frozen, level)[0], options.optimized_model_filepath)
+        overridable = any(v.name in initialized for v in source.inputs)
+        inputs, outputs = list(source.inputs), list(source.outputs)
+        # the source graph is consumed by the plan unless runs may override its initializers (then they run it)
+        plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable)
+        source = replace(source, inputs=inputs, outputs=outputs) if not overridable else source
+        self._start(plan, options, source_model if overridable else None, source)
+
+    def _start(self, plan: Plan, options: SessionOptions, source_model: Model | None, source: Graph) -> None:
+        """Everything after the plan: what a session unpickled in another process does too."""
+        self._options = options
+        self._plan = plan
+        self._source_model = source_model
+        self._concurrency = _inter_op_threads(options)
+        if options.enable_cpu_mem_arena:
             retain_freed_memory()
-        self._source_model: Model = load_model(path_or_bytes)
-        source = self._source_model.graph
         initialized = set(source.initializers)
         self._inputs = [v for v in source.inputs if v.name not in initialized]
         self._overridable = [v for v in source.inputs if v.name in initialized]
         self._outputs = list(source.outputs)
         self._input_info = {v.name: v for v in source.inputs}
         self._output_index = {v.name: i for i, v in enumerate(source.outputs)}
-        self._level = int(self._options.graph_optimization_level)
-        # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
-        # the unoptimized source graph instead
-        frozen = replace(self._source_model, graph=replace(source, inputs=self._inputs))
-        self._model, self.optimizer_stats = optimize(frozen, self._level)
-        self._program = self._compile(self._model.graph)
+        self._level = int(options.graph_optimization_level)
+        self._model = plan.model
+        self.optimizer_stats = plan.optimizer_stats
+        self._program = self._compile(plan.graph)
+        if options.enable_mem_pattern:
+            self._program.attach(plan)
+        self._symbol_axes = _symbol_axes(self._inputs, plan.symbols)
         self._override_program: Program | None = None
-        if self._options.optimized_model_filepath:
-            save_model(self._model, self._options.optimized_model_filepath)
-        self._dynamic = self._level > 0 and _has_symbolic_inputs(self._model.graph)
-        self._specialized: OrderedDict[tuple, Program] = OrderedDict()
-        self._profiler = Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
+        self._profiler = Profiler(options.profile_file_prefix) if options.enable_profiling else None
         self._lock = threading.Lock()
         self._plans: dict[tuple[tuple[str, int], ...], MemoryPlan] = {}
-        if self._options.memory_limit_bytes:
+        if options.memory_limit_bytes:
             self._check_memory(self.memory_plan(), "creating the session")
+
+    def __reduce__(self):
+        """Pickles as its plan (optimized graph, constants, expressions) and options: unpickling builds the
+        executor from the plan without optimizing again. The source model travels too only when the model has
+        initializers a run may override."""
+        return _restore_session, (self._plan, self._options, self._source_model, _interface(self))
 
     # -- onnxruntime API -------------------------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -122,24 +147,31 @@ class InferenceSession:
 
     def get_modelmeta(self) -> ModelMetadata:
         m = self._model
-        return ModelMetadata(m.producer, m.graph.name, "", m.doc_string, "", 0, dict(m.metadata))
+        return ModelMetadata(m.producer, m.graph.name, m.domain, m.doc_string, m.graph_doc_string, m.model_version,
+                             dict(m.metadata))
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
+        should_stop = terminate_check(run_options)
         feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
-        program = self._program_for(feed)
-        inputs = [feed.get(name) for name in program.input_names]
+        if any(v.name in feed for v in self._overridable):
+            program, inputs, bound = self._override(), None, None
+            inputs = [feed.get(name) for name in program.input_names]
+        else:
+            program = self._program
+            bound = self._plan.bind(self._sizes(feed))
+            inputs = [feed.get(v.name) for v in self._inputs] + bound.derived
         # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
         with limited_blas_threads(self._options.intra_op_num_threads or None):
             if self._profiler is None:
-                results = program.run(inputs, concurrency=self._concurrency)
+                results = program.run(inputs, concurrency=self._concurrency, bound=bound, should_stop=should_stop)
             else:
                 t0 = time.perf_counter_ns()
-                results = program.run(inputs, profiler=self._profiler)
+                results = program.run(inputs, profiler=self._profiler, should_stop=should_stop)
                 self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
         return [_owned(results[i], feed) for i in wanted]
 
@@ -162,47 +194,34 @@ class InferenceSession:
         with self._lock:
             plan = self._plans.get(key)
         if plan is None:
-            plan = plan_memory(self._model.graph, self._model.opsets, dict(key))
+            graph = self._plan.graph
+            plan = plan_memory(graph, self._model.opsets, dict(key), facts=self._plan.facts(dict(key)))
             with self._lock:
                 self._plans.setdefault(key, plan)
         return plan
 
-    def _compile(self, graph, bindings: Mapping[str, int] | None = None) -> Program:
+    def _compile(self, graph) -> Program:
         seal_constants(graph)
         ctx = BuildContext(opsets=self._model.opsets, options=self._options)
         program = Program(graph, ctx)
         if ctx.missing:
             raise NotImplementedOps(ctx.missing)
-        if self._options.enable_mem_pattern:
-            program.use_arena(self._model.opsets, bindings)
         return program
 
-    def _program_for(self, feed: dict[str, Any]) -> Program:
-        """The program for this run: specialised to its input shapes (shape arithmetic folded), cached per
-        signature; the unoptimized source graph when the run overrides an initializer."""
-        if any(v.name in feed for v in self._overridable):
-            with self._lock:
-                if self._override_program is None:
-                    self._override_program = self._compile(self._source_model.graph)
-                return self._override_program
-        if not self._dynamic:
-            return self._program
-        signature = tuple(getattr(feed.get(v.name), "shape", None) for v in self._inputs)
+    def _override(self) -> Program:
+        """The unoptimized source graph's program, for runs that override an initializer."""
         with self._lock:
-            program = self._specialized.get(signature)
-            if program is not None:
-                self._specialized.move_to_end(signature)
-                return program
-        try:
-            bindings = self._dim_bindings(feed)
-            program = self._compile(specialize(self._model, bindings, self._level), bindings)
-        except Exception:  # noqa: BLE001 - the generic program handles every shape; specialising is an extra
-            program = self._program
-        with self._lock:
-            self._specialized[signature] = program
-            while len(self._specialized) > _MAX_SPECIALIZED:
-                self._specialized.popitem(last=False)
-        return program
+            if self._override_program is None:
+                self._override_program = self._compile(self._source_model.graph)
+            return self._override_program
+
+    def _sizes(self, feed: dict[str, Any]) -> tuple[int, ...]:
+        """This run's symbol sizes, in the plan's order."""
+        sizes = []
+        for name, axis in self._symbol_axes:
+            value = feed.get(name)
+            sizes.append(value.shape[axis] if isinstance(value, np.ndarray) else 1)
+        return tuple(sizes)
 
     def _check_memory(self, plan: MemoryPlan, what: str) -> None:
         limit = self._options.memory_limit_bytes
@@ -250,8 +269,6 @@ class InferenceSession:
         return {name: check_feed(self._input_info[name], value, symbols) for name, value in feed.items()}
 
 
-_MAX_SPECIALIZED = 16
-
 
 def _owned(value: Any, feed: dict[str, Any]) -> Any:
     """An output the caller may keep and modify: never a session constant or a view of the caller's own input."""
@@ -263,9 +280,29 @@ def _owned(value: Any, feed: dict[str, Any]) -> Any:
     return value
 
 
-def _has_symbolic_inputs(graph) -> bool:
-    shapes = [v.type.shape for v in graph.inputs if isinstance(v.type, TensorType) and v.name not in graph.initializers]
-    return any(s is None or any(not isinstance(d, int) for d in s) for s in shapes)
+def _symbol_axes(inputs: list[ValueInfo], symbols: Sequence[str]) -> list[tuple[str, int]]:
+    """For each plan symbol, an input and axis whose size it is."""
+    where: dict[str, tuple[str, int]] = {}
+    for v in inputs:
+        if isinstance(v.type, TensorType) and v.type.shape is not None:
+            for axis, d in enumerate(v.type.shape):
+                if not isinstance(d, int):
+                    where.setdefault(binding_name(d, v.name, axis), (v.name, axis))
+    return [where[s] for s in symbols]
+
+
+def _interface(session: InferenceSession) -> Graph:
+    """The source graph's inputs and outputs (what the session reports), without its nodes or weights."""
+    return Graph(inputs=list(session._inputs), outputs=list(session._outputs))
+
+
+def _restore_session(plan: Plan, options: SessionOptions, source_model: Model | None,
+                     interface: Graph) -> InferenceSession:
+    session = InferenceSession.__new__(InferenceSession)
+    session._record_source(None, None, None)  # the model file stays where it was: not a path of this process
+    source = source_model.graph if source_model is not None else interface
+    session._start(plan, options, source_model, source)
+    return session
 
 
 def _may_omit(v: ValueInfo) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from carrack.errors import CarrackError, InvalidModel
+from carrack.errors import CarrackError, CorruptModel, InvalidModel
 from carrack.onnx.importer import import_model, load_model
 from carrack.onnx.tensors import IN_PLACE_RAW_BYTES
 from carrack.onnx.wire import (
@@ -106,7 +106,7 @@ def reference(path: str):
         try:
             proto.ParseFromString(data)
         except Exception:  # noqa: BLE001
-            raise InvalidModel("protobuf refused it") from None
+            raise CorruptModel("protobuf refused it") from None
         return import_model(proto, os.path.dirname(path), f"model file '{path}'")
     return outcome(load)
 

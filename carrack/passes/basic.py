@@ -1,0 +1,136 @@
+"""BASIC rules: remove what cannot matter at inference (Identity, inference-mode Dropout) and fold constants."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from carrack.ir.graph import Graph, Node
+from carrack.ops import registry
+from carrack.passes.graph_view import GraphView
+from carrack.passes.rewrite import BASIC, Context, RuleSet
+
+#: tract's cap: constant folding never creates a constant larger than this
+FOLD_LIMIT_BYTES = 4 * 2**20
+
+RULES = RuleSet("basic")
+
+
+def fold_known_values(graph: Graph, facts: Mapping, limit_bytes: int = FOLD_LIMIT_BYTES) -> int:
+    """Replace nodes whose every output is a known constant (per `facts`) by initializers; returns how many."""
+    keep, folded = [], 0
+    for node in graph.nodes:
+        outs = [facts.get(o) for o in node.outputs if o]
+        if (_foldable(node) and outs and all(f is not None and f.is_concrete() for f in outs)
+                and sum(f.value.nbytes for f in outs) <= limit_bytes):
+            for name in node.outputs:
+                if name:
+                    graph.initializers[name] = np.asarray(facts[name].value)
+            folded += 1
+        else:
+            keep.append(node)
+    graph.nodes = keep
+    return folded
+
+
+# -- basic -------------------------------------------------------------------------------------------------------------
+
+@RULES.rewrite("identity_removal", "Identity", level=BASIC)
+def remove_identity(node: Node, view: GraphView, ctx: Context) -> bool:
+    if node.domain or not node.inputs or not node.inputs[0]:
+        return False
+    return view.bypass(node, node.inputs[0], node.outputs[0])
+
+
+@RULES.rewrite("dropout_removal", "Dropout", level=BASIC)
+def remove_dropout(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Dropout is the identity at inference unless training_mode is a true constant (or a runtime input)."""
+    if len(node.outputs) > 1 and node.outputs[1] and view.n_uses(node.outputs[1]):
+        return False
+    if len(node.inputs) > 2 and node.inputs[2]:
+        mode = view.const(node.inputs[2])
+        if mode is None or bool(mode):
+            return False
+    if ctx.version(node) < 7 and not node.attrs.get("is_test", 0):
+        # opset < 7 Dropout in training mode scales; in inference mode (is_test) it is the identity
+        return False
+    return view.bypass(node, node.inputs[0], node.outputs[0])
+
+
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def _foldable(node: Node) -> bool:
+    return node.op_type not in _CONTROL_FLOW and registry.is_pure(node.domain, node.op_type)
+
+
+@RULES.rewrite("constant_folding", level=BASIC)
+def fold_constants(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Evaluate a node whose inputs are all constants, if its outputs stay under the size cap."""
+    if not _foldable(node) or node.op_type == "Constant" or not node.outputs:
+        return False
+    values = []
+    for name in node.inputs:
+        if not name:
+            values.append(None)
+            continue
+        v = view.const(name)
+        if v is None:
+            return False
+        values.append(v)
+    if node.op_type == "ConstantOfShape" and not node.domain and values and values[0] is not None:
+        return _fold_uniform(node, view, values[0])
+    if ctx.facts is None and _estimated_bytes(node, values) > FOLD_LIMIT_BYTES:
+        return False
+    opset = node.opset or ctx.opsets.get(node.domain) or registry.default_opset(node.domain)
+    cls, version = registry.resolve(node.domain, node.op_type, opset)
+    if cls is None:
+        return False
+    try:
+        with np.errstate(all="ignore"):
+            result = cls(node, version, None).run(*values)
+    except Exception:  # noqa: BLE001 - leave it to run time, where the error names the node
+        return False
+    outs = result if type(result) is tuple else (result,)
+    if not all(isinstance(o, (np.ndarray, np.generic)) for o in outs):
+        return False
+    if sum(np.asarray(o).nbytes for o in outs) > FOLD_LIMIT_BYTES:
+        return False
+    for name, value in zip(node.outputs, outs):
+        if name:
+            view.graph.initializers[name] = np.asarray(value)
+    view.remove([node])
+    return True
+
+
+def _fold_uniform(node: Node, view: GraphView, shape: np.ndarray) -> bool:
+    """ConstantOfShape of a known shape: a read-only broadcast view of one value, so any size costs no memory."""
+    value = node.attrs.get("value")
+    scalar = np.asarray(value).reshape(-1)[:1] if isinstance(value, np.ndarray) else np.zeros(1, np.float32)
+    dims = tuple(int(d) for d in np.asarray(shape).reshape(-1))
+    if any(d < 0 for d in dims) or scalar.size != 1:
+        return False
+    view.graph.initializers[node.outputs[0]] = np.broadcast_to(scalar.reshape(()), dims)
+    view.remove([node])
+    return True
+
+
+def _estimated_bytes(node: Node, values: list) -> int:
+    """A cheap upper guess of a fold's output size, so that Expand/Tile/ConstantOfShape blow-ups are not even tried."""
+    sizes = [v.nbytes for v in values if isinstance(v, np.ndarray)]
+    if node.op_type in ("ConstantOfShape", "Expand", "Tile", "Range", "EyeLike"):
+        shape_like = values[-1] if node.op_type != "Range" else None
+        if node.op_type == "ConstantOfShape" and isinstance(values[0], np.ndarray):
+            return int(np.prod(values[0].astype(np.float64))) * 8
+        if node.op_type in ("Expand", "Tile") and isinstance(shape_like, np.ndarray):
+            base = values[0]
+            factor = float(np.prod(np.maximum(shape_like.astype(np.float64), 1)))
+            return int(base.itemsize * max(factor, base.size) * (base.size if node.op_type == "Tile" else 1))
+        if node.op_type == "Range":
+            try:
+                n = abs((float(values[1]) - float(values[0])) / float(values[2]))
+            except (TypeError, ValueError, ZeroDivisionError):
+                return FOLD_LIMIT_BYTES + 1
+            return int(n * 8)
+    return max(sizes, default=0)

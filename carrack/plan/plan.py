@@ -1,0 +1,337 @@
+"""The plan: one compiled form of a model that runs every input shape it admits.
+
+Built once per session: the graph is optimized, shape inference runs once over the inputs' symbolic dims, and what
+it proves becomes part of the plan instead of work per run:
+- shape arithmetic whose result is fixed (``Shape -> Gather -> Div`` giving 64) is folded into constants, and the
+  graph optimized again, so fusions that need those numbers fire for every shape;
+- shape arithmetic whose result depends on the input sizes (``Concat(batch, seq, 768)`` for a Reshape) is removed
+  from the graph; its values are expressions over the symbols, evaluated per run by one compiled function;
+- intermediates whose size is an expression over the symbols get a place in one arena (`carrack.plan.arena`).
+
+A `Plan` is plain data (graph, constants, expressions as source text) and pickles; `bind(sizes)` evaluates it for
+one set of symbol sizes in microseconds, and executors are built from it (`carrack.runtime.program.Program`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from carrack.ir import symbolic
+from carrack.ir.dims import Sym
+from carrack.ir.graph import Graph, Model, Node, ValueInfo
+from carrack.ir.order import node_reads, topological_order
+from carrack.ir.symbolic import DimLike, Expr, symbols
+from carrack.ir.types import TensorType
+from carrack.ops import registry
+from carrack.passes.facts import Fact, numpy_dtype
+from carrack.passes.graph_view import GraphView
+from carrack.passes.optimizer import (
+    Context,
+    fold_known_values,
+    optimize,
+    optimize_graph,
+    reads_by_name,
+    remove_dead_nodes,
+)
+from carrack.passes.shape_inference import infer, input_facts
+from carrack.plan.arena import ArenaOrder, Block, order_blocks
+from carrack.plan.exprs import compile_function, function_source
+
+#: how many distinct input-size combinations a plan keeps evaluated
+BOUND_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A value computed from the symbol sizes alone (shape arithmetic): `count` dims from `first` in the dims."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    first: int
+    values: tuple[DimLike, ...] = ()  # the expressions, flattened (for facts about the plan's graph)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """An intermediate written into the arena: its block, and its shape's dims from `first` in the dims."""
+
+    name: str
+    block: int
+    first: int
+    rank: int
+    dtype: str
+
+
+@dataclass
+class Bound:
+    """A plan evaluated for one set of symbol sizes."""
+
+    derived: list[np.ndarray]
+    arena_bytes: int
+    #: per Placed value: (byte offset, byte count, shape, dtype), or None when the sizes leave it unplanned
+    places: list[tuple[int, int, tuple[int, ...], np.dtype] | None]
+
+
+@dataclass
+class Plan:
+    model: Model  # optimized; its graph's inputs are the run inputs, then the derived values
+    inputs: list[ValueInfo]  # what a run is fed
+    symbols: tuple[str, ...]  # binding names of the input dims, in the order `bind` takes their sizes
+    derived: list[Derived]
+    placed: list[Placed]
+    arena: ArenaOrder | None
+    dims_source: str  # lambda over the symbol sizes: derived values, block sizes, placed shapes (flat)
+    n_derived_dims: int
+    optimizer_stats: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._function: Callable[..., tuple[int, ...]] | None = None
+        self._bound: dict[tuple[int, ...], Bound] = {}
+        self._lock = threading.Lock()
+        self._facts: dict[str, Fact] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state["_function"], state["_bound"], state["_facts"] = None, {}, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def graph(self) -> Graph:
+        return self.model.graph
+
+    def bind(self, sizes: tuple[int, ...]) -> Bound:
+        """The plan for these symbol sizes (cached: a repeated shape costs one dict lookup)."""
+        bound = self._bound.get(sizes)
+        if bound is None:
+            bound = self._evaluate(sizes)
+            with self._lock:  # runs share the plan across threads
+                if len(self._bound) >= BOUND_CACHE_SIZE:
+                    self._bound.pop(next(iter(self._bound)))
+                self._bound[sizes] = bound
+        return bound
+
+    def _evaluate(self, sizes: tuple[int, ...]) -> Bound:
+        if self._function is None:
+            self._function = compile_function(self.dims_source)  # racing threads compile the same function
+        flat = self._function(*sizes)
+        numbers = np.array(flat[:self.n_derived_dims], dtype=np.int64)
+        numbers.flags.writeable = False  # shared by every run with these sizes
+        derived = []
+        for d in self.derived:
+            count = math.prod(d.shape)
+            value = numbers[d.first:d.first + count].reshape(d.shape)
+            if value.dtype != d.dtype:
+                value = value.astype(d.dtype)
+                value.flags.writeable = False
+            derived.append(value)
+        if self.arena is None:
+            return Bound(derived, 0, [None] * len(self.placed))
+        n_blocks = len(self.arena.blocks)
+        block_sizes = flat[self.n_derived_dims:self.n_derived_dims + n_blocks]
+        if any(s < 0 for s in block_sizes):
+            return Bound(derived, 0, [None] * len(self.placed))
+        offsets, arena_bytes = self.arena.offsets(block_sizes)
+        places = []
+        for p in self.placed:
+            shape = tuple(flat[p.first:p.first + p.rank])
+            dtype = np.dtype(p.dtype)
+            places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
+        return Bound(derived, arena_bytes, places)
+
+    def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
+        """What shape inference knows about every value of the plan's graph, with the symbols named in `dims`
+        replaced by their sizes (inferred once per process; a new `dims` only substitutes)."""
+        if self._facts is None:
+            known = _input_facts(self.graph)
+            for d in self.derived:
+                value = np.empty(len(d.values), dtype=object)
+                value[:] = d.values
+                known[d.name] = Fact(known[d.name].type, value.reshape(d.shape))
+            self._facts = infer(self.graph, self.model.opsets, known)
+        if not dims:
+            return dict(self._facts)
+        sizes = {Sym(name): int(size) for name, size in dims.items()}
+        return {name: _substitute(fact, sizes) for name, fact in self._facts.items()}
+
+    def sizes_of(self, dims: Mapping[str, int]) -> tuple[int, ...]:
+        """Symbol sizes in `bind` order from a name -> size mapping (as `InferenceSession.memory_plan` takes)."""
+        missing = [s for s in self.symbols if s not in dims]
+        if missing:
+            raise KeyError(f"no size given for dim(s) {missing}")
+        return tuple(int(dims[s]) for s in self.symbols)
+
+
+def _substitute(fact: Fact, sizes: Mapping[Sym, int]) -> Fact:
+    t = fact.tensor
+    if t is None or t.shape is None or all(isinstance(d, int) for d in t.shape):
+        return fact
+    shape = tuple(d if d is None or isinstance(d, int) else symbolic.evaluate(d, sizes) for d in t.shape)
+    return Fact(TensorType(t.elem_type, shape))
+
+
+def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = False) -> Plan:
+    """Optimize `model` at `level` and plan it for every input shape (see the module's docstring). `in_place`:
+    the model's graph may be consumed (it is not cloned)."""
+    initialized = set(model.graph.initializers)
+    inputs = [v for v in model.graph.inputs if v.name not in initialized]
+    optimized, stats = optimize(model, level, in_place=in_place)
+    graph = optimized.graph
+    syms = _input_symbols(graph)
+    facts = infer(graph, optimized.opsets, _input_facts(graph))
+    if level > 0 and not reads_by_name(graph):
+        if fold_known_values(graph, facts):
+            view = GraphView(graph)
+            remove_dead_nodes(view, stats)
+            view.commit()
+            optimize_graph(graph, Context(optimized.opsets), level, stats)
+            facts = infer(graph, optimized.opsets, _input_facts(graph))
+    derived_dims: list[DimLike] = []
+    derived: list[Derived] = []
+    if level > 0 and not reads_by_name(graph):
+        derived = _extract_derived(graph, facts, set(syms), derived_dims, stats)
+    graph.nodes = topological_order(graph)
+    placed: list[Placed] = []
+    order = None
+    dims = list(derived_dims)
+    if arena:
+        blocks, placed, shapes = _arena_blocks(graph, facts, set(syms), optimized.opsets, len(derived_dims))
+        order = order_blocks(blocks, syms)
+        position = {id(b): k for k, b in enumerate(order.blocks)}
+        placed = [Placed(p.name, position[id(blocks[p.block])], p.first + len(blocks), p.rank, p.dtype)
+                  for p in placed]
+        dims += [b.size for b in order.blocks] + shapes
+    source = function_source(syms, dims)
+    return Plan(optimized, inputs, tuple(s.name for s in syms), derived, placed, order, source, len(derived_dims),
+                stats)
+
+
+def _input_facts(graph: Graph) -> dict[str, Fact]:
+    """Run inputs' facts with every non-fixed dim as the symbol it is bound under at run time."""
+    return input_facts(graph, parse_names=False)
+
+
+def _input_symbols(graph: Graph) -> list[Sym]:
+    found: dict[Sym, None] = {}
+    for fact in _input_facts(graph).values():
+        for d in fact.shape or ():
+            if isinstance(d, Sym):
+                found[d] = None
+    return list(found)
+
+
+def _bindable(d: Any, syms: set[Sym]) -> bool:
+    if isinstance(d, (bool, np.bool_)):
+        return False
+    if isinstance(d, (int, np.integer)):
+        return True
+    return isinstance(d, (Sym, Expr)) and symbols(d) <= syms
+
+
+def _dim(x: Any) -> DimLike:
+    return int(x) if isinstance(x, (int, np.integer)) else x
+
+
+def _derivable(fact: Fact | None, syms: set[Sym]) -> bool:
+    """Whether a value is known as numbers or expressions over the input symbols, of a type shape arithmetic makes."""
+    if fact is None or fact.value is None or fact.tensor is None:
+        return False
+    dtype = numpy_dtype(fact.elem_type)
+    return dtype is not None and dtype.kind in "iufb" and all(_bindable(x, syms) for x in fact.value.reshape(-1))
+
+
+def _extract_derived(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], dims: list[DimLike],
+                     stats: dict[str, int]) -> list[Derived]:
+    """Remove nodes whose every output is known as an expression over the input symbols; their values become
+    inputs of the plan's graph, computed per run from the sizes."""
+    found: list[tuple[str, Fact]] = []
+    kept: list[Node] = []
+    for node in graph.nodes:
+        named = [(o, facts.get(o)) for o in node.outputs if o]
+        if (not named or not registry.is_pure(node.domain, node.op_type) or node.subgraphs()
+                or not all(_derivable(f, syms) for _, f in named)):
+            kept.append(node)
+            continue
+        found.extend(named)
+    if len(kept) == len(graph.nodes):
+        return []
+    stats["shape_arithmetic_planned"] = stats.get("shape_arithmetic_planned", 0) + len(graph.nodes) - len(kept)
+    graph.nodes = kept
+    # only the values something still reads are computed per run (not the steps of the arithmetic)
+    read = {o.name for o in graph.outputs} | {i for node in kept for i in node_reads(node)}
+    derived: list[Derived] = []
+    for name, fact in found:
+        if name not in read:
+            continue
+        values = tuple(_dim(x) for x in fact.value.reshape(-1))
+        derived.append(Derived(name, numpy_dtype(fact.elem_type).str, tuple(fact.value.shape), len(dims), values))
+        dims.extend(values)
+        graph.inputs.append(ValueInfo(name, TensorType(fact.elem_type, tuple(fact.value.shape))))
+    view = GraphView(graph)
+    remove_dead_nodes(view, stats)
+    view.commit()
+    return derived
+
+
+def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opsets: Mapping[str, int],
+                  first_dim: int) -> tuple[list[Block], list[Placed], list[DimLike]]:
+    """The blocks of every intermediate a kernel can write into a given buffer, with symbolic sizes and lifetimes;
+    in-place ops share their input's block, views keep their source's block alive (traits of the kernel classes:
+    `writes_into`, `in_place`, `view`)."""
+    outputs = {o.name for o in graph.outputs}
+    last_use: dict[str, int] = {}
+    for step, node in enumerate(graph.nodes):
+        for name in list(node.inputs) + [n for g in node.subgraphs() for n in g.free_names()]:
+            last_use[name] = step
+    blocks: list[Block] = []
+    block_of: dict[str, int] = {}  # value -> block holding its bytes
+    view_of: dict[str, int] = {}  # value -> block it may be a view of
+    placed: list[Placed] = []
+    shapes: list[DimLike] = []
+    for step, node in enumerate(graph.nodes):
+        kernel = registry.traits(node, opsets)
+        first = node.inputs[0] if node.inputs else ""
+        src = view_of.get(first, block_of.get(first))
+        for name in node.outputs:
+            if not name:
+                continue
+            end = len(graph.nodes) if name in outputs else last_use.get(name, step)
+            if kernel is not None and kernel.view and src is not None:
+                view_of[name] = src
+                blocks[src].end = max(blocks[src].end, end)
+        if len(node.outputs) != 1 or not node.outputs[0] or not node.inputs or kernel is None \
+                or not kernel.writes_into():
+            continue
+        name = node.outputs[0]
+        fact = facts.get(name, Fact())
+        dtype = numpy_dtype(fact.elem_type)
+        if (name in outputs or name in view_of or fact.shape is None or dtype is None or dtype.kind == "O"
+                or not all(_bindable(d, syms) for d in fact.shape)):
+            continue
+        shape = [_dim(d) for d in fact.shape]
+        size: DimLike = dtype.itemsize
+        for d in shape:
+            size = symbolic.mul(size, d)
+        end = last_use.get(name, step)
+        if (kernel.in_place and src is not None and first not in view_of
+                and blocks[src].size == size and blocks[src].end <= step):
+            blocks[src].end = max(blocks[src].end, end)
+            block = src
+        else:
+            block = len(blocks)
+            blocks.append(Block(name, size, step, end))
+        block_of[name] = block
+        placed.append(Placed(name, block, first_dim + len(shapes), len(fact.shape), dtype.str))
+        shapes.extend(shape)
+    return blocks, placed, shapes
