@@ -229,3 +229,84 @@ def from_transformers(model: Any, path: str | os.PathLike[str], file_type: str =
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+class SentencePieceVocab:
+    """A "llama" (SentencePiece) tokenizer for the GGUF metadata, from a trained sentencepiece model, as
+    llama.cpp's _set_vocab_sentencepiece writes it (pieces, scores, token types, BOS/EOS/UNK, add_bos)."""
+
+    def __init__(self, model_proto: bytes, add_space_prefix: bool = True, chat_template: str | None = None):
+        import sentencepiece
+
+        self.processor = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+        self.add_space_prefix = add_space_prefix
+        self.chat_template = chat_template
+
+    def token_types(self) -> list[int]:
+        sp = self.processor
+        types = []
+        for i in range(sp.get_piece_size()):
+            if sp.is_unknown(i):
+                types.append(2)
+            elif sp.is_control(i):
+                types.append(3)
+            elif sp.is_unused(i):
+                types.append(5)
+            elif sp.is_byte(i):
+                types.append(6)
+            else:
+                types.append(1)
+        return types
+
+    def write(self, writer: Any) -> None:
+        sp = self.processor
+        n = sp.get_piece_size()
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+        writer.add_token_scores([float(sp.get_score(i)) for i in range(n)])
+        writer.add_token_types(self.token_types())
+        writer.add_add_space_prefix(self.add_space_prefix)
+        for kind, token in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()), ("pad", sp.pad_id())):
+            if token >= 0:
+                getattr(writer, f"add_{kind}_token_id")(token)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        if self.chat_template:
+            writer.add_chat_template(self.chat_template)
+
+
+class BPEVocab:
+    """A "gpt2" (byte-level BPE) tokenizer for the GGUF metadata, from a `tokenizers` BPE tokenizer, as llama.cpp's
+    _set_vocab_gpt2 writes it: tokens by id, merges as "a b", special added tokens as control tokens."""
+
+    def __init__(self, tokenizer: Any, pre: str, bos: str | None = None, eos: str | None = None,
+                 add_bos: bool = False, chat_template: str | None = None):
+        import json
+
+        self.spec = json.loads(tokenizer.to_str())
+        self.tokenizer = tokenizer
+        self.pre = pre
+        self.bos, self.eos, self.add_bos = bos, eos, add_bos
+        self.chat_template = chat_template
+
+    def write(self, writer: Any) -> None:
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        tokens = [""] * len(vocab)
+        for text, token in vocab.items():
+            tokens[token] = text
+        special = {t["content"]: t["special"] for t in self.spec.get("added_tokens", [])}
+        types = [(3 if special[t] else 4) if t in special else 1 for t in tokens]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in self.spec["model"]["merges"]]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        if self.bos is not None:
+            writer.add_bos_token_id(vocab[self.bos])
+        if self.eos is not None:
+            writer.add_eos_token_id(vocab[self.eos])
+        writer.add_add_bos_token(self.add_bos)
+        if self.chat_template:
+            writer.add_chat_template(self.chat_template)
