@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from carrack.errors import InvalidArgument, InvalidModel
+from carrack.errors import InvalidArgument, InvalidModel, MemoryLimitExceeded
 from carrack.gguf.reader import GGUFFile, read_gguf
 from carrack.llm.hparams import HParams, read_hparams
 from carrack.llm.weights import Linear, WeightStore
@@ -81,7 +81,7 @@ class Decoder:
     """A decoder-only transformer read from a GGUF file (architectures in carrack.llm.hparams.ARCHITECTURES)."""
 
     def __init__(self, model: str | os.PathLike[str] | GGUFFile, n_ctx: int = 0, n_batch: int = 512,
-                 dequantize: bool = False):
+                 dequantize: bool = False, memory_limit_bytes: int | None = None):
         self.gguf = model if isinstance(model, GGUFFile) else read_gguf(model)
         metadata = self.gguf.metadata
         store = WeightStore(self.gguf, str(metadata.get("general.architecture")), dequantize_all=dequantize)
@@ -103,9 +103,15 @@ class Decoder:
         self.float_copies = tuple(store.float_copies)
         rope_factors = store.optional_vector("rope_freqs.weight", hp.rope_dim // 2)
         self.cos, self.sin = _rope_tables(hp, self.n_ctx, rope_factors)
-        kv_shape = (hp.n_layer, hp.n_head_kv, self.n_ctx, hp.head_dim)
-        self.k_cache = np.zeros(kv_shape, dtype=np.float32)
-        self.v_cache = np.zeros(kv_shape, dtype=np.float32)
+        self.kv_shape = (hp.n_layer, hp.n_head_kv, self.n_ctx, hp.head_dim)
+        plan = self.memory_plan()
+        if memory_limit_bytes is not None and plan.total_bytes > memory_limit_bytes:
+            raise MemoryLimitExceeded(f"{self.gguf.path} with n_ctx={self.n_ctx}, n_batch={self.n_batch} needs "
+                                      f"{plan.total_bytes:,} bytes (weights {plan.weight_bytes:,}, KV cache "
+                                      f"{plan.kv_cache_bytes:,}, scratch {plan.scratch_bytes:,}), more than "
+                                      f"memory_limit_bytes={memory_limit_bytes:,}")
+        self.k_cache = np.zeros(self.kv_shape, dtype=np.float32)
+        self.v_cache = np.zeros(self.kv_shape, dtype=np.float32)
         self.n_past = 0  # positions of the cache that hold valid keys and values
 
     def _load_layer(self, store: WeightStore, i: int) -> Layer:
@@ -155,7 +161,7 @@ class Decoder:
         attention = 4 * 3 * hp.n_head * n * self.n_ctx
         logits = 4 * n * hp.n_vocab
         products = max(m.scratch_bytes(n) for m in matrices.values())
-        return MemoryPlan(weight_bytes, self.k_cache.nbytes + self.v_cache.nbytes,
+        return MemoryPlan(weight_bytes, 2 * 4 * int(np.prod(self.kv_shape)),
                           activations + attention + logits + products, self.float_copies)
 
     # ---------------------------------------------------------------------------------------------------------

@@ -133,3 +133,21 @@ def test_context_overflow_and_bad_token_are_clear_errors(tmp_path):
         decoder.forward(np.arange(3, 12), 0)
     with pytest.raises(InvalidArgument, match="token id 300"):
         decoder.forward([300], 0)
+
+
+@pytest.mark.parametrize("file_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("n_batch", [16, 64])
+def test_scratch_of_the_plan_covers_prompt_processing(file_type, n_batch, tmp_path):
+    """What numpy allocates while a prompt fills the whole context stays within the plan's scratch bytes."""
+    import tracemalloc
+
+    decoder = Decoder(write_gguf(tiny_model("llama"), tmp_path, file_type), n_ctx=128, n_batch=n_batch)
+    scratch = decoder.memory_plan().scratch_bytes
+    tracemalloc.start()
+    try:
+        decoder.forward(prompt_ids(127), 0, all_logits=False)
+        decoder.forward([5], all_logits=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= scratch

@@ -19,29 +19,30 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2", "phi3"]
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, vocab_size: int = VOCAB):
+    common = {**_COMMON, "vocab_size": vocab_size}
     if arch == "llama":  # Llama 3 style: GQA and llama3 rope scaling (original context 64 puts frequencies in
         # all three bands of the scaling)
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-        return transformers.LlamaConfig(rope_parameters=rope, **_COMMON)
+        return transformers.LlamaConfig(rope_parameters=rope, **common)
     if arch == "qwen2":
-        return transformers.Qwen2Config(**_COMMON)
+        return transformers.Qwen2Config(**common)
     if arch == "qwen3":
-        return transformers.Qwen3Config(head_dim=16, **_COMMON)
+        return transformers.Qwen3Config(head_dim=16, **common)
     if arch == "gemma2":  # query_pre_attn_scalar = head_dim: the attention scale llama.cpp uses for gemma2
         return transformers.Gemma2Config(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **_COMMON)
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **common)
     if arch == "phi3":
-        return transformers.Phi3Config(**_COMMON)
+        return transformers.Phi3Config(**common)
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0, f16_weights: bool = False):
+def tiny_model(arch: str, seed: int = 0, f16_weights: bool = False, vocab_size: int = VOCAB):
     """A random-weight model: matrices N(0, 0.15), norm weights around 1, so that logits and attention are far from
     uniform (gemma2's norms add the 1 themselves)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.15)
