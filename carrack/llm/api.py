@@ -43,7 +43,7 @@ class Llama:
         self.n_threads = n_threads or os.cpu_count() or 1
         self.verbose = verbose
         self.decoder = Decoder(self.model_path, n_ctx=n_ctx, n_batch=n_batch, dequantize=dequantize,
-                               memory_limit_bytes=memory_limit_bytes)
+                               memory_limit_bytes=memory_limit_bytes, n_threads=self.n_threads)
         metadata = self.decoder.gguf.metadata
         self.metadata = metadata
         self._tokenizer = Tokenizer(metadata, self.model_path) if "tokenizer.ggml.model" in metadata else None

@@ -15,6 +15,10 @@ from carrack.gguf.dequant import dequantize, supported_types
 from carrack.gguf.matmul import chunk_rows, quantized_matmul
 from carrack.gguf.reader import GGUFFile, GGUFTensor
 from carrack.gguf.types import GGMLType
+from carrack.native import qmatvec
+
+#: rows of x up to which a quantized product runs in the native kernel rather than decode + BLAS
+NATIVE_MAX_ROWS = 8
 
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
@@ -39,22 +43,34 @@ class FloatLinear:
 
 
 class QuantizedLinear:
-    """``x @ W.T`` for a weight kept as ggml blocks (Q8_0, Q4_0, K-quants, ...): decoded a chunk of rows at a time."""
+    """``x @ W.T`` for a weight kept as ggml blocks (Q8_0, Q4_0, K-quants, ...).
 
-    def __init__(self, tensor: GGUFTensor):
+    A few rows of x (generation, small batches) go to the native kernel (carrack/native/qmatvec.c: each weight row
+    decoded in L1 and multiplied there, one call per matrix) for the types it decodes; larger batches and the other
+    types are decoded a chunk of rows at a time into a float32 buffer for a BLAS product (quantized_matmul).
+    """
+
+    def __init__(self, tensor: GGUFTensor, threads: int | None = None):
         self.name = tensor.name
         self.ggml_type = tensor.type
         self.out_features, self.in_features = tensor.shape
         self.raw = tensor.raw()
         self.nbytes = tensor.nbytes
         self.row_bytes = self.ggml_type.nbytes(self.in_features)
+        self.rows_2d = self.raw.reshape(self.out_features, self.row_bytes)
+        self.threads = threads
+        self.native = qmatvec.supports(self.ggml_type)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.native and x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
+            y = qmatvec.matvec(self.rows_2d, self.ggml_type, x, self.threads)
+            if y is not None:
+                return y
         return quantized_matmul(x, self.raw, self.ggml_type, (self.out_features, self.in_features))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` (an embedding lookup decodes only the tokens it needs)."""
-        rows = self.raw.reshape(self.out_features, self.row_bytes)[ids]
+        rows = self.rows_2d[ids]
         return dequantize(rows, self.ggml_type, (len(ids), self.in_features))
 
     def scratch_bytes(self, n_rows: int) -> int:
@@ -68,8 +84,9 @@ Linear = FloatLinear | QuantizedLinear
 class WeightStore:
     """Looks tensors up by llama.cpp name; a missing required tensor is an InvalidModel naming it."""
 
-    def __init__(self, gguf: GGUFFile, arch_name: str, dequantize_all: bool = False):
+    def __init__(self, gguf: GGUFFile, arch_name: str, dequantize_all: bool = False, threads: int | None = None):
         self.gguf = gguf
+        self.threads = threads
         self.arch_name = arch_name
         self.dequantize_all = dequantize_all
         self.float_copies: list[str] = []  # F16/BF16 matrices converted to float32 at load
@@ -106,4 +123,4 @@ class WeightStore:
                 self.float_copies.append(name)
             weight = dequantize(tensor.raw(), tensor.type, shape)
             return FloatLinear(weight, name)
-        return QuantizedLinear(tensor)
+        return QuantizedLinear(tensor, self.threads)
