@@ -151,3 +151,24 @@ def test_scratch_of_the_plan_covers_prompt_processing(file_type, n_batch, tmp_pa
     finally:
         tracemalloc.stop()
     assert peak <= scratch
+
+
+def test_tied_embeddings_serve_as_the_output(tmp_path):
+    """Models with tie_word_embeddings (small qwen2s) have no output.weight: token_embd is the output matrix."""
+    from tests.llm.tiny_models import tiny_config, transformers
+
+    config = tiny_config("qwen2")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    decoder = Decoder(write_gguf(model, tmp_path, "Q8_0"), n_ctx=64)
+    assert "output.weight" not in decoder.gguf.tensors and decoder.output is decoder.embeddings
+    ids = prompt_ids()
+    reference = Decoder(decoder.gguf.path, n_ctx=64, dequantize=True)
+    np.testing.assert_allclose(decoder.forward(ids, 0), reference.forward(ids, 0), atol=1e-4, rtol=0)
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)[None]).logits[0].numpy()
+    assert np.abs(decoder.forward(ids, 0) - expected).max() < 0.05 * np.abs(expected).max()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from carrack import native
 from carrack.gguf.dequant import dequantize
 from carrack.gguf.types import GGML_BLOCK_SIZES, GGMLType
 from carrack.native import qmatvec
@@ -27,10 +28,37 @@ def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0) -> np.ndar
     return blocks.reshape(n, -1)
 
 
-@needs_native
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """qmatvec.c built without intrinsics (CARRACK_PORTABLE): the plain C that other targets compile."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    directory = tmp_path_factory.mktemp("portable")
+    source = (native.SOURCE_DIR / "qmatvec.c").read_text()
+    (directory / "qmatvec.c").write_text("// carrack-cflags: -DCARRACK_PORTABLE\n" + source)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "SOURCE_DIR", directory)
+        patch.setenv("CARRACK_CACHE_DIR", str(directory / "cache"))
+        patch.setattr(native, "_loaded", {})
+        patch.setattr(native, "_reasons", {})
+        lib = native.library("qmatvec")
+    assert lib is not None, native._reasons
+    return lib
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request, monkeypatch):
+    """The library as built for this machine (intrinsics where it has them), then its portable build."""
+    if qmatvec.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler?)")
+    if request.param == "portable":
+        monkeypatch.setattr(native, "_loaded", {"qmatvec": request.getfixturevalue("portable_library")})
+    return request.param
+
+
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_matches_dequantize_then_matmul(ggml_type, m):
+def test_matches_dequantize_then_matmul(build, ggml_type, m):
     n, k = 37, 512
     rows = random_blocks(ggml_type, n, k)
     x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
