@@ -70,7 +70,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives the right limit, -0
+        return x / (1.0 + np.exp(-x))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:

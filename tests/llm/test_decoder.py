@@ -172,3 +172,38 @@ def test_tied_embeddings_serve_as_the_output(tmp_path):
     with torch.no_grad():
         expected = model(torch.tensor(ids)[None]).logits[0].numpy()
     assert np.abs(decoder.forward(ids, 0) - expected).max() < 0.05 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_k_quant_file_matches_its_dequantized_float_path(ggml_type, tmp_path):
+    """carrack does not quantize to K-quants, so the matrices of a 256-wide llama are random K-quant blocks (finite
+    scales); the quantized decoder (native K-quant kernels while generating) must equal the dequantized one."""
+    import gguf
+
+    from carrack.gguf.types import GGMLType
+    from tests.native.test_qmatvec import random_blocks
+
+    src = Decoder(write_gguf(tiny_model("llama", hidden=256), tmp_path), n_ctx=64).gguf
+    writer = gguf.GGUFWriter(str(tmp_path / f"{ggml_type}.gguf"), "llama")
+    for field in gguf.GGUFReader(src.path).fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    kind = GGMLType[ggml_type]
+    for index, (name, tensor) in enumerate(src.tensors.items()):
+        if len(tensor.shape) == 2:
+            blocks = random_blocks(kind, *tensor.shape, seed=index, scale=0.002)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+        else:
+            writer.add_tensor(name, np.array(tensor.data()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = str(tmp_path / f"{ggml_type}.gguf")
+    quantized, reference = Decoder(path, n_ctx=64), Decoder(path, n_ctx=64, dequantize=True)
+    assert quantized.layers[0].w_up.ggml_type == kind
+    ids = prompt_ids()
+    expected = reference.forward(ids, 0)
+    np.testing.assert_allclose(quantized.forward(ids, 0), expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
+    assert greedy(quantized, ids, 16) == greedy(reference, ids, 16)

@@ -19,8 +19,8 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma2", "phi3"]
 
 
-def tiny_config(arch: str, vocab_size: int = VOCAB):
-    common = {**_COMMON, "vocab_size": vocab_size}
+def tiny_config(arch: str, vocab_size: int = VOCAB, hidden: int = 64):
+    common = {**_COMMON, "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden}
     if arch == "llama":  # Llama 3 style: GQA and llama3 rope scaling (original context 64 puts frequencies in
         # all three bands of the scaling)
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -38,11 +38,11 @@ def tiny_config(arch: str, vocab_size: int = VOCAB):
     raise ValueError(arch)
 
 
-def tiny_model(arch: str, seed: int = 0, f16_weights: bool = False, vocab_size: int = VOCAB):
+def tiny_model(arch: str, seed: int = 0, f16_weights: bool = False, vocab_size: int = VOCAB, hidden: int = 64):
     """A random-weight model: matrices N(0, 0.15), norm weights around 1, so that logits and attention are far from
     uniform (gemma2's norms add the 1 themselves)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, hidden)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.15)

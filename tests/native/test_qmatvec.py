@@ -17,13 +17,13 @@ _HALF_OFFSETS = {GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_K: (0, 2)
 needs_native = pytest.mark.skipif(qmatvec.library() is None, reason="native kernels unavailable (no C compiler?)")
 
 
-def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
     """(n, row_bytes) rows of random blocks with finite fp16 scales."""
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_BLOCK_SIZES[ggml_type]
     blocks = rng.integers(0, 256, (n * k // block_values, block_bytes), dtype=np.uint8)
     for offset in _HALF_OFFSETS[ggml_type]:
-        scales = rng.uniform(-0.02, 0.02, len(blocks)).astype(np.float16)
+        scales = rng.uniform(-scale, scale, len(blocks)).astype(np.float16)
         blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(n, -1)
 
