@@ -84,7 +84,12 @@ class Llama:
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
 
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """The bytes of `tokens`; with `prev_tokens` (what came before them) they are a continuation, so a
+        SentencePiece leading space is kept."""
+        if prev_tokens:
+            return b"".join(self.tokenizer.token_to_piece(int(t), special) for t in tokens)
         return self.tokenizer.decode(tokens, special=special)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -139,13 +144,15 @@ class Llama:
     def create_completion(self, prompt: str | bytes | Sequence[int], max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, echo: bool = False,
                           stop: str | Sequence[str] | None = None, repeat_penalty: float = 1.0, top_k: int = 40,
-                          seed: int | None = None, stream: bool = False,
-                          **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """A completion of `prompt` (text or token ids) in llama-cpp-python's layout; chunks when `stream`."""
-        if unsupported:
-            raise InvalidArgument(f"unsupported completion arguments: {', '.join(sorted(unsupported))}")
+                          seed: int | None = None, stream: bool = False, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0,
+                          **other: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """A completion of `prompt` (text or token ids) in llama-cpp-python's layout; chunks when `stream`.
+        Its other arguments are accepted at their default values only (suffix, logprobs, typical_p, ...)."""
+        _check_defaults(other)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty)
+                                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty)
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str | bytes) else [int(t) for t in prompt]
         rng = self._rng if seed is None else np.random.default_rng(seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -221,7 +228,8 @@ class Llama:
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stream: bool = False, stop: str | Sequence[str] | None = None,
                                seed: int | None = None, max_tokens: int | None = None, repeat_penalty: float = 1.0,
-                               **unsupported: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+                               frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                               **other: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """A chat reply in llama-cpp-python's layout (chat.completion, or chat.completion.chunk when streamed)."""
         text = self.apply_chat_template(messages)
         tok = self.tokenizer
@@ -230,7 +238,8 @@ class Llama:
         prompt_ids = tok.encode(text, add_special=add_bos, parse_special=True)
         completion = self.create_completion(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                             min_p=min_p, stop=stop, repeat_penalty=repeat_penalty, top_k=top_k,
-                                            seed=seed, stream=stream, **unsupported)
+                                            seed=seed, stream=stream, frequency_penalty=frequency_penalty,
+                                            presence_penalty=presence_penalty, **other)
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": self.model_path}
         if stream:
             return _chat_chunks(meta, completion)
@@ -252,6 +261,22 @@ def _chat_chunks(meta: dict[str, Any], completion: Iterator[dict[str, Any]]) -> 
         if choice["finish_reason"]:
             yield {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                         "finish_reason": choice["finish_reason"]}]}
+
+
+# llama-cpp-python arguments carrack does not implement, and the value that means "off" for each
+_NO_OP_ARGUMENTS = {"suffix": None, "logprobs": None, "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0,
+                    "grammar": None, "logits_processor": None, "stopping_criteria": None, "logit_bias": None,
+                    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+                    "response_format": None, "top_logprobs": None}
+
+
+def _check_defaults(arguments: dict[str, Any]) -> None:
+    for name, value in arguments.items():
+        if name not in _NO_OP_ARGUMENTS:
+            raise InvalidArgument(f"unknown completion argument '{name}'")
+        if value != _NO_OP_ARGUMENTS[name]:
+            raise InvalidArgument(f"completion argument {name}={value!r} is not supported by carrack.llm (only "
+                                  f"{_NO_OP_ARGUMENTS[name]!r})")
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

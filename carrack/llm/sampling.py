@@ -1,4 +1,4 @@
-"""Next-token sampling in llama.cpp's default order: repeat penalty, top-k, top-p, min-p, temperature, draw.
+"""Next-token sampling in llama.cpp's default order: penalties, top-k, top-p, min-p, temperature, draw.
 
 A temperature <= 0 is greedy decoding (the most likely token after the repeat penalty).
 """
@@ -19,16 +19,21 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
-def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """llama.cpp's repetition penalty: logits of recent tokens divided by `penalty` if positive, else multiplied."""
-    if penalty == 1.0 or len(recent) == 0:
+def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float, frequency: float = 0.0,
+                         presence: float = 0.0) -> np.ndarray:
+    """llama.cpp's penalties over the recent tokens: each one's logit divided by `penalty` if positive, else
+    multiplied, then lowered by `frequency` times its count and by `presence` once."""
+    if (penalty == 1.0 and frequency == 0.0 and presence == 0.0) or len(recent) == 0:
         return logits
     logits = logits.copy()
-    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
     values = logits[ids]
-    logits[ids] = np.where(values > 0, values / penalty, values * penalty)
+    values = np.where(values > 0, values / penalty, values * penalty)
+    logits[ids] = values - counts * frequency - presence
     return logits
 
 
@@ -55,7 +60,8 @@ def candidate_probabilities(logits: np.ndarray, params: SamplingParams) -> tuple
 def sample_token(logits: np.ndarray, recent: Sequence[int], params: SamplingParams,
                  rng: np.random.Generator) -> int:
     logits = apply_repeat_penalty(np.asarray(logits, dtype=np.float32), recent[-params.repeat_last_n:]
-                                  if params.repeat_last_n > 0 else (), params.repeat_penalty)
+                                  if params.repeat_last_n > 0 else (), params.repeat_penalty,
+                                  params.frequency_penalty, params.presence_penalty)
     if params.temperature <= 0.0:
         return int(np.argmax(logits))
     ids, probs = candidate_probabilities(logits, params)

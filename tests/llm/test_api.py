@@ -144,3 +144,27 @@ def test_sentencepiece_llama_model_adds_bos(tmp_path):
     assert ids == [vocab.processor.bos_id(), *vocab.processor.encode("Hello world")]
     out = llm("Hello world", max_tokens=8, temperature=0.0)
     assert out["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_other_llama_cpp_arguments_only_at_their_defaults(qwen):
+    from carrack.errors import InvalidArgument
+
+    path, _, _ = qwen
+    llm = Llama(path, n_ctx=64)
+    out = llm("Hi", max_tokens=2, temperature=0.0, logprobs=None, suffix=None, typical_p=1.0)
+    assert out["usage"]["completion_tokens"] <= 2
+    with pytest.raises(InvalidArgument, match="logprobs=5"):
+        llm("Hi", max_tokens=2, logprobs=5)
+    with pytest.raises(InvalidArgument, match="'bogus'"):
+        llm("Hi", bogus=1)
+
+
+def test_detokenize_continuation_keeps_the_space(tmp_path):
+    proto = train_sentencepiece()
+    vocab = SentencePieceVocab(proto)
+    llm = Llama(write_gguf(tiny_model("llama", vocab_size=vocab.processor.get_piece_size()), tmp_path, vocab=vocab),
+                n_ctx=32)
+    ids = llm.tokenize(b"Hello world", add_bos=False)
+    assert llm.detokenize(ids) == b"Hello world"
+    split = next(i for i in range(1, len(ids)) if llm.detokenize(ids[i:i + 1], prev_tokens=ids[:i]).startswith(b" "))
+    assert llm.detokenize(ids[:split]) + llm.detokenize(ids[split:], prev_tokens=ids[:split]) == b"Hello world"

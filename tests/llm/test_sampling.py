@@ -36,3 +36,9 @@ def test_draws_follow_the_distribution():
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     counts = np.bincount([sample_token(logits, [], params, rng) for _ in range(4000)], minlength=3) / 4000
     np.testing.assert_allclose(counts, [0.6, 0.3, 0.1], atol=0.03)
+
+
+def test_frequency_and_presence_penalties():
+    out = apply_repeat_penalty(np.array([2.0, -2.0, 1.0], dtype=np.float32), [0, 0, 1], 1.0, frequency=0.5,
+                               presence=0.25)
+    np.testing.assert_allclose(out, [2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0])
