@@ -208,9 +208,11 @@ class Decoder:
         x = self.embed(tokens)
         positions = slice(start, start + tokens.size)
         cos, sin = self.cos[positions], self.sin[positions]
+        masks = {sliding: _attention_mask(start, tokens.size, hp.sliding_window if sliding else 0)
+                 for sliding in {hp.uses_sliding_window(i) for i in range(hp.n_layer)}}
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, hp.rms_eps)
-            attn = self._attention(layer, index, h, start, cos, sin)
+            attn = self._attention(layer, index, h, start, cos, sin, masks[hp.uses_sliding_window(index)])
             if layer.attn_post_norm is not None:
                 attn = rms_norm(attn, layer.attn_post_norm, hp.rms_eps)
             x = x + attn
@@ -246,7 +248,7 @@ class Decoder:
         return q, k, v
 
     def _attention(self, layer: Layer, index: int, h: np.ndarray, start: int, cos: np.ndarray,
-                   sin: np.ndarray) -> np.ndarray:
+                   sin: np.ndarray, mask: np.ndarray) -> np.ndarray:
         hp = self.hp
         n = h.shape[0]
         q, k, v = self._projections(layer, h)
@@ -270,22 +272,13 @@ class Decoder:
             cap = np.float32(hp.attn_softcap)
             scores = np.tanh(scores / cap) * cap
         scores = scores.reshape(hp.n_head_kv, group, n, end)
-        scores += self._mask(index, start, n, end)
+        scores += mask
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
         out = scores.reshape(hp.n_head_kv, group * n, end) @ values  # (kv_heads, group * n, head_dim)
         out = out.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
         return layer.wo(out)
-
-    def _mask(self, index: int, start: int, n: int, end: int) -> np.ndarray:
-        """Additive mask (n, end): causal, and for sliding-window layers keys at most window-1 positions back."""
-        query_pos = np.arange(start, start + n)[:, None]
-        key_pos = np.arange(end)[None, :]
-        hidden = key_pos > query_pos
-        if self.hp.uses_sliding_window(index):
-            hidden |= query_pos - key_pos >= self.hp.sliding_window
-        return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
     def _feed_forward(self, layer: Layer, h: np.ndarray) -> np.ndarray:
         if layer.w_gate is None:
@@ -295,6 +288,17 @@ class Decoder:
             gate, up = layer.w_gate(h), layer.w_up(h)
         activated = gelu_tanh(gate) if self.hp.arch.activation == "gelu_tanh" else silu(gate)
         return layer.w_down(activated * up)
+
+
+def _attention_mask(start: int, n: int, window: int) -> np.ndarray:
+    """Additive mask (n, start + n) of queries at positions start.. over the keys before them: causal, and with a
+    sliding `window` (> 0) keys at most window - 1 positions back."""
+    query_pos = np.arange(start, start + n)[:, None]
+    key_pos = np.arange(start + n)[None, :]
+    hidden = key_pos > query_pos
+    if window > 0:
+        hidden |= query_pos - key_pos >= window
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
 def _rope_tables(hp: HParams, n_ctx: int, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
