@@ -66,7 +66,25 @@ class QuantizedLinear:
             y = qmatvec.matvec(self.rows_2d, self.ggml_type, x, self.threads)
             if y is not None:
                 return y
+        if self.native and x.ndim == 2:
+            y = self._decoded_panels_product(x)
+            if y is not None:
+                return y
         return quantized_matmul(x, self.raw, self.ggml_type, (self.out_features, self.in_features))
+
+    def _decoded_panels_product(self, x: np.ndarray) -> np.ndarray | None:
+        """x @ W.T a panel of weight rows at a time, each decoded natively into one reused float32 buffer."""
+        n, k = self.out_features, self.in_features
+        step = min(n, chunk_rows(k))
+        panel = np.empty((step, k), dtype=np.float32)
+        x_t = np.ascontiguousarray(x, dtype=np.float32).T
+        result_t = np.empty((n, x.shape[0]), dtype=np.float32)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            if not qmatvec.decode_rows(self.rows_2d, self.ggml_type, start, stop, panel[:stop - start]):
+                return None
+            np.dot(panel[:stop - start], x_t, out=result_t[start:stop])
+        return np.ascontiguousarray(result_t.T)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` (an embedding lookup decodes only the tokens it needs)."""

@@ -201,3 +201,14 @@ int carrack_qmatvec(const uint8_t *w, int type, int64_t row_bytes, int64_t n, in
     free(row);
     return 0;
 }
+
+/* Decode the weight rows [row_start, row_end) into out (float32, (row_end - row_start) x k): the float panel a
+ * batch's BLAS product reads. Returns 0, or -1 as carrack_qmatvec. */
+int carrack_qdecode(const uint8_t *w, int type, int64_t row_bytes, int64_t k, int64_t row_start, int64_t row_end,
+                    float *out) {
+    int64_t block_values, block_bytes;
+    row_decoder decode = decoder_for(type, &block_values, &block_bytes);
+    if (decode == NULL || k % block_values != 0 || row_bytes != k / block_values * block_bytes) return -1;
+    for (int64_t r = row_start; r < row_end; r++) decode(w + r * row_bytes, k, out + (r - row_start) * k);
+    return 0;
+}

@@ -26,6 +26,8 @@ def library() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.carrack_qmatvec.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64, i64]
         lib.carrack_qmatvec.restype = i32
+        lib.carrack_qdecode.argtypes = [p, i32, i64, i64, i64, i64, p]
+        lib.carrack_qdecode.restype = i32
         lib.carrack_qmatvec_supports.argtypes = [i32]
         lib.carrack_qmatvec_supports.restype = i32
         _declared = lib
@@ -61,3 +63,18 @@ def matvec(rows: np.ndarray, ggml_type: int, x: np.ndarray, threads: int | None 
         raise ValueError(f"qmatvec: ggml type {int(ggml_type)} with rows of {row_bytes} bytes does not hold "
                          f"{k} values per row")
     return y
+
+
+def decode_rows(rows: np.ndarray, ggml_type: int, start: int, stop: int, out: np.ndarray) -> bool:
+    """Decode weight rows [start, stop) of `rows` ((n, row_bytes) uint8 blocks) into `out`, a C-contiguous float32
+    (stop - start, k) array; False when the native library cannot (the caller decodes with numpy)."""
+    lib = library()
+    if lib is None or not lib.carrack_qmatvec_supports(int(ggml_type)):
+        return False
+    rows = np.require(rows, np.uint8, ("C_CONTIGUOUS",))
+    status = lib.carrack_qdecode(data_address(rows), int(ggml_type), rows.shape[1], out.shape[1], start, stop,
+                                 data_address(out))
+    if status:
+        raise ValueError(f"qdecode: ggml type {int(ggml_type)} rows of {rows.shape[1]} bytes do not hold "
+                         f"{out.shape[1]} values")
+    return True

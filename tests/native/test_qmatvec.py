@@ -81,3 +81,11 @@ def test_threads_split_rows_without_changing_results():
 def test_other_types_are_left_to_numpy():
     assert qmatvec.matvec(np.zeros((2, 20), np.uint8), GGMLType.Q4_1, np.zeros((1, 32), np.float32)) is None
     assert not qmatvec.supports(GGMLType.Q5_K)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_decode_rows_equals_dequantize(build, ggml_type):
+    rows = random_blocks(ggml_type, 9, 512, seed=3)
+    out = np.full((4, 512), np.nan, dtype=np.float32)
+    assert qmatvec.decode_rows(rows, ggml_type, 3, 7, out)
+    np.testing.assert_array_equal(out, dequantize(rows[3:7], ggml_type, (4, 512)))
