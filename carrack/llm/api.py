@@ -24,6 +24,7 @@ from carrack.errors import InvalidArgument
 from carrack.llm.model import Decoder, MemoryPlan
 from carrack.llm.sampling import SamplingParams, sample_token
 from carrack.llm.tokenizer import Tokenizer
+from carrack.runtime.blas import limited_blas_threads
 
 DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a fresh random seed
 
@@ -40,6 +41,7 @@ class Llama:
                  n_threads: int | None = None, seed: int = DEFAULT_SEED, verbose: bool = False,
                  memory_limit_bytes: int | None = None, dequantize: bool = False):
         self.model_path = os.fspath(model_path)
+        # native kernels and numpy's BLAS both run on this many threads during evaluation
         self.n_threads = n_threads or os.cpu_count() or 1
         self.verbose = verbose
         self.decoder = Decoder(self.model_path, n_ctx=n_ctx, n_batch=n_batch, dequantize=dequantize,
@@ -95,7 +97,8 @@ class Llama:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), n_vocab] of a full forward of `ids` from position 0."""
         self.reset()
-        out = self.decoder.forward(ids, 0, all_logits=True)
+        with limited_blas_threads(self.n_threads):
+            out = self.decoder.forward(ids, 0, all_logits=True)
         self._tokens = [int(t) for t in ids]
         return out
 
@@ -105,7 +108,8 @@ class Llama:
 
     def eval(self, tokens: Sequence[int]) -> np.ndarray:
         """Evaluate `tokens` after those already in the cache; logits of the last one [n_vocab]."""
-        logits = self.decoder.forward(tokens, len(self._tokens), all_logits=False)
+        with limited_blas_threads(self.n_threads):
+            logits = self.decoder.forward(tokens, len(self._tokens), all_logits=False)
         self._tokens.extend(int(t) for t in tokens)
         return logits[-1]
 
