@@ -108,7 +108,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from carrack.llm import Llama
-    from carrack.runtime.blas import set_blas_threads
 
     config = {**TINYLLAMA, "num_hidden_layers": args.layers}
     bandwidth = copy_bandwidth_gbs()
@@ -124,8 +123,8 @@ def main() -> int:
         llm = Llama(path, n_ctx=args.prompt + args.generate + 8)
         weights = llm.memory_plan().weight_bytes
         for threads in (int(t) for t in args.threads.split(",")):
-            set_blas_threads(threads)
-            for layer in llm.decoder.layers:
+            llm.n_threads = threads  # BLAS during evaluation
+            for layer in llm.decoder.layers:  # the native kernels
                 for m in vars(layer).values():
                     if hasattr(m, "threads"):
                         m.threads = threads

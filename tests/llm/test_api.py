@@ -168,3 +168,18 @@ def test_detokenize_continuation_keeps_the_space(tmp_path):
     assert llm.detokenize(ids) == b"Hello world"
     split = next(i for i in range(1, len(ids)) if llm.detokenize(ids[i:i + 1], prev_tokens=ids[:i]).startswith(b" "))
     assert llm.detokenize(ids[:split]) + llm.detokenize(ids[split:], prev_tokens=ids[:split]) == b"Hello world"
+
+
+def test_file_without_tokenizer_runs_from_ids(tmp_path):
+    from carrack.errors import InvalidArgument
+
+    llm = Llama(write_gguf(tiny_model("qwen3"), tmp_path), n_ctx=32)
+    with pytest.raises(InvalidArgument, match="has no tokenizer"):
+        llm.tokenize(b"hello")
+    with pytest.raises(InvalidArgument, match="has no tokenizer"):
+        llm([5, 6, 7], max_tokens=3)  # a completion is text
+    from carrack.llm.sampling import SamplingParams
+
+    ids = list(llm.generate([5, 6, 7], 4, SamplingParams(temperature=0.0), np.random.default_rng(0)))
+    assert len(ids) == 4
+    assert ids[0] == int(np.argmax(llm.logits([5, 6, 7])[-1]))
