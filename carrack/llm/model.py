@@ -3,7 +3,9 @@
 `Decoder.forward(tokens, start)` runs a batch of tokens at positions start.. (the prompt as matrix-matrix
 products, then one token at a time) and returns their logits. Nothing is compiled or re-planned per step: every
 buffer that depends only on n_ctx (KV cache, rope tables) is allocated once, and the per-token Python work is a
-fixed number of numpy calls per layer, whatever the size of the weights.
+fixed number of numpy / native calls per layer, whatever the size of the weights (float weights: one BLAS call
+per matrix; Q8_0, Q4_0, Q4_K, Q6_K: one native call per matrix. Only the numpy fallback for other quantized types,
+or without a C compiler, walks a matrix in chunks of ~4 MiB of decoded rows).
 """
 
 from __future__ import annotations
