@@ -252,10 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     from carrack.bench import add_bench_parser
     from carrack.doctor import add_doctor_parser
     from carrack.gguf.cli import add_gguf_parser
+    from carrack.llm.cli import add_llm_parser
 
     add_bench_parser(sub)
     add_gguf_parser(sub)
     add_doctor_parser(sub)
+    add_llm_parser(sub)
     return p
 
 

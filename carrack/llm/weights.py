@@ -1,0 +1,144 @@
+"""Weights of a GGUF language model as carrack holds them in memory.
+
+F32 tensors stay zero-copy views of the memory-mapped file. F16 / BF16 matrices are converted once to float32 (a
+BLAS-speed product; it doubles their memory, noted in the memory plan). Block-quantized matrices stay as their ggml
+blocks and are multiplied straight from them (`QuantizedLinear`); with ``dequantize=True`` every matrix is decoded
+to float32 at load instead, which is the reference path the quantized products are checked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from carrack.errors import InvalidModel, UnsupportedModel
+from carrack.gguf.dequant import dequantize, supported_types
+from carrack.gguf.matmul import chunk_rows, quantized_matmul
+from carrack.gguf.reader import GGUFFile, GGUFTensor
+from carrack.gguf.types import GGMLType
+from carrack.native import qmatvec
+
+#: rows of x up to which a quantized product runs in the native kernel rather than decode + BLAS
+NATIVE_MAX_ROWS = 8
+
+_FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+class FloatLinear:
+    """``x @ W.T`` with a float32 weight W of shape (N, K)."""
+
+    def __init__(self, weight: np.ndarray, name: str):
+        self.weight = weight
+        self.name = name
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight.T
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self.weight[ids], dtype=np.float32)
+
+    def scratch_bytes(self, n_rows: int) -> int:
+        return 0
+
+
+class QuantizedLinear:
+    """``x @ W.T`` for a weight kept as ggml blocks (Q8_0, Q4_0, K-quants, ...).
+
+    A few rows of x (generation, small batches) go to the native kernel (carrack/native/qmatvec.c: each weight row
+    decoded in L1 and multiplied there, one call per matrix) for the types it decodes; larger batches and the other
+    types are decoded a chunk of rows at a time into a float32 buffer for a BLAS product (quantized_matmul).
+    """
+
+    def __init__(self, tensor: GGUFTensor, threads: int | None = None):
+        self.name = tensor.name
+        self.ggml_type = tensor.type
+        self.out_features, self.in_features = tensor.shape
+        self.raw = tensor.raw()
+        self.nbytes = tensor.nbytes
+        self.row_bytes = self.ggml_type.nbytes(self.in_features)
+        self.rows_2d = self.raw.reshape(self.out_features, self.row_bytes)
+        self.threads = threads
+        self.native = qmatvec.supports(self.ggml_type)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.native and x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
+            y = qmatvec.matvec(self.rows_2d, self.ggml_type, x, self.threads)
+            if y is not None:
+                return y
+        if self.native and x.ndim == 2:
+            y = self._decoded_panels_product(x)
+            if y is not None:
+                return y
+        return quantized_matmul(x, self.raw, self.ggml_type, (self.out_features, self.in_features))
+
+    def _decoded_panels_product(self, x: np.ndarray) -> np.ndarray | None:
+        """x @ W.T a panel of weight rows at a time, each decoded natively into one reused float32 buffer."""
+        n, k = self.out_features, self.in_features
+        step = min(n, chunk_rows(k))
+        panel = np.empty((step, k), dtype=np.float32)
+        x_t = np.ascontiguousarray(x, dtype=np.float32).T
+        result_t = np.empty((n, x.shape[0]), dtype=np.float32)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            if not qmatvec.decode_rows(self.rows_2d, self.ggml_type, start, stop, panel[:stop - start]):
+                return None
+            np.dot(panel[:stop - start], x_t, out=result_t[start:stop])
+        return np.ascontiguousarray(result_t.T)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows `ids` (an embedding lookup decodes only the tokens it needs)."""
+        rows = self.rows_2d[ids]
+        return dequantize(rows, self.ggml_type, (len(ids), self.in_features))
+
+    def scratch_bytes(self, n_rows: int) -> int:
+        step = min(self.out_features, chunk_rows(self.in_features))
+        return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
+
+
+Linear = FloatLinear | QuantizedLinear
+
+
+class WeightStore:
+    """Looks tensors up by llama.cpp name; a missing required tensor is an InvalidModel naming it."""
+
+    def __init__(self, gguf: GGUFFile, arch_name: str, dequantize_all: bool = False, threads: int | None = None):
+        self.gguf = gguf
+        self.threads = threads
+        self.arch_name = arch_name
+        self.dequantize_all = dequantize_all
+        self.float_copies: list[str] = []  # F16/BF16 matrices converted to float32 at load
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def tensor(self, name: str) -> GGUFTensor:
+        tensor = self.gguf.tensors.get(name)
+        if tensor is None:
+            raise InvalidModel(f"{self.gguf.path}: tensor '{name}' is missing; the {self.arch_name} architecture "
+                               "needs it")
+        if tensor.type not in supported_types():
+            raise UnsupportedModel(f"{self.gguf.path}: tensor '{name}' has ggml type {tensor.type.name}, which "
+                                   "carrack cannot decode")
+        return tensor
+
+    def vector(self, name: str, length: int) -> np.ndarray:
+        tensor = self.tensor(name)
+        if tensor.n_elements != length:
+            raise InvalidModel(f"{self.gguf.path}: tensor '{name}' has {tensor.n_elements} values, expected {length}")
+        return np.asarray(dequantize(tensor.raw(), tensor.type, (length,)), dtype=np.float32)
+
+    def optional_vector(self, name: str, length: int) -> np.ndarray | None:
+        return self.vector(name, length) if self.has(name) else None
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> Linear:
+        tensor = self.tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise InvalidModel(f"{self.gguf.path}: tensor '{name}' has shape {list(tensor.shape)}, expected "
+                               f"{list(shape)} (rows = outputs, columns = inputs)")
+        if tensor.type in _FLOAT_TYPES or self.dequantize_all:
+            if tensor.type != GGMLType.F32:
+                self.float_copies.append(name)
+            weight = dequantize(tensor.raw(), tensor.type, shape)
+            return FloatLinear(weight, name)
+        return QuantizedLinear(tensor, self.threads)

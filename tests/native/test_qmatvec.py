@@ -1,0 +1,91 @@
+"""qmatvec.c against carrack's numpy dequantize-then-matmul, for every type it decodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from carrack import native
+from carrack.gguf.dequant import dequantize
+from carrack.gguf.types import GGML_BLOCK_SIZES, GGMLType
+from carrack.native import qmatvec
+
+TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K]
+# byte offsets of the fp16 scales in each block (the rest of a block is any byte pattern)
+_HALF_OFFSETS = {GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,)}
+
+needs_native = pytest.mark.skipif(qmatvec.library() is None, reason="native kernels unavailable (no C compiler?)")
+
+
+def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    """(n, row_bytes) rows of random blocks with finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    block_values, block_bytes = GGML_BLOCK_SIZES[ggml_type]
+    blocks = rng.integers(0, 256, (n * k // block_values, block_bytes), dtype=np.uint8)
+    for offset in _HALF_OFFSETS[ggml_type]:
+        scales = rng.uniform(-scale, scale, len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory):
+    """qmatvec.c built without intrinsics (CARRACK_PORTABLE): the plain C that other targets compile."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    directory = tmp_path_factory.mktemp("portable")
+    source = (native.SOURCE_DIR / "qmatvec.c").read_text()
+    (directory / "qmatvec.c").write_text("// carrack-cflags: -DCARRACK_PORTABLE\n" + source)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "SOURCE_DIR", directory)
+        patch.setenv("CARRACK_CACHE_DIR", str(directory / "cache"))
+        patch.setattr(native, "_loaded", {})
+        patch.setattr(native, "_reasons", {})
+        lib = native.library("qmatvec")
+    assert lib is not None, native._reasons
+    return lib
+
+
+@pytest.fixture(params=["native", "portable"])
+def build(request, monkeypatch):
+    """The library as built for this machine (intrinsics where it has them), then its portable build."""
+    if qmatvec.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler?)")
+    if request.param == "portable":
+        monkeypatch.setattr(native, "_loaded", {"qmatvec": request.getfixturevalue("portable_library")})
+    return request.param
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_matches_dequantize_then_matmul(build, ggml_type, m):
+    n, k = 37, 512
+    rows = random_blocks(ggml_type, n, k)
+    x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
+    weight = dequantize(rows, ggml_type, (n, k)).astype(np.float64)
+    expected = x.astype(np.float64) @ weight.T
+    got = qmatvec.matvec(rows, ggml_type, x)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@needs_native
+def test_threads_split_rows_without_changing_results():
+    rows = random_blocks(GGMLType.Q8_0, 1000, 1024)  # over PARALLEL_MIN_BYTES: split over threads
+    x = np.random.default_rng(2).standard_normal((1, 1024)).astype(np.float32)
+    np.testing.assert_array_equal(qmatvec.matvec(rows, GGMLType.Q8_0, x, threads=2),
+                                  qmatvec.matvec(rows, GGMLType.Q8_0, x, threads=1))
+
+
+@needs_native
+def test_other_types_are_left_to_numpy():
+    assert qmatvec.matvec(np.zeros((2, 20), np.uint8), GGMLType.Q4_1, np.zeros((1, 32), np.float32)) is None
+    assert not qmatvec.supports(GGMLType.Q5_K)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_decode_rows_equals_dequantize(build, ggml_type):
+    rows = random_blocks(ggml_type, 9, 512, seed=3)
+    out = np.full((4, 512), np.nan, dtype=np.float32)
+    assert qmatvec.decode_rows(rows, ggml_type, 3, 7, out)
+    np.testing.assert_array_equal(out, dequantize(rows[3:7], ggml_type, (4, 512)))
