@@ -63,7 +63,10 @@ def _assigned_cpus() -> int:
     """The CPUs Ray allocated to this actor (1 outside an actor or with a fractional allocation)."""
     if not ray.is_initialized():  # asking the runtime context would start a local Ray instance
         return 1
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    try:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    except AssertionError:  # Ray asserts the caller is a worker: this is the driver
+        return 1
     return max(1, int(cpus))
 
 

@@ -37,6 +37,7 @@ def write_input(tmp_path, rows: int = ROWS, bad_row: int | None = BAD_ROW):
     return model, x, ids
 
 
+@pytest.mark.slow  # ~25 s on a loaded 2-core machine: most of it starting and stopping a Ray instance
 def test_batch_command_starts_local_ray_and_writes_sorted_outputs_with_an_error_column(tmp_path):
     model, x, ids = write_input(tmp_path)
     out_path = tmp_path / "out.parquet"
