@@ -138,10 +138,12 @@ def ray_run(session_ref, columns: dict[str, np.ndarray], batch_size: int, worker
     table = pd.concat([b for b in scored.iter_batches(batch_format="pandas", batch_size=None)])
     elapsed = time.time() - started
     per_worker = table.groupby("__carrack_worker").agg(rows=("id", "size"), entered=("entered", "first"),
-                                                      plan_s=("plan_s", "first"), first=("first_done", "first"))
+                                                      plan_s=("plan_s", "first"), first=("first_done", "first"),
+                                                      busy=("__carrack_seconds", "sum"))
     assert len(table) == rows and table["id"].is_unique
     return {"rows_per_s": rows / elapsed, "elapsed": elapsed,
-            "workers": [(r.rows, r.entered - started, r.plan_s, r.first - started) for r in per_worker.itertuples()]}
+            "workers": [(r.rows, r.entered - started, r.plan_s, r.first - started, r.busy)
+                        for r in per_worker.itertuples()]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             result = ray_run(ref, columns, args.batch_size, workers)
             print(f"  {f'carrack.ray, {workers} worker(s)':34s} {result['rows_per_s']:8.1f}   "
                   f"(wall {result['elapsed']:.1f} s, actor start and first batch included)")
-            for rows_done, entered, plan_s, first in result["workers"]:
-                print(f"      worker: {rows_done} rows; actor up {entered:.2f} s after submit; plan fetch + executor "
-                      f"{plan_s * 1000:.0f} ms; first batch done {first:.2f} s after submit")
+            for rows_done, entered, plan_s, first, busy in result["workers"]:
+                print(f"      worker: {rows_done} rows, {rows_done / busy:.1f} rows/s while scoring; actor up "
+                      f"{entered:.2f} s after submit; plan fetch + executor {plan_s * 1000:.0f} ms; first batch done "
+                      f"{first:.2f} s after submit")
     ray.shutdown()
     return 0
 

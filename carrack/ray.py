@@ -372,26 +372,17 @@ def predict(dataset: ray.data.Dataset, model: Any, *, input_columns: Mapping[str
     """
     if not isinstance(model, ray.ObjectRef):
         model = ray.put(_load_session(model))
+    options = dict(input_columns=input_columns, output_columns=output_columns, id_column=id_column,
+                   on_error=on_error, check_finite=check_finite, keep_columns=keep_columns, preprocess=preprocess,
+                   report_worker=report_worker)
     with warnings.catch_warnings():
-        # Ray 2.60 deprecates passing actor options such as max_restarts as keywords but names no replacement yet
+        # Ray 2.60 deprecates actor options such as max_restarts given as keywords but names no replacement yet
         warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
-        scored = _map_batches(dataset, model, concurrency, batch_size, num_cpus, batch_format, max_restarts,
-                              max_task_retries, dict(input_columns=input_columns, output_columns=output_columns,
-                                                     id_column=id_column, on_error=on_error,
-                                                     check_finite=check_finite, keep_columns=keep_columns,
-                                                     preprocess=preprocess, report_worker=report_worker))
+        scored = dataset.map_batches(
+            CarrackPredictor, fn_constructor_kwargs=dict(model=model, **options),
+            compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size, num_cpus=num_cpus,
+            batch_format=batch_format, max_restarts=max_restarts, max_task_retries=max_task_retries)
     return scored.sort(id_column) if sort else scored
-
-
-def _map_batches(dataset: ray.data.Dataset, model: ray.ObjectRef, concurrency: int, batch_size: int | None,
-                 num_cpus: float, batch_format: str, max_restarts: int, max_task_retries: int,
-                 options: dict[str, Any]) -> ray.data.Dataset:
-    return dataset.map_batches(
-        CarrackPredictor,
-        fn_constructor_kwargs=dict(model=model, **options),
-        compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size, num_cpus=num_cpus,
-        batch_format=batch_format,
-        max_restarts=max_restarts, max_task_retries=max_task_retries)
 
 
 __all__ = ["CarrackPredictor", "MalformedRows", "batch_columns", "predict", "ERROR_COLUMN"]
