@@ -104,18 +104,15 @@ def read_input(path: str, id_column: str) -> tuple[Any, int]:
     """The dataset at `path` and its row count: Parquet, or one row per .npy file / image (id: the file name)."""
     import ray
 
+    if "://" in path:  # object storage (s3://, gs://, ...): Parquet, read by Ray where its tasks run
+        return _parquet(ray.data.read_parquet(path), path, id_column)
     source = Path(path)
     if not source.exists():
         raise InvalidArgument(f"--input {path}: no such file or folder")
     files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
     suffixes = {p.suffix.lower() for p in files}
     if suffixes and suffixes <= {".parquet"} or not source.is_dir():
-        dataset = ray.data.read_parquet(str(source))
-        columns = dataset.schema().names
-        if id_column not in columns:
-            raise InvalidArgument(f"--input {path} has no id column '{id_column}' (columns: {columns}); "
-                                  "name one with --id-column")
-        return dataset, dataset.count()
+        return _parquet(ray.data.read_parquet(str(source)), path, id_column)
     if suffixes == {".npy"}:
         dataset = ray.data.read_binary_files([str(p) for p in files], include_paths=True)
         return dataset.map_batches(_decode_npy, fn_kwargs={"id_column": id_column}, batch_format="numpy"), len(files)
@@ -123,6 +120,14 @@ def read_input(path: str, id_column: str) -> tuple[Any, int]:
         dataset = ray.data.read_images([str(p) for p in files], include_paths=True)
         return dataset.map_batches(_id_from_path, fn_kwargs={"id_column": id_column}, batch_format="numpy"), len(files)
     raise InvalidArgument(f"--input {path}: a folder of Parquet, .npy or image files only (found {sorted(suffixes)})")
+
+
+def _parquet(dataset: Any, path: str, id_column: str) -> tuple[Any, int]:
+    columns = dataset.schema().names
+    if id_column not in columns:
+        raise InvalidArgument(f"--input {path} has no id column '{id_column}' (columns: {columns}); "
+                              "name one with --id-column")
+    return dataset, dataset.count()
 
 
 def _decode_npy(batch: dict[str, np.ndarray], id_column: str) -> dict[str, np.ndarray]:

@@ -89,3 +89,32 @@ def test_a_folder_of_npy_files_is_one_row_per_file(ray_cluster, tmp_path, capsys
     expected = carrack.InferenceSession(str(model)).run(["logits"], {"features": x})[0]
     np.testing.assert_allclose(np.stack(table["logits"].to_numpy(zero_copy_only=False)), expected, rtol=1e-6)
     assert os.path.basename(str(tmp_path / "out.parquet")) in capsys.readouterr().out
+
+
+def test_a_folder_of_images_is_decoded_by_ray_and_fed_channels_first(ray_cluster, tmp_path):
+    from PIL import Image
+
+    from tests.ray.test_predictor import tiny_cnn
+
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes(tiny_cnn())
+    folder = tmp_path / "images"
+    folder.mkdir()
+    pixels = np.random.default_rng(4).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    for k, image in enumerate(pixels):
+        Image.fromarray(image).save(folder / f"img{k}.png")
+    assert main(["batch", str(model), "--input", str(folder), "--output", str(tmp_path / "out.parquet"),
+                 "--address", ray_cluster, "--quiet"]) == 0
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table["id"].to_pylist() == ["img0.png", "img1.png", "img2.png"]
+    chw = pixels.transpose(0, 3, 1, 2).astype(np.float32)
+    expected = carrack.InferenceSession(str(model)).run(None, {"image": chw})
+    np.testing.assert_allclose(np.stack(table["score"].to_numpy(zero_copy_only=False)), expected[0], rtol=1e-6)
+
+
+def test_missing_id_column_is_named(ray_cluster, tmp_path, capsys):
+    pq.write_table(pa.table({"key": [1, 2], "features": [[0.0] * 16] * 2}), tmp_path / "in.parquet")
+    (tmp_path / "mlp.onnx").write_bytes(mlp_model())
+    assert main(["batch", str(tmp_path / "mlp.onnx"), "--input", str(tmp_path / "in.parquet"), "--output",
+                 str(tmp_path / "out.parquet"), "--address", ray_cluster]) == 1
+    assert "has no id column 'id' (columns: ['key', 'features']); name one with --id-column" in capsys.readouterr().err
