@@ -150,7 +150,9 @@ class CarrackPredictor:
                      problems: dict[int, str]) -> list[np.ndarray | None] | np.ndarray:
         """The column for model input `arg`, cast to its type: a (rows, ...) array, or a list of per-row arrays
         (None for rows recorded in `problems`) when the rows do not stack."""
-        name = self.input_columns.get(arg.name) or _only_data_column(arg, columns, self.id_column)
+        name = self.input_columns.get(arg.name) or arg.name
+        if name not in columns and len(self.inputs) == 1 and not self.input_columns:
+            name = _only_data_column(columns, self.id_column) or name
         if name not in columns:
             raise InvalidArgument(f"model input '{arg.name}' reads column '{name}', which the batch lacks "
                                   f"(columns: {sorted(columns)}); map it with input_columns={{'{arg.name}': COLUMN}} "
@@ -320,13 +322,11 @@ def _shape_fits(shape: tuple, declared: tuple) -> bool:
     return len(shape) == len(declared) and all(not isinstance(d, int) or d == s for s, d in zip(shape, declared))
 
 
-def _only_data_column(arg: carrack.NodeArg, columns: Mapping[str, Any], id_column: str) -> str:
-    """A model input with no column of its name reads the only column besides the id (Ray's readers name it
-    'image' or 'data'); otherwise the input's own name, which the caller reports as missing."""
-    if arg.name in columns:
-        return arg.name
-    others = [c for c in columns if c != id_column and c != "path"]
-    return others[0] if len(others) == 1 else arg.name
+def _only_data_column(columns: Mapping[str, Any], id_column: str) -> str | None:
+    """The batch's only column besides the id (and a reader's 'path'): what a one-input model reads when no column
+    has its input's name (Ray's readers name it 'image' or 'data')."""
+    others = [c for c in columns if c not in (id_column, "path")]
+    return others[0] if len(others) == 1 else None
 
 
 def _input_mapping(inputs: list[carrack.NodeArg], given: Mapping[str, str] | None) -> dict[str, str]:
