@@ -249,12 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("output")
     o.add_argument("--level", choices=list(_LEVELS), default="all")
     o.set_defaults(func=cmd_optimize)
+    from carrack.batch import add_batch_parser
     from carrack.bench import add_bench_parser
     from carrack.doctor import add_doctor_parser
     from carrack.gguf.cli import add_gguf_parser
     from carrack.llm.cli import add_llm_parser
 
     add_bench_parser(sub)
+    add_batch_parser(sub)
     add_gguf_parser(sub)
     add_doctor_parser(sub)
     add_llm_parser(sub)
