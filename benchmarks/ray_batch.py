@@ -8,6 +8,8 @@ use actors of one CPU each (intra-op threads 1), so "1 worker" is compared with 
 "2 workers" with onnxruntime on 2 threads.
 
 Usage: python benchmarks/ray_batch.py [--models mobilenetv2,bert_small] [--workers 1,2] [--batch-size 16]
+Ray probes public DNS resolvers for its node address and binds every interface: on a loopback-only machine run it as
+unshare --net sh -c 'ip link set lo up && python benchmarks/ray_batch.py'
 """
 
 from __future__ import annotations
