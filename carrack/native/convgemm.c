@@ -20,6 +20,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "threadpool.h"
 
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
        ACT_SIGMOID = 6 };
@@ -673,4 +674,92 @@ void im2col_f32(const float *x, float *cols, int64_t c, int64_t h, int64_t w, in
                 gather_row(dst, image + ih * w, w, j * dw - pl, sw, ow);
         }
     }
+}
+
+/* -- the kernels over the thread pool: the same arguments, the tiles [begin, end) split over `threads` ---------- */
+CARRACK_POOL_CLIENT(convgemm)
+
+typedef struct {
+    const float *x, *w, *bias, *z;
+    float *y;
+    int64_t g[21];
+    int64_t act;
+    float alpha, beta;
+    _Atomic int64_t failed;
+} conv_call_t;
+
+static void convgemm_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const conv_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    convgemm_f32(c->x, c->w, c->bias, c->y, c->z, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], begin,
+                 end, c->act, c->alpha, c->beta);
+}
+
+void convgemm_f32_threads(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+                          int64_t groups_, int64_t mg_, int64_t kg_, int64_t p_, int64_t xn, int64_t xk, int64_t yn,
+                          int64_t ym, int64_t wm, int64_t begin, int64_t end, int64_t act, float alpha, float beta,
+                          int64_t threads) {
+    conv_call_t c = {x, w, bias, z, y, {n_, groups_, mg_, kg_, p_, xn, xk, yn, ym, wm}, act, alpha, beta, 0};
+    parallel_for(convgemm_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+static void dconv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    conv_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    if (dconv_f32(c->x, c->w, c->bias, c->y, c->z, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9],
+                  g[10], g[11], g[12], g[13], g[14], g[15], begin, end, c->act, c->alpha, c->beta))
+        atomic_store(&c->failed, 1);
+}
+
+/* Returns 0, or -1 when a piece ran out of memory. */
+int64_t dconv_f32_threads(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+                          int64_t groups, int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t kh, int64_t kw,
+                          int64_t oh, int64_t ow, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                          int64_t pl, int64_t begin, int64_t end, int64_t act, float alpha, float beta,
+                          int64_t threads) {
+    conv_call_t c = {x, w, bias, z, y, {n_, groups, mg, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl}, act,
+                     alpha, beta, 0};
+    parallel_for(dconv_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t t, k, n, lda, ldb, ldy, kblock;
+} matmul_call_t;
+
+static void matmul_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const matmul_call_t *c = p;
+    (void)slot;
+    matmul_f32(c->a, c->b, c->y, c->t, c->k, c->n, c->lda, c->ldb, c->ldy, c->kblock, begin, end);
+}
+
+void matmul_f32_threads(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t n, int64_t lda,
+                        int64_t ldb, int64_t ldy, int64_t kblock, int64_t begin, int64_t end, int64_t threads) {
+    matmul_call_t c = {a, b, y, t, k, n, lda, ldb, ldy, kblock};
+    parallel_for(matmul_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+typedef struct {
+    const float *x;
+    float *cols;
+    int64_t g[14];
+} im2col_call_t;
+
+static void im2col_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const im2col_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    im2col_f32(c->x, c->cols, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
+               begin, end);
+}
+
+void im2col_f32_threads(const float *x, float *cols, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw,
+                        int64_t ow, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t r0,
+                        int64_t r1, int64_t begin, int64_t end, int64_t threads) {
+    im2col_call_t call = {x, cols, {c, h, w, kh, kw, ow, sh, sw, dh, dw, pt, pl, r0, r1}};
+    parallel_for(im2col_piece, &call, begin, end, pieces_for(end - begin, threads), threads);
 }

@@ -14,7 +14,7 @@ import numpy as np
 
 from carrack import native
 from carrack.native import data_address
-from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _ranges, _run
+from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run
 
 _F32 = np.dtype(np.float32)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -34,8 +34,8 @@ def _load():
     if fn is None:
         lib.matmul_f32_vectorized.restype = _i64
         lib.matmul_f32_vectorized.argtypes = []
-        fn = lib.matmul_f32
-        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 9]
+        fn = lib.matmul_f32_threads
+        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 10]
         fn.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
@@ -69,5 +69,5 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
-    _run(fn, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * k), head, ())
+    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
     return True

@@ -85,12 +85,6 @@ def test_source_flags(sources):
     assert native.library("flagged").answer() == 42
 
 
-def test_run_parallel_runs_every_task():
-    seen = []
-    native.run_parallel([lambda i=i: seen.append(i) for i in range(7)])
-    assert sorted(seen) == list(range(7))
-
-
 def test_data_address_matches_numpy():
     """The fast address read agrees with numpy's for arrays, views, offsets, empty and zero-stride arrays and
     subclasses (which take numpy's own path)."""
