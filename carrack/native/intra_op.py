@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -21,8 +22,9 @@ _local = threading.local()
 _default: int | None = None
 
 
+@functools.lru_cache(maxsize=1)
 def cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform tells it)."""
+    """The cores this process may run on (its CPU affinity where the platform tells it, read once)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # pragma: no cover - platforms without sched_getaffinity

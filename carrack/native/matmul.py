@@ -13,7 +13,7 @@ import ctypes
 import numpy as np
 
 from carrack import native
-from carrack.native import data_address
+from carrack.native import data_address, intra_op
 from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run
 
 _F32 = np.dtype(np.float32)
@@ -53,9 +53,27 @@ def pays(rows: int, depth: int, cols: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS and depth >= MIN_SIDE and cols >= MIN_SIDE
 
 
+def blas_exceeds_run() -> bool:
+    """Whether numpy's BLAS pool (process-wide) has more threads than the running session allows: a session with
+    a lower intra_op_num_threads then has its products done here, on at most its own thread count, instead of
+    widening into BLAS's threads (or changing the pool that other sessions and threads share)."""
+    allowed = native.threads()
+    if allowed >= intra_op.cores():
+        return False
+    from carrack.runtime.blas import blas_threads
+
+    return allowed < (blas_threads() or 1)
+
+
+def chosen(rows: int, depth: int, cols: int) -> bool:
+    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`, and for any
+    non-empty shape while BLAS would use more threads than the run allows."""
+    return pays(rows, depth, cols) or (rows * depth * cols > 0 and blas_exceeds_run())
+
+
 def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     """out[T, N] = a[T, K] @ b[K, N] for C-contiguous float32 arrays (out writable, not overlapping a or b) of
-    shapes where `pays`; False when not done."""
+    shapes where it is `chosen`; False when not done."""
     fn = _load()
     if fn is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
         return False
@@ -63,7 +81,7 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
             return False
     (t, k), n = a.shape, b.shape[1]
-    if b.shape[0] != k or out.shape != (t, n) or not out.flags.writeable or not pays(t, k, n):
+    if b.shape[0] != k or out.shape != (t, n) or not out.flags.writeable or not chosen(t, k, n):
         return False
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False

@@ -27,7 +27,7 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
     if a.dtype != np.float32 or b.dtype != np.float32 or b.ndim != 2 or a.ndim < 2 or not a.flags.c_contiguous:
         return None
     rows = a.size // a.shape[-1] if a.shape[-1] else 0
-    if not native_matmul.pays(rows, b.shape[0], b.shape[1]) or a.shape[-1] != b.shape[0]:
+    if not native_matmul.chosen(rows, b.shape[0], b.shape[1]) or a.shape[-1] != b.shape[0]:
         return None
     y = np.empty(a.shape[:-1] + b.shape[-1:], np.float32) if out is None else out
     if not native_matmul.matmul_into(a.reshape(rows, -1), b, y.reshape(rows, -1)):

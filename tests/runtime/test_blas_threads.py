@@ -95,3 +95,38 @@ def test_limited_blas_threads_restores_after_errors(seen):
         assert blas_threads() == 1
         raise RuntimeError("boom")
     assert blas_threads() == 2
+
+
+def _matmul_model(rows: int, depth: int, cols: int, weight: np.ndarray) -> bytes:
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, depth])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("w", TensorProto.FLOAT, weight.shape, weight.ravel())])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_products_keep_to_a_smaller_runs_count(seen, monkeypatch):
+    """A product numpy's 2-thread BLAS would do runs on the native kernel, on the run's one thread, when the
+    session allows fewer threads than BLAS has; with the default count it stays with BLAS."""
+    from carrack.native import matmul as native_matmul
+
+    if native_matmul._load() is None:
+        pytest.skip("the native MatMul kernel is not built here")
+    monkeypatch.setattr(intra_op, "cores", lambda: 2)
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((96, 70)).astype(np.float32)
+    x = rng.standard_normal((600, 96)).astype(np.float32)  # more rows than the native kernel takes by choice
+    model = _matmul_model(600, 96, 70, weight)
+    native_calls = []
+    original = native_matmul.matmul_into
+    monkeypatch.setattr(native_matmul, "matmul_into", lambda *args: native_calls.append(native.threads())
+                        or original(*args))
+    options = carrack.SessionOptions()
+    options.intra_op_num_threads = 1
+    single = carrack.InferenceSession(model, options).run(None, {"x": x})[0]
+    np.testing.assert_allclose(single, x @ weight, rtol=1e-4, atol=1e-4)
+    assert native_calls == [1]
+    default = carrack.InferenceSession(model).run(None, {"x": x})[0]
+    np.testing.assert_allclose(default, x @ weight, rtol=1e-4, atol=1e-4)
+    assert native_calls == [1]  # the default run left it to BLAS
+    assert not native_matmul.blas_exceeds_run()
