@@ -744,6 +744,38 @@ void matmul_f32_threads(const float *a, const float *b, float *y, int64_t t, int
 }
 
 typedef struct {
+    matmul_call_t m;
+    int64_t tiles, inner, sa0, sa1, sb0, sb1, sy0, sy1;
+} batched_call_t;
+
+/* Items are (product, tile) pairs, product-major: a piece's items of one product go to one matmul_f32 call. */
+static void batched_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const batched_call_t *c = p;
+    const matmul_call_t *m = &c->m;
+    (void)slot;
+    while (begin < end) {
+        const int64_t product = begin / c->tiles, first = begin % c->tiles;
+        const int64_t last = end - product * c->tiles < c->tiles ? end - product * c->tiles : c->tiles;
+        const int64_t outer = product / c->inner, inner = product % c->inner;
+        matmul_f32(m->a + outer * c->sa0 + inner * c->sa1, m->b + outer * c->sb0 + inner * c->sb1,
+                   m->y + outer * c->sy0 + inner * c->sy1, m->t, m->k, m->n, m->lda, m->ldb, m->ldy, m->kblock, first,
+                   last);
+        begin = product * c->tiles + last;
+    }
+}
+
+/* y[o, i] = a[o, i] @ b[o, i] for o < outer, i < inner: products of [T, K] by [K, N] (rows strided by lda, ldb,
+ * ldy floats; the products sa*, sb*, sy* floats apart), e.g. attention's scores and context over (batch, head). */
+void matmul_f32_batched_threads(const float *a, const float *b, float *y, int64_t outer, int64_t inner, int64_t t,
+                                int64_t k, int64_t n, int64_t lda, int64_t ldb, int64_t ldy, int64_t kblock,
+                                int64_t sa0, int64_t sa1, int64_t sb0, int64_t sb1, int64_t sy0, int64_t sy1,
+                                int64_t threads) {
+    const int64_t tiles = ((t + MR - 1) / MR) * ((n + NR - 1) / NR), items = outer * inner * tiles;
+    batched_call_t c = {{a, b, y, t, k, n, lda, ldb, ldy, kblock}, tiles, inner, sa0, sa1, sb0, sb1, sy0, sy1};
+    parallel_for(batched_piece, &c, 0, items, pieces_for(items, threads), threads);
+}
+
+typedef struct {
     const float *x;
     float *cols;
     int64_t g[14];

@@ -14,7 +14,7 @@ import numpy as np
 
 from carrack import native
 from carrack.native import data_address, intra_op
-from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run
+from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run, _threads
 
 _F32 = np.dtype(np.float32)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -37,6 +37,9 @@ def _load():
         fn = lib.matmul_f32_threads
         fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 10]
         fn.restype = None
+        batched = lib.matmul_f32_batched_threads
+        batched.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 16]
+        batched.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
 
@@ -88,4 +91,37 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
     _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
+    return True
+
+
+def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """out[..., T, N] = a[..., T, K] @ b[..., K, N] over one or two batch dims that all three share (no
+    broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is
+    copied when its rows are not), out writable and not overlapping a or b, of shapes where it is `chosen`. False
+    when not done. numpy would run these as one BLAS call per head, on BLAS's own threads."""
+    fn = _load()
+    if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
+        return False
+    lib = native.library("convgemm")
+    (t, k), n = a.shape[-2:], b.shape[-1]
+    batch = a.shape[:-2]
+    if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
+        return False
+    if b.dtype is _F32 and b.strides[-1] != 4:
+        b = np.ascontiguousarray(b)
+    for x in (a, b, out):
+        if x.dtype is not _F32 or not x.flags.aligned or x.strides[-1] != 4 or min(x.strides) < 0:
+            return False
+    if not out.flags.writeable or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        return False
+    outer, inner = (batch[0], 1) if a.ndim == 3 else batch
+
+    def steps(x: np.ndarray) -> tuple[int, int]:
+        return x.strides[0] // 4, (x.strides[1] // 4 if x.ndim == 4 else 0)
+
+    items = outer * inner * -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
+    threads = _threads(items, GEMM_ROWS * GEMM_PIXELS * k)
+    lib.matmul_f32_batched_threads(data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
+                                   a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
+                                   *steps(a), *steps(b), *steps(out), threads)
     return True

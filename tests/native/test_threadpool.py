@@ -313,3 +313,25 @@ def test_quantized_add_and_max_pool(split_small):
                                                           np.uint8))
     x = rng.integers(-128, 128, (2, 5, 13, 11), dtype=np.int8)
     _assert_same_at_every_count(lambda: qconv.maxpool_8bit(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (7, 6)))
+
+
+@needs_native
+@pytest.mark.parametrize(("batch", "t", "k", "n"), [((1, 6), 37, 64, 197), ((2, 3), 64, 65, 64), ((5,), 9, 130, 71)])
+def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
+    """Attention's products: per (batch, head) views with strided rows, keys transposed (copied), the result
+    written through a transposed view, as the fused Attention kernel calls it."""
+    heads = batch[-1]
+    packed_q = _rand(*batch[:-1], t, heads * k)  # (B, S, N * H): heads are strided views
+    q = packed_q.reshape(*batch[:-1], t, heads, k).swapaxes(-2, -3)
+    keys = _rand(*batch, n, k, seed=1).swapaxes(-1, -2)  # rows not contiguous: copied
+
+    def compute():
+        out = np.full((*batch[:-1], t, heads * n), np.nan, np.float32)
+        view = out.reshape(*batch[:-1], t, heads, n).swapaxes(-2, -3)
+        assert native_matmul.batched_into(q, keys, view)
+        return out
+
+    _assert_same_at_every_count(compute)
+    expected = np.matmul(q.astype(np.float64), keys).swapaxes(-2, -3).reshape(*batch[:-1], t, heads * n)
+    np.testing.assert_allclose(compute(), expected, rtol=1e-4, atol=1e-3)
+    assert not native_matmul.batched_into(q, keys[..., :1, :], np.empty((*batch, t, n), np.float32))  # K differs
