@@ -775,6 +775,45 @@ void matmul_f32_batched_threads(const float *a, const float *b, float *y, int64_
     parallel_for(batched_piece, &c, 0, items, pieces_for(items, threads), threads);
 }
 
+/* y[i, j] = dot(a[i, :], b[j, :]) for rows i < t and columns j in [begin, end): a product by a transposed weight
+ * (Gemm's transB) for a few rows, where each weight row is read once, straight from memory. Each dot product
+ * sums in 16 lanes, then the lanes in a fixed order: the same result whatever range a column falls in. */
+void matmul_bt_f32(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t lda, int64_t ldb,
+                   int64_t ldy, int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+        const float *w = b + j * ldb;
+        for (int64_t i = 0; i < t; i++) {
+            const float *x = a + i * lda;
+            float lanes[16] = {0};
+            int64_t p = 0;
+            for (; p + 16 <= k; p += 16)
+                for (int l = 0; l < 16; l++) lanes[l] += x[p + l] * w[p + l];
+            float total = 0.0f;
+            for (int l = 0; l < 16; l++) total += lanes[l];
+            for (; p < k; p++) total += x[p] * w[p];
+            y[i * ldy + j] = total;
+        }
+    }
+}
+
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t t, k, lda, ldb, ldy;
+} bt_call_t;
+
+static void bt_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const bt_call_t *c = p;
+    (void)slot;
+    matmul_bt_f32(c->a, c->b, c->y, c->t, c->k, c->lda, c->ldb, c->ldy, begin, end);
+}
+
+void matmul_bt_f32_threads(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t lda, int64_t ldb,
+                           int64_t ldy, int64_t begin, int64_t end, int64_t threads) {
+    bt_call_t c = {a, b, y, t, k, lda, ldb, ldy};
+    parallel_for(bt_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
 typedef struct {
     const float *x;
     float *cols;

@@ -40,6 +40,9 @@ def _load():
         batched = lib.matmul_f32_batched_threads
         batched.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 16]
         batched.restype = None
+        transposed = lib.matmul_bt_f32_threads
+        transposed.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 8]
+        transposed.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
 
@@ -124,4 +127,27 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     lib.matmul_f32_batched_threads(data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
                                    a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
                                    *steps(a), *steps(b), *steps(out), threads)
+    return True
+
+
+#: rows up to which a product by a transposed weight is done as dot products (a classifier head's few rows)
+MAX_DOT_ROWS = 16
+
+
+def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """out[T, N] = a[T, K] @ b[N, K]^T for a few rows (T <= MAX_DOT_ROWS; Gemm with transB, e.g. a classifier
+    head), as dot products of C-contiguous float32 rows on the run's threads: each weight row is read once. False
+    when not done."""
+    if _load() is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+        return False
+    (t, k), n = a.shape, b.shape[0]
+    if not 0 < t <= MAX_DOT_ROWS or b.shape[1] != k or out.shape != (t, n) or not out.flags.writeable or k == 0:
+        return False
+    for x in (a, b, out):
+        if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
+            return False
+    if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        return False
+    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
+                                                      k, n, 0, n, _threads(n, t * k))
     return True

@@ -335,3 +335,40 @@ def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
     expected = np.matmul(q.astype(np.float64), keys).swapaxes(-2, -3).reshape(*batch[:-1], t, heads * n)
     np.testing.assert_allclose(compute(), expected, rtol=1e-4, atol=1e-3)
     assert not native_matmul.batched_into(q, keys[..., :1, :], np.empty((*batch, t, n), np.float32))  # K differs
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(1, 1280, 1000), (3, 17, 33), (16, 64, 5)])
+def test_dot_products_by_a_transposed_weight(split_small, t, k, n):
+    a, b = _rand(t, k), _rand(n, k, seed=1)
+
+    def compute():
+        y = np.empty((t, n), np.float32)
+        assert native_matmul.transposed_into(a, b, y)
+        return y
+
+    _assert_same_at_every_count(compute)
+    np.testing.assert_allclose(compute(), a.astype(np.float64) @ b.T, rtol=1e-4, atol=1e-4)
+    assert not native_matmul.transposed_into(_rand(17, k), b, np.empty((17, n), np.float32))  # too many rows
+
+
+@needs_native
+def test_gemm_head_on_native_threads(monkeypatch):
+    """A classifier head (Gemm, transB, alpha, beta, bias) through the native path matches onnxruntime."""
+    from tests.helpers import ort_run
+
+    calls = []
+    original = native_matmul.transposed_into
+    monkeypatch.setattr(native_matmul, "transposed_into", lambda *args: calls.append(1) or original(*args))
+
+    rng = np.random.default_rng(0)
+    w, c = rng.standard_normal((40, 300)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+    node = helper.make_node("Gemm", ["x", "w", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 300])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    got = carrack.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ort_run(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    assert calls == [1]
