@@ -98,7 +98,6 @@ class Gemm(Kernel):
             y = np.add(y, wc, out=y if in_place else None)
         return y.astype(a.dtype, copy=False)
 
-
     @staticmethod
     def _native_transposed(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
         """A @ B^T for a few float32 rows by the native dot-product kernel, on the run's threads (numpy's BLAS
