@@ -19,7 +19,6 @@
 #include "threadpool.h"
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -33,6 +32,7 @@
 #endif
 
 #define MAX_WORKERS 255
+#define FINISH_SPIN_NS 30000 /* how long a caller spins for its helpers to finish before it sleeps */
 
 /* A worker's state word: the state in the low 2 bits, above them the number of the last reservation, so that a
  * caller withdrawing its assignment can never withdraw a newer one given by another caller meanwhile. */
@@ -45,16 +45,16 @@ typedef struct {
     void *context;
     int64_t begin, count, chunks;
     _Atomic int64_t next;    /* the next unclaimed piece */
-    _Atomic int64_t helpers; /* workers given this job that have not finished with it */
     _Atomic int64_t slots;   /* slot numbers handed out (the caller is slot 0) */
 } job_t;
 
 typedef struct {
     _Atomic int64_t state;
     _Atomic int sleeping;
+    _Atomic int caller_waiting; /* callers asleep on `done` until this worker finishes their job */
     job_t *_Atomic job;
     pthread_mutex_t mutex;
-    pthread_cond_t wake;
+    pthread_cond_t wake, done;
     pthread_t thread;
 } __attribute__((aligned(64))) worker_t;
 
@@ -105,9 +105,13 @@ static void *worker_main(void *arg) {
             continue;
         job_t *job = atomic_load_explicit(&w->job, memory_order_acquire);
         run_pieces(job, atomic_fetch_add_explicit(&job->slots, 1, memory_order_relaxed));
-        /* idle first, so the next region can take this worker at once; `job` stays valid until helpers is 0 */
-        atomic_store_explicit(&w->state, WITH_STATE(assigned, IDLE), memory_order_release);
-        atomic_fetch_sub_explicit(&job->helpers, 1, memory_order_release);
+        /* the job's last use: its caller may return (and the job leave its stack) once this is seen */
+        atomic_store(&w->state, WITH_STATE(assigned, IDLE)); /* sequentially consistent, before the read below */
+        if (atomic_load(&w->caller_waiting)) {
+            pthread_mutex_lock(&w->mutex);
+            pthread_cond_broadcast(&w->done);
+            pthread_mutex_unlock(&w->mutex);
+        }
     }
     return NULL;
 }
@@ -133,6 +137,8 @@ static void ensure_workers(int wanted) {
         atomic_store(&w->sleeping, 0);
         pthread_mutex_init(&w->mutex, NULL);
         pthread_cond_init(&w->wake, NULL);
+        pthread_cond_init(&w->done, NULL);
+        atomic_store(&w->caller_waiting, 0);
         if (pthread_create(&w->thread, NULL, worker_main, w) != 0) break;
         pthread_detach(w->thread);
         atomic_store_explicit(&worker_count, i + 1, memory_order_release);
@@ -151,6 +157,23 @@ static void assign(worker_t *w, job_t *job, int64_t reserved) {
     }
 }
 
+/* Returns once the worker has left `running` (its run of the caller's job): spinning for a short while (its
+ * last piece usually ends about when the caller's does), then asleep, leaving the core to the worker should the
+ * machine have preempted it. */
+static void await_finish(worker_t *w, int64_t running) {
+    const int64_t deadline = now_ns() + FINISH_SPIN_NS;
+    for (int spins = 0; atomic_load_explicit(&w->state, memory_order_acquire) == running; spins++) {
+        cpu_relax();
+        if ((spins & 63) == 63 && now_ns() >= deadline) break;
+    }
+    if (atomic_load(&w->state) != running) return;
+    pthread_mutex_lock(&w->mutex);
+    atomic_fetch_add(&w->caller_waiting, 1); /* a count: the previous job's caller may not have left yet */
+    while (atomic_load(&w->state) == running) pthread_cond_wait(&w->done, &w->mutex);
+    atomic_fetch_sub(&w->caller_waiting, 1);
+    pthread_mutex_unlock(&w->mutex);
+}
+
 void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
                       int64_t threads) {
     if (end <= begin) return;
@@ -161,7 +184,7 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
         return;
     }
     ensure_workers((int)(threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS));
-    job_t job = {task, context, begin, end - begin, chunks, 0, 0, 1};
+    job_t job = {task, context, begin, end - begin, chunks, 0, 1};
     int taken[MAX_WORKERS], count = 0;
     int64_t reservation[MAX_WORKERS];
     const int available = atomic_load_explicit(&worker_count, memory_order_acquire);
@@ -170,7 +193,6 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
         if (STATE(idle) != IDLE) continue;
         const int64_t reserved = WITH_STATE(idle + 4, RESERVED); /* the next reservation number */
         if (atomic_compare_exchange_strong(&workers[i].state, &idle, reserved)) {
-            atomic_fetch_add(&job.helpers, 1);
             assign(&workers[i], &job, reserved);
             reservation[count] = reserved;
             taken[count++] = i;
@@ -179,13 +201,9 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
     run_pieces(&job, 0);
     for (int i = 0; i < count; i++) { /* withdraw the workers that have not started on this job */
         int64_t expected = WITH_STATE(reservation[i], ASSIGNED);
-        if (atomic_compare_exchange_strong(&workers[taken[i]].state, &expected, WITH_STATE(reservation[i], IDLE)))
-            atomic_fetch_sub(&job.helpers, 1);
+        atomic_compare_exchange_strong(&workers[taken[i]].state, &expected, WITH_STATE(reservation[i], IDLE));
     }
-    for (int spins = 0; atomic_load_explicit(&job.helpers, memory_order_acquire) > 0; spins++) {
-        cpu_relax();
-        if (spins > 4000) sched_yield(); /* a helper the machine preempted: let it run */
-    }
+    for (int i = 0; i < count; i++) await_finish(&workers[taken[i]], WITH_STATE(reservation[i], RUNNING));
 }
 
 /* Workers created so far (for tests and `carrack info`). */
