@@ -136,12 +136,16 @@ def blas_core(choice: str) -> str | None:
 
 
 def thread_env(threads: int, core: str | None = None) -> dict[str, str]:
-    """Environment for a worker limited to `threads` BLAS/OpenMP threads (must be set before numpy loads), with
+    """Environment for a worker limited to `threads` BLAS/OpenMP threads (0: their defaults; must be set before
+    numpy loads), with
     OpenBLAS's core type `core` (None: OpenBLAS detects it)."""
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
-                "NUMEXPR_NUM_THREADS"):
-        env[var] = str(threads)
+                "NUMEXPR_NUM_THREADS", "CARRACK_NUM_THREADS"):
+        if threads > 0:
+            env[var] = str(threads)
+        else:  # 0: every library's own default (one thread per core)
+            env.pop(var, None)
     env.pop("OPENBLAS_CORETYPE", None)
     if core:
         env["OPENBLAS_CORETYPE"] = core

@@ -208,7 +208,7 @@ def _cpu(r: dict) -> str:
 def latency_table(rows: list[dict], threads: int, peaks: dict, args) -> str:
     peak = peaks.get("gflops", float("nan"))
     ort_peak = f", onnxruntime MatMul {peaks['ort_gflops']:.1f}" if "ort_gflops" in peaks else ""
-    lines = [f"### Latency, {threads} thread{'s' if threads > 1 else ''} "
+    lines = [f"### Latency, {_threads_label(threads)} "
              f"(float32 2048^3 matmul: numpy {peak:.1f} GFLOP/s{ort_peak})", "",
              "| model | GFLOP | carrack ms, median (min-max) | onnxruntime ms | carrack / ort | carrack GFLOP/s "
              "(% peak) | ort GFLOP/s (% peak) | carrack peak RSS MiB | ort peak RSS MiB | CPU/wall carrack, ort "
@@ -222,6 +222,37 @@ def latency_table(rows: list[dict], threads: int, peaks: dict, args) -> str:
         notes = "; ".join(f"{e}: {_short(r['error'])}" for e, r in row["engines"].items() if r.get("error"))
         lines.append(f"| {row['model']} | {gf} | {_latency(c)} | {_latency(o)} | {ratio} | {_gflops(c, flops, peak)} | "
                      f"{_gflops(o, flops, peak)} | {_rss(c)} | {_rss(o)} | {_cpu(c)}, {_cpu(o)} | {notes} |")
+    return "\n".join(lines)
+
+
+def _threads_label(threads: int) -> str:
+    if threads <= 0:
+        return f"default threads (each engine's own: one per core, {os.cpu_count()} here)"
+    return f"{threads} thread{'s' if threads > 1 else ''}"
+
+
+def scaling_table(rows: list[dict]) -> str:
+    """Per model and engine: median latency at each explicit thread count, speedup over 1 thread and parallel
+    efficiency (speedup / threads)."""
+    counts = sorted({r["threads"] for r in rows if r["threads"] > 0})
+    lines = ["### Scaling (median ms; speedup over 1 thread; efficiency = speedup / threads)", "",
+             "| model | engine | " + " | ".join(f"{n} thr" for n in counts) + " |",
+             "|---|---|" + "---:|" * len(counts)]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for engine in ENGINES:
+            times = {r["threads"]: r["engines"].get(engine, {}).get("median_ms") for r in rows
+                     if r["model"] == model}
+            one = times.get(1)
+            cells = []
+            for n in counts:
+                t = times.get(n)
+                if not t:
+                    cells.append("-")
+                elif one and n > 1:
+                    cells.append(f"{t:.1f} ({one / t:.2f}x, {one / t / n:.0%})")
+                else:
+                    cells.append(f"{t:.1f}")
+            lines.append(f"| {model} | {engine} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -296,7 +327,8 @@ def count_model_flops(path: Path) -> tuple[float | None, bool, str | None]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="carrack vs onnxruntime: latency, GFLOP/s and peak memory")
     p.add_argument("--models", help=f"comma-separated names or .onnx paths (default: {','.join(DEFAULT_MODELS)})")
-    p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2 (default 1)")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 0,1,2 (0: each engine's "
+                   "default, one thread per core; default 1); with two or more counts a scaling table follows")
     p.add_argument("--iters", type=int, default=10, help="timed inferences per engine (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed inferences per engine first (default 2)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per engine and model (default 600)")
@@ -351,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 block.append(row)
             rows.extend(block)
             print(latency_table(block, threads, peaks, args) + "\n", flush=True)
+    if len({r["threads"] for r in rows if r.get("threads", 0) > 0}) > 1:
+        print(scaling_table(rows) + "\n", flush=True)
     header["load_average_end"] = load_average()
     header["wall_s"] = round((datetime.datetime.now() - started).total_seconds(), 1)
     print(f"\nLoad average at end {header['load_average_end']}; wall time {header['wall_s']:.0f} s")

@@ -65,9 +65,15 @@ def library(name: str) -> ctypes.CDLL | None:
     if lib is not None or name in _loaded:
         return lib
     with _lock:
-        if name not in _loaded:
+        fresh = name not in _loaded
+        if fresh:
             _loaded[name] = _load(name)
-    return _loaded[name]
+    lib = _loaded[name]
+    if fresh and lib is not None and name != "threadpool":
+        from carrack.native.intra_op import attach_pool
+
+        attach_pool(name, lib, library("threadpool"))
+    return lib
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -291,32 +297,6 @@ def _nbytes(obj, depth: int = 3) -> int:
 
 
 # -- threads -----------------------------------------------------------------------------------------------------------
-_pool_lock = threading.Lock()
-_pool = None
-
-
-def threads() -> int:
-    """How many threads a native kernel may split its work over: numpy's BLAS thread count, which a session's
-    intra_op_num_threads sets for its runs (so native and BLAS kernels follow one setting)."""
-    from carrack.runtime.blas import blas_threads
-
-    return max(1, blas_threads() or 1)
-
-
-def run_parallel(tasks: list) -> None:
-    """Run callables (each a native call that releases the GIL) on a shared thread pool and wait for all."""
-    global _pool
-    if len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="carrack")
-    futures = [_pool.submit(task) for task in tasks[1:]]
-    tasks[0]()
-    for future in futures:
-        future.result()
+#: threads(): how many threads a native kernel may split its work over now: the running session's
+#: intra_op_num_threads (per run and per Python thread), else one per core
+from carrack.native.intra_op import threads as threads  # noqa: E402

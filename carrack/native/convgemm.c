@@ -20,6 +20,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "threadpool.h"
 
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
        ACT_SIGMOID = 6 };
@@ -673,4 +674,163 @@ void im2col_f32(const float *x, float *cols, int64_t c, int64_t h, int64_t w, in
                 gather_row(dst, image + ih * w, w, j * dw - pl, sw, ow);
         }
     }
+}
+
+/* -- the kernels over the thread pool: the same arguments, the tiles [begin, end) split over `threads` ---------- */
+CARRACK_POOL_CLIENT(convgemm)
+
+typedef struct {
+    const float *x, *w, *bias, *z;
+    float *y;
+    int64_t g[21];
+    int64_t act;
+    float alpha, beta;
+    _Atomic int64_t failed;
+} conv_call_t;
+
+static void convgemm_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const conv_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    convgemm_f32(c->x, c->w, c->bias, c->y, c->z, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], begin,
+                 end, c->act, c->alpha, c->beta);
+}
+
+void convgemm_f32_threads(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+                          int64_t groups_, int64_t mg_, int64_t kg_, int64_t p_, int64_t xn, int64_t xk, int64_t yn,
+                          int64_t ym, int64_t wm, int64_t begin, int64_t end, int64_t act, float alpha, float beta,
+                          int64_t threads) {
+    conv_call_t c = {x, w, bias, z, y, {n_, groups_, mg_, kg_, p_, xn, xk, yn, ym, wm}, act, alpha, beta, 0};
+    parallel_for(convgemm_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+static void dconv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    conv_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    if (dconv_f32(c->x, c->w, c->bias, c->y, c->z, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9],
+                  g[10], g[11], g[12], g[13], g[14], g[15], begin, end, c->act, c->alpha, c->beta))
+        atomic_store(&c->failed, 1);
+}
+
+/* Returns 0, or -1 when a piece ran out of memory. */
+int64_t dconv_f32_threads(const float *x, const float *w, const float *bias, float *y, const float *z, int64_t n_,
+                          int64_t groups, int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t kh, int64_t kw,
+                          int64_t oh, int64_t ow, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                          int64_t pl, int64_t begin, int64_t end, int64_t act, float alpha, float beta,
+                          int64_t threads) {
+    conv_call_t c = {x, w, bias, z, y, {n_, groups, mg, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl}, act,
+                     alpha, beta, 0};
+    parallel_for(dconv_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t t, k, n, lda, ldb, ldy, kblock;
+} matmul_call_t;
+
+static void matmul_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const matmul_call_t *c = p;
+    (void)slot;
+    matmul_f32(c->a, c->b, c->y, c->t, c->k, c->n, c->lda, c->ldb, c->ldy, c->kblock, begin, end);
+}
+
+void matmul_f32_threads(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t n, int64_t lda,
+                        int64_t ldb, int64_t ldy, int64_t kblock, int64_t begin, int64_t end, int64_t threads) {
+    matmul_call_t c = {a, b, y, t, k, n, lda, ldb, ldy, kblock};
+    parallel_for(matmul_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+typedef struct {
+    matmul_call_t m;
+    int64_t tiles, inner, sa0, sa1, sb0, sb1, sy0, sy1;
+} batched_call_t;
+
+/* Items are (product, tile) pairs, product-major: a piece's items of one product go to one matmul_f32 call. */
+static void batched_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const batched_call_t *c = p;
+    const matmul_call_t *m = &c->m;
+    (void)slot;
+    while (begin < end) {
+        const int64_t product = begin / c->tiles, first = begin % c->tiles;
+        const int64_t last = end - product * c->tiles < c->tiles ? end - product * c->tiles : c->tiles;
+        const int64_t outer = product / c->inner, inner = product % c->inner;
+        matmul_f32(m->a + outer * c->sa0 + inner * c->sa1, m->b + outer * c->sb0 + inner * c->sb1,
+                   m->y + outer * c->sy0 + inner * c->sy1, m->t, m->k, m->n, m->lda, m->ldb, m->ldy, m->kblock, first,
+                   last);
+        begin = product * c->tiles + last;
+    }
+}
+
+/* y[o, i] = a[o, i] @ b[o, i] for o < outer, i < inner: products of [T, K] by [K, N] (rows strided by lda, ldb,
+ * ldy floats; the products sa*, sb*, sy* floats apart), e.g. attention's scores and context over (batch, head). */
+void matmul_f32_batched_threads(const float *a, const float *b, float *y, int64_t outer, int64_t inner, int64_t t,
+                                int64_t k, int64_t n, int64_t lda, int64_t ldb, int64_t ldy, int64_t kblock,
+                                int64_t sa0, int64_t sa1, int64_t sb0, int64_t sb1, int64_t sy0, int64_t sy1,
+                                int64_t threads) {
+    const int64_t tiles = ((t + MR - 1) / MR) * ((n + NR - 1) / NR), items = outer * inner * tiles;
+    batched_call_t c = {{a, b, y, t, k, n, lda, ldb, ldy, kblock}, tiles, inner, sa0, sa1, sb0, sb1, sy0, sy1};
+    parallel_for(batched_piece, &c, 0, items, pieces_for(items, threads), threads);
+}
+
+/* y[i, j] = dot(a[i, :], b[j, :]) for rows i < t and columns j in [begin, end): a product by a transposed weight
+ * (Gemm's transB) for a few rows, where each weight row is read once, straight from memory. Each dot product
+ * sums in 16 lanes, then the lanes in a fixed order: the same result whatever range a column falls in. */
+void matmul_bt_f32(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t lda, int64_t ldb,
+                   int64_t ldy, int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+        const float *w = b + j * ldb;
+        for (int64_t i = 0; i < t; i++) {
+            const float *x = a + i * lda;
+            float lanes[16] = {0};
+            int64_t p = 0;
+            for (; p + 16 <= k; p += 16)
+                for (int l = 0; l < 16; l++) lanes[l] += x[p + l] * w[p + l];
+            float total = 0.0f;
+            for (int l = 0; l < 16; l++) total += lanes[l];
+            for (; p < k; p++) total += x[p] * w[p];
+            y[i * ldy + j] = total;
+        }
+    }
+}
+
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t t, k, lda, ldb, ldy;
+} bt_call_t;
+
+static void bt_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const bt_call_t *c = p;
+    (void)slot;
+    matmul_bt_f32(c->a, c->b, c->y, c->t, c->k, c->lda, c->ldb, c->ldy, begin, end);
+}
+
+void matmul_bt_f32_threads(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t lda, int64_t ldb,
+                           int64_t ldy, int64_t begin, int64_t end, int64_t threads) {
+    bt_call_t c = {a, b, y, t, k, lda, ldb, ldy};
+    parallel_for(bt_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+typedef struct {
+    const float *x;
+    float *cols;
+    int64_t g[14];
+} im2col_call_t;
+
+static void im2col_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const im2col_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    im2col_f32(c->x, c->cols, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
+               begin, end);
+}
+
+void im2col_f32_threads(const float *x, float *cols, int64_t c, int64_t h, int64_t w, int64_t kh, int64_t kw,
+                        int64_t ow, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t r0,
+                        int64_t r1, int64_t begin, int64_t end, int64_t threads) {
+    im2col_call_t call = {x, cols, {c, h, w, kh, kw, ow, sh, sw, dh, dw, pt, pl, r0, r1}};
+    parallel_for(im2col_piece, &call, begin, end, pieces_for(end - begin, threads), threads);
 }

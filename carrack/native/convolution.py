@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
-from functools import partial
 
 import numpy as np
 
@@ -22,9 +21,9 @@ from carrack.native import data_address
 
 #: activation codes of the C kernels (the numpy side keeps its own functions for the rest, e.g. Tanh, Gelu)
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "HardSwish": 5, "Sigmoid": 6}
-#: multiply-adds a thread should get at least before work is split: ~50-100 us of work, against the 10-30 us a
-#: hand-off to the Python thread pool costs
-MIN_TASK_WORK = 1 << 22
+#: multiply-adds a thread should get at least before work is split: ~10-20 us of work, against the 1-5 us a hand-off
+#: to a spinning pool worker costs (more when it has gone to sleep)
+MIN_TASK_WORK = 1 << 19
 GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile
 
 Activation = tuple[int, float, float]  # (code, alpha, beta)
@@ -52,23 +51,19 @@ def load() -> NativeConvolution | None:
     return kernels
 
 
-def _ranges(count: int, work_per_item: int) -> list[tuple[int, int]]:
-    """[begin, end) slices of `count` items, one per thread with enough work to be worth a thread."""
-    if count * work_per_item < 2 * MIN_TASK_WORK:  # not worth asking for the thread count
-        return [(0, count)]
-    parts = max(1, min(native.threads(), count, (count * work_per_item) // MIN_TASK_WORK))
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
+def _threads(count: int, work_per_item: int) -> int:
+    """The threads worth using for `count` items of `work_per_item` multiply-adds each: at most the run's count
+    (native.threads()), each with at least MIN_TASK_WORK of work."""
+    total = count * work_per_item
+    if total < 2 * MIN_TASK_WORK:  # not worth asking for the thread count
+        return 1
+    return max(1, min(native.threads(), count, total // MIN_TASK_WORK))
 
 
-def _run(fn, ranges: list[tuple[int, int]], head: tuple, tail: tuple) -> list:
-    """fn(*head, begin, end, *tail) over the ranges, on the pool when there are several; the results."""
-    if len(ranges) == 1:
-        return [fn(*head, *ranges[0], *tail)]
-    results: list = []
-    native.run_parallel([partial(lambda lo, hi: results.append(fn(*head, lo, hi, *tail)), lo, hi)
-                         for lo, hi in ranges])
-    return results
+def _run(fn, count: int, work_per_item: int, head: tuple, tail: tuple):
+    """fn(*head, 0, count, *tail, threads): a kernel's `_threads` entry point over all its items, which the C code
+    splits over the thread pool; fn's result."""
+    return fn(*head, 0, count, *tail, _threads(count, work_per_item))
 
 
 def _usable(out: np.ndarray | None, shape: tuple[int, ...], *inputs: np.ndarray) -> bool:
@@ -117,19 +112,21 @@ class NativeConvolution:
 
     def __init__(self, dw: ctypes.CDLL, gemm: ctypes.CDLL):
         self.dw, self.gemm_lib = dw, gemm
-        _declare(dw, "dwconv2d_f32", _i64, _ptr, _ptr, _ptr, _ptr, *[_i64] * 17, _f32, _f32)
-        _declare(dw, "bias_act_f32", None, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _f32)
-        _declare(dw, "pool2d_f32", _i64, _ptr, _ptr, *[_i64] * 17)
-        _declare(dw, "plane_mean_f32", None, _ptr, _ptr, _i64, _i64, _i64)
-        _declare(dw, "scale_shift_act_f32", None, _ptr, _ptr, _ptr, _ptr, *[_i64] * 5, _f32, _f32)
-        _declare(gemm, "convgemm_f32", None, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32)
-        _declare(gemm, "im2col_f32", None, _ptr, _ptr, *[_i64] * 16)
-        _declare(gemm, "dconv_f32", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32)
+        # each kernel's `_threads` entry point: its arguments, then the thread count to split [begin, end) over
+        _declare(dw, "dwconv2d_f32_threads", _i64, _ptr, _ptr, _ptr, _ptr, *[_i64] * 17, _f32, _f32, _i64)
+        _declare(dw, "bias_act_f32_threads", None, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _i64)
+        _declare(dw, "pool2d_f32_threads", _i64, _ptr, _ptr, *[_i64] * 17, _i64)
+        _declare(dw, "plane_mean_f32_threads", None, _ptr, _ptr, _i64, _i64, _i64, _i64)
+        _declare(dw, "scale_shift_act_f32_threads", None, _ptr, _ptr, _ptr, _ptr, *[_i64] * 5, _f32, _f32, _i64)
+        _declare(gemm, "convgemm_f32_threads", None, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 13, _f32, _f32, _i64)
+        _declare(gemm, "im2col_f32_threads", None, _ptr, _ptr, *[_i64] * 16, _i64)
+        _declare(gemm, "dconv_f32_threads", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32, _f32, _i64)
         _declare(gemm, "dconv_tiles_f32", _i64, *[_i64] * 5)
-        self._dwconv, self._bias_act, self._gemm = dw.dwconv2d_f32, dw.bias_act_f32, gemm.convgemm_f32
-        self._pool, self._im2col, self._mean = dw.pool2d_f32, gemm.im2col_f32, dw.plane_mean_f32
-        self._dconv, self._dconv_tiles = gemm.dconv_f32, gemm.dconv_tiles_f32
-        self._scale_shift = dw.scale_shift_act_f32
+        self._dwconv, self._bias_act = dw.dwconv2d_f32_threads, dw.bias_act_f32_threads
+        self._gemm, self._pool = gemm.convgemm_f32_threads, dw.pool2d_f32_threads
+        self._im2col, self._mean = gemm.im2col_f32_threads, dw.plane_mean_f32_threads
+        self._dconv, self._dconv_tiles = gemm.dconv_f32_threads, gemm.dconv_tiles_f32
+        self._scale_shift = dw.scale_shift_act_f32_threads
         _declare(gemm, "matmul_f32_vectorized", _i64)
         # convgemm.c's products and direct convolution have vector code for AVX-512 only: elsewhere (the avx2 and
         # portable variants) numpy's BLAS is several times faster, so they decline and the numpy path runs
@@ -205,8 +202,8 @@ class NativeConvolution:
             return y
         head = (address(x), address(w), address(b), data_address(y), c, m // c, h, wd, kh, kw, oh, ow, sh, sw,
                 dh, dw, pads[0], pads[1])
-        failed = _run(self._dwconv, _ranges(n * c, (m // c) * oh * ow * kh * kw), head, activation)
-        return None if any(failed) else y
+        failed = _run(self._dwconv, n * c, (m // c) * oh * ow * kh * kw, head, activation)
+        return None if failed else y
 
     def gemm(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, y: np.ndarray, groups: int,
              activation: Activation = NO_ACTIVATION, constants: tuple[int | None, int | None] | None = None,
@@ -233,7 +230,7 @@ class NativeConvolution:
         head = (address(x), wa, ba, data_address(y), address(z), n, groups, m // groups, kg, pixels, xs[0] >> 2,
                 xs[1] >> 2,
                 ys[0] >> 2, ys[1] >> 2, w.strides[0] >> 2)
-        _run(self._gemm, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * max(kg, 1)), head, activation)
+        _run(self._gemm, tiles, GEMM_ROWS * GEMM_PIXELS * max(kg, 1), head, activation)
         return True
 
     def pointwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
@@ -268,7 +265,7 @@ class NativeConvolution:
             return False
         planes = y.shape[0] * y.shape[1]
         size = y.size // planes if planes else 0
-        _run(self._bias_act, _ranges(planes, size * 4), (data_address(y), address(b), y.shape[1], size), activation)
+        _run(self._bias_act, planes, size * 4, (data_address(y), address(b), y.shape[1], size), activation)
         return True
 
     def scale_shift(self, x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation: Activation,
@@ -281,7 +278,7 @@ class NativeConvolution:
         y = out if _usable(out, x.shape, x) else np.empty(x.shape, _F32)
         planes = x.shape[0] * x.shape[1]
         size = x.size // planes if planes else 0
-        _run(self._scale_shift, _ranges(planes, size * 2),
+        _run(self._scale_shift, planes, size * 2,
              (data_address(x), data_address(y), address(scale), address(shift), x.shape[1], size), activation)
         return y
 
@@ -310,8 +307,8 @@ class NativeConvolution:
         tiles = n * group * -(-(m // group) // GEMM_ROWS) * self._dconv_tiles(oh, ow, wd, sh, sw)
         head = (address(x), address(w), address(b), data_address(y), address(z), n, group, m // group, cg, h, wd, kh,
                 kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
-        failed = _run(self._dconv, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw), head, activation)
-        return None if any(failed) else y
+        failed = _run(self._dconv, tiles, GEMM_ROWS * GEMM_PIXELS * cg * kh * kw, head, activation)
+        return None if failed else y
 
     def im2col(self, image: np.ndarray, cols: np.ndarray, kernel: Sequence[int], out_width: int,
                strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int], r0: int, r1: int) -> None:
@@ -321,7 +318,7 @@ class NativeConvolution:
         (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
         head = (data_address(image), data_address(cols), c, h, w, kh, kw, out_width, sh, sw, dh, dw, pads[0], pads[1],
                 r0, r1)
-        _run(self._im2col, _ranges(c * kh * kw, (r1 - r0) * out_width * 4), head, ())
+        _run(self._im2col, c * kh * kw, (r1 - r0) * out_width * 4, head, ())
 
     def pool(self, x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
              pads: Sequence[int], out_shape: Sequence[int], mode: int) -> np.ndarray | None:
@@ -338,8 +335,8 @@ class NativeConvolution:
         oh, ow = out_shape
         (kh, kw), (sh, sw), (dh, dw) = kernel, strides, dilations
         head = (address(x), data_address(y), h, w, kh, kw, oh, ow, sh, sw, dh, dw, *pads)
-        failed = _run(self._pool, _ranges(n * c, oh * ow * kh * kw), head, (mode,))
-        return None if any(failed) else y
+        failed = _run(self._pool, n * c, oh * ow * kh * kw, head, (mode,))
+        return None if failed else y
 
     def plane_mean(self, x: np.ndarray) -> np.ndarray | None:
         """The mean over the spatial axes of x[N, C, *spatial] (float32), as [N, C, 1, ...]; None when the native
@@ -352,7 +349,7 @@ class NativeConvolution:
         y = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), _F32)
         if size == 0 or planes == 0:
             return None if size == 0 and planes else y
-        _run(self._mean, _ranges(planes, size), (address(x), data_address(y), size), ())
+        _run(self._mean, planes, size, (address(x), data_address(y), size), ())
         return y
 
 
@@ -362,7 +359,7 @@ class BoundConvolution:
     networks run dozens of convolutions of a few microseconds each, where the general path's Python (routing,
     shape arithmetic, argument conversion) cost as much as the kernel.
 
-    `fn(x, w, bias, y, [z,] *middle, begin, end, *activation)`; `count` items of `work` multiply-adds each are
+    `fn(x, w, bias, y, [z,] *middle, begin, end, *activation, threads)`; `count` items of `work` multiply-adds each are
     split over threads; `failures`: fn returns nonzero when it could not run (out of memory)."""
 
     def __init__(self, fn, w: np.ndarray, bias: np.ndarray | None, x_shape: tuple[int, ...],
@@ -390,8 +387,8 @@ class BoundConvolution:
         head = (data_address(x), *self.constants, data_address(y))
         if self.residual:
             head += (None if z is None else data_address(z),)
-        results = _run(self.fn, _ranges(self.count, self.work), head + self.middle, self.activation)
-        return None if self.failures and any(results) else y
+        failed = _run(self.fn, self.count, self.work, head + self.middle, self.activation)
+        return None if self.failures and failed else y
 
 
 POOL_MAX, POOL_AVERAGE, POOL_AVERAGE_PADS = 0, 1, 2

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "threadpool.h"
 #include <math.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -932,4 +933,91 @@ void plane_mean_f32(const float *x, float *y, int64_t size, int64_t begin, int64
 #endif
         y[p] = total / (float)size;
     }
+}
+
+/* -- the kernels over the thread pool: the same arguments, the planes [begin, end) split over `threads` --------- */
+CARRACK_POOL_CLIENT(dwconv)
+
+typedef struct {
+    const float *x, *w, *bias, *scale, *shift;
+    float *y;
+    int64_t g[16];
+    int64_t act;
+    float alpha, beta;
+    _Atomic int64_t failed;
+} plane_call_t;
+
+static void dwconv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    plane_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    if (dwconv2d_f32(c->x, c->w, c->bias, c->y, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10],
+                     g[11], g[12], g[13], begin, end, c->act, c->alpha, c->beta))
+        atomic_store(&c->failed, 1);
+}
+
+/* Returns 0, or -1 when a piece ran out of memory. */
+int64_t dwconv2d_f32_threads(const float *x, const float *w, const float *bias, float *y, int64_t channels,
+                             int64_t mult, int64_t h, int64_t w_, int64_t kh, int64_t kw, int64_t oh, int64_t ow,
+                             int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t begin,
+                             int64_t end, int64_t act, float alpha, float beta, int64_t threads) {
+    plane_call_t c = {x, w, bias, NULL, NULL, y, {channels, mult, h, w_, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl},
+                      act, alpha, beta, 0};
+    parallel_for(dwconv_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+static void pool_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    plane_call_t *c = p;
+    const int64_t *g = c->g;
+    (void)slot;
+    if (pool2d_f32(c->x, c->y, g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13],
+                   begin, end, c->act))
+        atomic_store(&c->failed, 1);
+}
+
+/* Returns 0, or -1 when a piece ran out of memory. */
+int64_t pool2d_f32_threads(const float *x, float *y, int64_t h, int64_t w, int64_t kh, int64_t kw, int64_t oh,
+                           int64_t ow, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl,
+                           int64_t pb, int64_t pr, int64_t begin, int64_t end, int64_t mode, int64_t threads) {
+    plane_call_t c = {x, NULL, NULL, NULL, NULL, y, {h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl, pb, pr}, mode,
+                      0.0f, 0.0f, 0};
+    parallel_for(pool_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+static void bias_act_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const plane_call_t *c = p;
+    (void)slot;
+    bias_act_f32(c->y, c->bias, c->g[0], c->g[1], begin, end, c->act, c->alpha, c->beta);
+}
+
+void bias_act_f32_threads(float *y, const float *bias, int64_t channels, int64_t size, int64_t begin, int64_t end,
+                          int64_t act, float alpha, float beta, int64_t threads) {
+    plane_call_t c = {NULL, NULL, bias, NULL, NULL, y, {channels, size}, act, alpha, beta, 0};
+    parallel_for(bias_act_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+static void scale_shift_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const plane_call_t *c = p;
+    (void)slot;
+    scale_shift_act_f32(c->x, c->y, c->scale, c->shift, c->g[0], c->g[1], begin, end, c->act, c->alpha, c->beta);
+}
+
+void scale_shift_act_f32_threads(const float *x, float *y, const float *scale, const float *shift, int64_t channels,
+                                 int64_t size, int64_t begin, int64_t end, int64_t act, float alpha, float beta,
+                                 int64_t threads) {
+    plane_call_t c = {x, NULL, NULL, scale, shift, y, {channels, size}, act, alpha, beta, 0};
+    parallel_for(scale_shift_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}
+
+static void plane_mean_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const plane_call_t *c = p;
+    (void)slot;
+    plane_mean_f32(c->x, c->y, c->g[0], begin, end);
+}
+
+void plane_mean_f32_threads(const float *x, float *y, int64_t size, int64_t begin, int64_t end, int64_t threads) {
+    plane_call_t c = {x, NULL, NULL, NULL, NULL, y, {size}, 0, 0.0f, 0.0f, 0};
+    parallel_for(plane_mean_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
 }

@@ -13,8 +13,8 @@ import ctypes
 import numpy as np
 
 from carrack import native
-from carrack.native import data_address
-from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _ranges, _run
+from carrack.native import data_address, intra_op
+from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run, _threads
 
 _F32 = np.dtype(np.float32)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -34,9 +34,15 @@ def _load():
     if fn is None:
         lib.matmul_f32_vectorized.restype = _i64
         lib.matmul_f32_vectorized.argtypes = []
-        fn = lib.matmul_f32
-        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 9]
+        fn = lib.matmul_f32_threads
+        fn.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 10]
         fn.restype = None
+        batched = lib.matmul_f32_batched_threads
+        batched.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 16]
+        batched.restype = None
+        transposed = lib.matmul_bt_f32_threads
+        transposed.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 8]
+        transposed.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
 
@@ -53,9 +59,27 @@ def pays(rows: int, depth: int, cols: int) -> bool:
     return MIN_ROWS <= rows <= MAX_ROWS and depth >= MIN_SIDE and cols >= MIN_SIDE
 
 
+def blas_exceeds_run() -> bool:
+    """Whether numpy's BLAS pool (process-wide) has more threads than the running session allows: a session with
+    a lower intra_op_num_threads then has its products done here, on at most its own thread count, instead of
+    widening into BLAS's threads (or changing the pool that other sessions and threads share)."""
+    allowed = native.threads()
+    if allowed >= intra_op.cores():
+        return False
+    from carrack.runtime.blas import blas_threads
+
+    return allowed < (blas_threads() or 1)
+
+
+def chosen(rows: int, depth: int, cols: int) -> bool:
+    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`, and for any
+    non-empty shape while BLAS would use more threads than the run allows."""
+    return pays(rows, depth, cols) or (rows * depth * cols > 0 and blas_exceeds_run())
+
+
 def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     """out[T, N] = a[T, K] @ b[K, N] for C-contiguous float32 arrays (out writable, not overlapping a or b) of
-    shapes where `pays`; False when not done."""
+    shapes where it is `chosen`; False when not done."""
     fn = _load()
     if fn is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
         return False
@@ -63,11 +87,67 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
             return False
     (t, k), n = a.shape, b.shape[1]
-    if b.shape[0] != k or out.shape != (t, n) or not out.flags.writeable or not pays(t, k, n):
+    if b.shape[0] != k or out.shape != (t, n) or not out.flags.writeable or not chosen(t, k, n):
         return False
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
-    _run(fn, _ranges(tiles, GEMM_ROWS * GEMM_PIXELS * k), head, ())
+    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
+    return True
+
+
+def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """out[..., T, N] = a[..., T, K] @ b[..., K, N] over one or two batch dims that all three share (no
+    broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is
+    copied when its rows are not), out writable and not overlapping a or b, of shapes where it is `chosen`. False
+    when not done. numpy would run these as one BLAS call per head, on BLAS's own threads."""
+    fn = _load()
+    if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
+        return False
+    lib = native.library("convgemm")
+    (t, k), n = a.shape[-2:], b.shape[-1]
+    batch = a.shape[:-2]
+    if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
+        return False
+    if b.dtype is _F32 and b.strides[-1] != 4:
+        b = np.ascontiguousarray(b)
+    for x in (a, b, out):
+        if x.dtype is not _F32 or not x.flags.aligned or x.strides[-1] != 4 or min(x.strides) < 0:
+            return False
+    if not out.flags.writeable or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        return False
+    outer, inner = (batch[0], 1) if a.ndim == 3 else batch
+
+    def steps(x: np.ndarray) -> tuple[int, int]:
+        return x.strides[0] // 4, (x.strides[1] // 4 if x.ndim == 4 else 0)
+
+    items = outer * inner * -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
+    threads = _threads(items, GEMM_ROWS * GEMM_PIXELS * k)
+    lib.matmul_f32_batched_threads(data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
+                                   a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
+                                   *steps(a), *steps(b), *steps(out), threads)
+    return True
+
+
+#: rows up to which a product by a transposed weight is done as dot products (a classifier head's few rows)
+MAX_DOT_ROWS = 16
+
+
+def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """out[T, N] = a[T, K] @ b[N, K]^T for a few rows (T <= MAX_DOT_ROWS; Gemm with transB, e.g. a classifier
+    head), as dot products of C-contiguous float32 rows on the run's threads: each weight row is read once. False
+    when not done."""
+    if _load() is None or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+        return False
+    (t, k), n = a.shape, b.shape[0]
+    if not 0 < t <= MAX_DOT_ROWS or b.shape[1] != k or out.shape != (t, n) or not out.flags.writeable or k == 0:
+        return False
+    for x in (a, b, out):
+        if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
+            return False
+    if np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        return False
+    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
+                                                      k, n, 0, n, _threads(n, t * k))
     return True

@@ -19,6 +19,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "threadpool.h"
 
 #if defined(__AVX512BW__)
 #include <immintrin.h>
@@ -455,4 +456,94 @@ void qconv_maxpool(const uint8_t *x, const int64_t *g, int64_t p0, int64_t p1, i
             row_max(column, kw, dw, sw, OW, m8, across, out + oh * OW);
         }
     }
+}
+
+/* -- the kernels over the thread pool: [begin, end) cut into `chunks` pieces run by up to `threads` threads;
+ * scratch buffers are `stride` bytes apart, one per thread ------------------------------------------------------- */
+CARRACK_POOL_CLIENT(qconv)
+
+typedef struct {
+    const uint8_t *x, *b;
+    const int64_t *g;
+    const int32_t *w, *bias;
+    const float *multiplier;
+    uint8_t *scratch, *y;
+    int64_t stride, mult, lda, rows, cols, sld, dld, begin;
+    int32_t x_zp, mask, y_zp, out_signed, in_signed;
+    float ka, kb, offset;
+} qconv_call_t;
+
+static void depthwise_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    qconv_depthwise(c->x, c->g, c->mult, begin, end, c->w, c->bias, c->multiplier, c->x_zp, c->mask, c->y_zp,
+                    c->out_signed, c->scratch + slot * c->stride, c->y);
+}
+
+void qconv_depthwise_threads(const uint8_t *x, const int64_t *g, int64_t mult, int64_t c0, int64_t c1,
+                             const int32_t *w, const int32_t *bias, const float *multiplier, int32_t x_zp,
+                             int32_t mask, int32_t y_zp, int32_t out_signed, uint8_t *scratch, int64_t stride,
+                             uint8_t *y, int64_t chunks, int64_t threads) {
+    qconv_call_t c = {.x = x, .g = g, .w = w, .bias = bias, .multiplier = multiplier, .scratch = scratch, .y = y,
+                      .stride = stride, .mult = mult, .x_zp = x_zp, .mask = mask, .y_zp = y_zp,
+                      .out_signed = out_signed};
+    parallel_for(depthwise_piece, &c, c0, c1, chunks, threads);
+}
+
+static void im2col_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    qconv_im2col(c->x, c->g, begin, end, c->x_zp, c->mask, c->scratch + slot * c->stride,
+                 c->y + (begin - c->begin) * c->lda, c->lda);
+}
+
+/* qconv_im2col of pixels [p0, p1) with a band of scratch per thread, big enough for the longest piece. */
+void qconv_im2col_threads(const uint8_t *x, const int64_t *g, int64_t p0, int64_t p1, int32_t fill, int32_t mask,
+                          uint8_t *bands, int64_t stride, uint8_t *a, int64_t lda, int64_t chunks, int64_t threads) {
+    qconv_call_t c = {.x = x, .g = g, .scratch = bands, .y = a, .stride = stride, .lda = lda, .begin = p0,
+                      .x_zp = fill, .mask = mask};
+    parallel_for(im2col_piece, &c, p0, p1, chunks, threads);
+}
+
+static void transpose_rows_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    (void)slot;
+    qconv_transpose(c->x + begin * c->sld, end - begin, c->cols, c->sld, c->y + begin, c->dld, c->mask);
+}
+
+static void transpose_cols_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    (void)slot;
+    qconv_transpose(c->x + begin, c->rows, end - begin, c->sld, c->y + begin * c->dld, c->dld, c->mask);
+}
+
+/* qconv_transpose with the source's rows (by_cols 0) or columns (1) cut into pieces. */
+void qconv_transpose_threads(const uint8_t *src, int64_t rows, int64_t cols, int64_t sld, uint8_t *dst, int64_t dld,
+                             int32_t mask, int32_t by_cols, int64_t chunks, int64_t threads) {
+    qconv_call_t c = {.x = src, .y = dst, .rows = rows, .cols = cols, .sld = sld, .dld = dld, .mask = mask};
+    parallel_for(by_cols ? transpose_cols_piece : transpose_rows_piece, &c, 0, by_cols ? cols : rows, chunks,
+                 threads);
+}
+
+static void add_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    (void)slot;
+    qconv_qlinear_add(c->x + begin, c->b + begin, end - begin, c->ka, c->kb, c->offset, c->in_signed, c->out_signed,
+                      c->y + begin);
+}
+
+void qconv_qlinear_add_threads(const uint8_t *a, const uint8_t *b, int64_t n, float ka, float kb, float offset,
+                               int32_t in_signed, int32_t out_signed, uint8_t *y, int64_t chunks, int64_t threads) {
+    qconv_call_t c = {.x = a, .b = b, .y = y, .ka = ka, .kb = kb, .offset = offset, .in_signed = in_signed,
+                      .out_signed = out_signed};
+    parallel_for(add_piece, &c, 0, n, chunks, threads);
+}
+
+static void maxpool_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qconv_call_t *c = p;
+    qconv_maxpool(c->x, c->g, begin, end, c->mask, c->scratch + slot * c->stride, c->y);
+}
+
+void qconv_maxpool_threads(const uint8_t *x, const int64_t *g, int64_t p0, int64_t p1, int32_t mask,
+                           uint8_t *scratch, int64_t stride, uint8_t *y, int64_t chunks, int64_t threads) {
+    qconv_call_t c = {.x = x, .g = g, .scratch = scratch, .y = y, .stride = stride, .mask = mask};
+    parallel_for(maxpool_piece, &c, p0, p1, chunks, threads);
 }

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +36,14 @@ _SIGNATURES = {
     "qconv_qlinear_add": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p], None),
     "qconv_pool_scratch": ([_p], _i64),
     "qconv_maxpool": ([_p, _p, _i64, _i64, _i32, _p, _p], None),
+    # the `_threads` entry points: [begin, end) cut into `chunks` pieces run by up to `threads` threads
+    "qconv_depthwise_threads": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _i64, _p, _i64,
+                                 _i64], None),
+    "qconv_im2col_threads": ([_p, _p, _i64, _i64, _i32, _i32, _p, _i64, _p, _i64, _i64, _i64], None),
+    "qconv_transpose_threads": ([_p, _i64, _i64, _i64, _p, _i64, _i32, _i32, _i64, _i64], None),
+    "qconv_qlinear_add_threads": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p, _i64,
+                                   _i64], None),
+    "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
 }
 #: elements per thread below which QLinearAdd stays on one thread
 _ADD_SPLIT = 1 << 16
@@ -76,12 +83,8 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
         else np.empty(a.shape, out_dtype)
     n = a.size
     parts = max(1, min(native.threads(), n // _ADD_SPLIT))
-    cuts = [n * i // parts for i in range(parts + 1)]
-    signed_in, signed_out = int(a.dtype == np.int8), int(out_dtype == np.int8)
-    a_at, b_at, y_at = data_address(a), data_address(b), data_address(y)
-    native.run_parallel([functools.partial(lib.qconv_qlinear_add, a_at + s, b_at + s, e - s, ka, kb, offset,
-                                           signed_in, signed_out, y_at + s)
-                         for s, e in zip(cuts[:-1], cuts[1:]) if e > s])
+    lib.qconv_qlinear_add_threads(data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8),
+                                  int(out_dtype == np.int8), data_address(y), parts, parts)
     return y
 
 
@@ -105,14 +108,12 @@ def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], d
     (oh, ow), (pt, pl) = lift(out_shape), lift(pads[:nd], 0)
     geometry = np.array([0, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl], np.int64)
     planes = x.shape[0] * x.shape[1]
-    parts = max(1, min(native.threads(), x.size // _ADD_SPLIT))
-    cuts = [planes * i // parts for i in range(parts + 1)]
+    parts = max(1, min(native.threads(), planes, x.size // _ADD_SPLIT))
     mask = 0x80 if x.dtype == np.int8 else 0
     at = native.pointer(geometry)
-    scratch = np.empty((parts, 2 * int(lib.qconv_pool_scratch(at))), np.uint8)
-    native.run_parallel([functools.partial(lib.qconv_maxpool, data_address(x), at, s, e, mask, data_address(scratch[i]),
-                                           data_address(y)) for i, (s, e) in enumerate(zip(cuts[:-1], cuts[1:]))
-                         if e > s])
+    scratch = np.empty((parts, 2 * int(lib.qconv_pool_scratch(at))), np.uint8)  # one per thread
+    lib.qconv_maxpool_threads(data_address(x), at, 0, planes, mask, data_address(scratch), scratch.strides[0],
+                              data_address(y), parts, parts)
     return y
 
 
@@ -215,16 +216,14 @@ class QuantizedConv:
         image_in, image_out = x[0].size, y[0].size
         signed = int(y.dtype == np.int8)
         parts = max(1, min(native.threads(), self.cout))
-        cuts = [self.cout * i // parts for i in range(parts + 1)]
         scratch = np.empty((parts, int(self.lib.qconv_depthwise_scratch(plan.geometry_pointer))), np.uint8)
         x_at, y_at = data_address(x), data_address(y)
-        fn, geometry = self.lib.qconv_depthwise, plan.geometry_pointer
+        fn, geometry = self.lib.qconv_depthwise_threads, plan.geometry_pointer
         taps, bias, multiplier = (native.pointer(a) for a in (self.taps, self.bias, self.multiplier))
+        chunks = min(self.cout, parts * 4)  # finer than one per thread: a delayed thread leaves its rest to others
         for n in range(x.shape[0]):
-            native.run_parallel([functools.partial(fn, x_at + n * image_in, geometry, mult, c0, c1, taps, bias,
-                                                   multiplier, zp, mask, y_zp, signed, data_address(scratch[i]),
-                                                   y_at + n * image_out)
-                                 for i, (c0, c1) in enumerate(zip(cuts[:-1], cuts[1:])) if c0 < c1])
+            fn(x_at + n * image_in, geometry, mult, 0, self.cout, taps, bias, multiplier, zp, mask, y_zp, signed,
+               data_address(scratch), scratch.strides[0], y_at + n * image_out, chunks, parts)
 
 
 class ConvPlan:
@@ -265,9 +264,10 @@ class ConvPlan:
         a = np.empty((self.rows, self.lda), np.uint8)
         c = np.empty((self.rows, self.ldc), y.dtype)
         a_at, c_at = data_address(a), data_address(c)
-        bands = [None] * parts if self.transpose_only else [
-            np.empty(self.band_bytes(-(-self.rows // parts)), np.uint8) for _ in range(parts)]
-        band_at = [0 if b is None else data_address(b) for b in bands]
+        # im2col's scratch: a band per thread, for the longest piece a thread gets (see _pieces)
+        band_stride = 0 if self.transpose_only else self.band_bytes(-(-self.rows // parts))
+        bands = np.empty((parts, band_stride), np.uint8)
+        band_at = data_address(bands)
         x_image, y_image = x[0].size, y[0].size
         x_at, y_at = data_address(x), data_address(y)
         for n in range(x.shape[0]):
@@ -277,21 +277,18 @@ class ConvPlan:
                 bias, multiplier = conv.bias[g * m:(g + 1) * m], conv.multiplier[g * m:(g + 1) * m]
                 for p0 in range(0, self.pixels, self.rows):
                     p1 = min(p0 + self.rows, self.pixels)
-                    split = _split(p0, p1, parts)
+                    pieces = _pieces(p0, p1, parts)
                     if self.transpose_only:
-                        rows = [functools.partial(lib.qconv_transpose, x_group + s, conv.per_group, e - s,
-                                                  self.pixels, a_at + (s - p0) * self.lda, self.lda, mask)
-                                for s, e in split]
+                        lib.qconv_transpose_threads(x_group + p0, conv.per_group, p1 - p0, self.pixels, a_at,
+                                                    self.lda, mask, 1, pieces, pieces)
                     else:
-                        rows = [functools.partial(lib.qconv_im2col, x_group, self.geometry_pointer, s, e, zp, mask,
-                                                  band, a_at + (s - p0) * self.lda, self.lda)
-                                for (s, e), band in zip(split, band_at)]
-                    native.run_parallel(rows)
+                        lib.qconv_im2col_threads(x_group, self.geometry_pointer, p0, p1, zp, mask, band_at,
+                                                 band_stride, a_at, self.lda, pieces, pieces)
                     block = c[:p1 - p0, :m]
                     qgemm.qgemm(a[:p1 - p0], conv.packed[g], a_zero_point=zp, bias_i32=bias, out=block,
                                 multiplier=multiplier, y_zero_point=y_zp)
-                    native.run_parallel([functools.partial(lib.qconv_transpose, c_at + (s - p0) * self.ldc, e - s, m,
-                                                           self.ldc, y_group + s, self.pixels, 0) for s, e in split])
+                    lib.qconv_transpose_threads(c_at, p1 - p0, m, self.ldc, y_group + p0, self.pixels, 0, 0, pieces,
+                                                pieces)
 
 
 def _row_stride(width: int) -> int:
@@ -301,10 +298,6 @@ def _row_stride(width: int) -> int:
     return stride + 64 if stride % 256 == 0 else stride
 
 
-def _split(p0: int, p1: int, parts: int) -> list[tuple[int, int]]:
-    """[p0, p1) in up to `parts` ranges of at least _ROW_ALIGN pixels."""
-    parts = min(parts, max(1, (p1 - p0) // _ROW_ALIGN))
-    if parts == 1:
-        return [(p0, p1)]
-    cuts = [p0 + (p1 - p0) * i // parts for i in range(parts + 1)]
-    return [(s, e) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]
+def _pieces(p0: int, p1: int, parts: int) -> int:
+    """How many pieces (one per thread) [p0, p1) is cut into: up to `parts`, each of at least _ROW_ALIGN pixels."""
+    return min(parts, max(1, (p1 - p0) // _ROW_ALIGN))

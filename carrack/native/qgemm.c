@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "threadpool.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -313,6 +314,41 @@ void qgemm_run(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_
             }
         }
     }
+}
+
+/* -- qgemm_run over the thread pool ------------------------------------------------------------------------------ */
+CARRACK_POOL_CLIENT(qgemm)
+
+typedef struct {
+    job_t job;
+    int64_t m, by_panels;
+} qgemm_call_t;
+
+static void qgemm_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const qgemm_call_t *c = p;
+    const job_t *j = &c->job;
+    (void)slot;
+    if (c->by_panels)
+        qgemm_run(0, c->m, begin * QGEMM_NR, end * QGEMM_NR, j->k, j->n, j->a, j->lda, j->packed, j->colsum, j->a_zp,
+                  j->bias_i32, j->mode, j->out, j->ldc_m, j->ldc_n, j->scale, j->bias_f32, j->y_zp);
+    else
+        qgemm_run(begin, end, 0, j->n, j->k, j->n, j->a, j->lda, j->packed, j->colsum, j->a_zp, j->bias_i32, j->mode,
+                  j->out, j->ldc_m, j->ldc_n, j->scale, j->bias_f32, j->y_zp);
+}
+
+/* qgemm_run of all M rows and N columns over `threads`: whole column panels when there are enough of them, else
+ * row ranges (integer sums: the same result for any split). */
+void qgemm_run_threads(int64_t m, int64_t k, int64_t n, const uint8_t *a, int64_t lda, const int8_t *packed,
+                       const int32_t *colsum, int32_t a_zero_point, const int32_t *bias_i32, int32_t mode, void *out,
+                       int64_t ldc_m, int64_t ldc_n, const float *scale, const float *bias_f32, int32_t y_zero_point,
+                       int64_t threads) {
+    const int64_t panels = (n + QGEMM_NR - 1) / QGEMM_NR;
+    qgemm_call_t c = {{k, n, a, lda, packed, colsum, a_zero_point, bias_i32, mode, out, ldc_m, ldc_n, scale, bias_f32,
+                       y_zero_point}, m, panels >= threads};
+    if (c.by_panels)
+        parallel_for(qgemm_piece, &c, 0, panels, pieces_for(panels, threads), threads);
+    else
+        parallel_for(qgemm_piece, &c, 0, m, pieces_for((m + QGEMM_MR - 1) / QGEMM_MR, threads), threads);
 }
 
 /* -- DynamicQuantizeLinear to uint8 ------------------------------------------------------------------------------ */

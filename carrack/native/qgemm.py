@@ -17,7 +17,7 @@ from carrack import native
 
 INT32, FLOAT, REQUANT_U8, REQUANT_S8 = 0, 1, 2, 3
 #: below this many multiply-adds one thread does the whole product (a pool hand-off costs more)
-_PARALLEL_MIN_MACS = 1 << 21
+_PARALLEL_MIN_MACS = 1 << 20  # multiply-adds per thread, at least
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -27,6 +27,8 @@ _SIGNATURES = {
     "qgemm_pack_b": ([_p, _i64, _i64, _i64, _p, _p], None),
     "qgemm_run": ([_i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _p, _i32, _p, _i64, _i64, _p, _p,
                    _i32], None),
+    "qgemm_run_threads": ([_i64, _i64, _i64, _p, _i64, _p, _p, _i32, _p, _i32, _p, _i64, _i64, _p, _p, _i32, _i64],
+                          None),
     "qgemm_dynamic_quantize_u8": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p], _i64),
 }
 
@@ -149,32 +151,15 @@ def qgemm(a_u8: np.ndarray, packed: PackedInt8Weight, *, a_zero_point: int, bias
         raise ValueError("out is read-only")
     factors = _columns(multiplier if multiplier is not None else scale, n, np.float32)
     keep = (a, out, factors, _columns(bias_i32, n, np.int32), _columns(bias_f32, n, np.float32))  # alive
-    args = (packed.k, n, native.pointer(a), a.strides[0] if m > 1 else packed.k, native.pointer(packed.data),
-            native.pointer(packed.column_sums), int(a_zero_point), native.pointer(keep[3]), mode,
-            native.pointer(out), int(out_strides[0]), int(out_strides[1]), native.pointer(factors),
-            native.pointer(keep[4]), int(y_zero_point or 0))
     if m and n:
-        native.run_parallel([_task(lib.qgemm_run, part, args) for part in _split(m, n, packed.k,
-                                                                                   int(lib.qgemm_panel_columns()))])
+        # the C side splits the output into column panels (or row ranges) over the threads
+        threads = min(native.threads(), max(1, m * n * packed.k // max(1, _PARALLEL_MIN_MACS)))
+        lib.qgemm_run_threads(m, packed.k, n, native.pointer(a), a.strides[0] if m > 1 else packed.k,
+                              native.pointer(packed.data), native.pointer(packed.column_sums), int(a_zero_point),
+                              native.pointer(keep[3]), mode, native.pointer(out), int(out_strides[0]),
+                              int(out_strides[1]), native.pointer(factors), native.pointer(keep[4]),
+                              int(y_zero_point or 0), threads)
     return out
-
-
-def _task(fn, part: tuple[int, int, int, int], args: tuple):
-    return lambda: fn(*part, *args)
-
-
-def _split(m: int, n: int, k: int, panel: int) -> list[tuple[int, int, int, int]]:
-    """Disjoint (m0, m1, n0, n1) output blocks, one per thread: whole column panels when there are enough of them,
-    else row ranges."""
-    threads = native.threads() if m * n * k >= _PARALLEL_MIN_MACS else 1
-    panels = -(-n // panel)
-    if threads <= 1:
-        return [(0, m, 0, n)]
-    if panels >= threads:
-        cuts = [panels * i // threads * panel for i in range(threads + 1)]
-        return [(0, m, cuts[i], min(cuts[i + 1], n)) for i in range(threads) if cuts[i] < cuts[i + 1]]
-    rows = [m * i // threads for i in range(threads + 1)]
-    return [(rows[i], rows[i + 1], 0, n) for i in range(threads) if rows[i] < rows[i + 1]]
 
 
 def dynamic_quantize_u8(x: np.ndarray, row_bytes: int | None = None) -> tuple[np.ndarray, np.float32, int] | None:

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "threadpool.h"
 /* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
 #if defined(__AVX512F__) && defined(__F16C__) && !defined(CARRACK_PORTABLE)
 #define USE_AVX512 1
@@ -233,4 +234,31 @@ int carrack_qdecode(const uint8_t *w, int type, int64_t row_bytes, int64_t k, in
     if (decode == NULL || k % block_values != 0 || row_bytes != k / block_values * block_bytes) return -1;
     for (int64_t r = row_start; r < row_end; r++) decode(w + r * row_bytes, k, out + (r - row_start) * k);
     return 0;
+}
+
+/* -- over the thread pool: the rows of W split over `threads` (each output element is one row's dot products, so
+ * the split changes no sum); the first failing piece's status is returned --------------------------------------- */
+CARRACK_POOL_CLIENT(qmatvec)
+
+typedef struct {
+    const uint8_t *w;
+    const float *x;
+    float *y;
+    int64_t row_bytes, n, k, m;
+    int type;
+    _Atomic int status;
+} qmatvec_call_t;
+
+static void qmatvec_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    qmatvec_call_t *c = p;
+    (void)slot;
+    int status = carrack_qmatvec(c->w, c->type, c->row_bytes, c->n, c->k, c->x, c->m, c->y, begin, end);
+    if (status) atomic_store(&c->status, status);
+}
+
+int carrack_qmatvec_threads(const uint8_t *w, int type, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                            int64_t m, float *y, int64_t threads) {
+    qmatvec_call_t c = {w, x, y, row_bytes, n, k, m, type, 0};
+    parallel_for(qmatvec_piece, &c, 0, n, pieces_for(n, threads), threads);
+    return atomic_load(&c.status);
 }

@@ -25,6 +25,7 @@ def library() -> ctypes.CDLL | None:
     if lib is not None and lib is not _declared:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.carrack_qmatvec.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64, i64]
+        lib.carrack_qmatvec_threads.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64]
         lib.carrack_qmatvec.restype = i32
         lib.carrack_qdecode.argtypes = [p, i32, i64, i64, i64, i64, p]
         lib.carrack_qdecode.restype = i32
@@ -52,13 +53,7 @@ def matvec(rows: np.ndarray, ggml_type: int, x: np.ndarray, threads: int | None 
     y = np.empty((m, n), dtype=np.float32)
     args = (data_address(rows), int(ggml_type), row_bytes, n, k, data_address(x), m, data_address(y))
     parts = max(1, min(threads or native.threads(), n, rows.nbytes // PARALLEL_MIN_BYTES))
-    step = -(-n // parts)
-    status: list[int] = []
-
-    def call(start: int) -> None:
-        status.append(lib.carrack_qmatvec(*args, start, min(n, start + step)))
-
-    native.run_parallel([lambda s=s: call(s) for s in range(0, n, step)])
+    status = [lib.carrack_qmatvec_threads(*args, parts)]
     if any(status):
         raise ValueError(f"qmatvec: ggml type {int(ggml_type)} with rows of {row_bytes} bytes does not hold "
                          f"{k} values per row")

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "threadpool.h"
 /* CARRACK_PORTABLE builds the plain C versions (auto-vectorized by the compiler) on any machine, for testing */
 #if defined(__AVX512F__) && !defined(CARRACK_PORTABLE)
 #define USE_AVX512 1
@@ -395,4 +396,55 @@ void carrack_float_to_half(const float *x, uint16_t *y, int64_t n) {
                             _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
     for (; i < n; i++) y[i] = float_to_half1(x[i]);
+}
+
+/* -- the row kernels over the thread pool: the same arguments, rows [row0, row0 + count) split over `threads` --- */
+CARRACK_POOL_CLIENT(rowops)
+
+typedef struct {
+    const float *x, *skip, *bias, *gamma, *beta;
+    float *y, *mean_out, *inv_std_out, *sum_out;
+    int64_t n, d1, d2, bs0, bs1, bs2;
+    float scale;
+    int flag;
+} rows_call_t;
+
+static void softmax_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const rows_call_t *c = p;
+    (void)slot;
+    carrack_softmax(c->x, c->y, begin, end - begin, c->n, c->scale, c->bias, c->d1, c->d2, c->bs0, c->bs1, c->bs2,
+                    c->flag);
+}
+
+void carrack_softmax_threads(const float *x, float *y, int64_t row0, int64_t count, int64_t n, float scale,
+                             const float *bias, int64_t d1, int64_t d2, int64_t bs0, int64_t bs1, int64_t bs2,
+                             int zero_masked, int64_t threads) {
+    rows_call_t c = {x, NULL, bias, NULL, NULL, y, NULL, NULL, NULL, n, d1, d2, bs0, bs1, bs2, scale, zero_masked};
+    parallel_for(softmax_piece, &c, row0, row0 + count, pieces_for(count, threads), threads);
+}
+
+static void layer_norm_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const rows_call_t *c = p;
+    (void)slot;
+    carrack_layer_norm(c->x, c->skip, c->bias, c->gamma, c->beta, c->y, c->mean_out, c->inv_std_out, c->sum_out,
+                       begin, end - begin, c->n, c->scale);
+}
+
+void carrack_layer_norm_threads(const float *x, const float *skip, const float *bias, const float *gamma,
+                                const float *beta, float *y, float *mean_out, float *inv_std_out, float *sum_out,
+                                int64_t row0, int64_t count, int64_t n, float eps, int64_t threads) {
+    rows_call_t c = {x, skip, bias, gamma, beta, y, mean_out, inv_std_out, sum_out, n, 0, 0, 0, 0, 0, eps, 0};
+    parallel_for(layer_norm_piece, &c, row0, row0 + count, pieces_for(count, threads), threads);
+}
+
+static void gelu_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const rows_call_t *c = p;
+    (void)slot;
+    carrack_gelu(c->x, c->bias, c->y, begin, end - begin, c->n, c->flag);
+}
+
+void carrack_gelu_threads(const float *x, const float *bias, float *y, int64_t row0, int64_t count, int64_t n,
+                          int approximate, int64_t threads) {
+    rows_call_t c = {x, NULL, bias, NULL, NULL, y, NULL, NULL, NULL, n, 0, 0, 0, 0, 0, 0.0f, approximate};
+    parallel_for(gelu_piece, &c, row0, row0 + count, pieces_for(count, threads), threads);
 }

@@ -10,16 +10,15 @@ the result's shape, and either the first input itself or not overlapping any inp
 from __future__ import annotations
 
 import ctypes
-import functools
-from collections.abc import Callable
 
 import numpy as np
 
 from carrack import native
 from carrack.native import data_address
 
-#: elements below which a call stays on one thread (the pool's hand-off costs more than it saves)
-PARALLEL_MIN = 1 << 16
+#: elements per thread below which a call stays on one thread (the pool's hand-off costs more than it saves)
+PARALLEL_MIN = 1 << 14
+_GELU_MIN_ROW = 256  # GELU without a bias splits at rows of at least this many elements
 
 _declared: ctypes.CDLL | None = None
 _F32 = np.dtype(np.float32)
@@ -37,13 +36,14 @@ def library() -> ctypes.CDLL | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    lib.carrack_softmax.argtypes = [p, p, i64, i64, i64, f32, p, i64, i64, i64, i64, i64, i32]
-    lib.carrack_layer_norm.argtypes = [p, p, p, p, p, p, p, p, p, i64, i64, i64, f32]
-    lib.carrack_gelu.argtypes = [p, p, p, i64, i64, i64, i32]
+    # the `_threads` entry points: each kernel's arguments, then the threads to split its rows over
+    lib.carrack_softmax_threads.argtypes = [p, p, i64, i64, i64, f32, p, i64, i64, i64, i64, i64, i32, i64]
+    lib.carrack_layer_norm_threads.argtypes = [p, p, p, p, p, p, p, p, p, i64, i64, i64, f32, i64]
+    lib.carrack_gelu_threads.argtypes = [p, p, p, i64, i64, i64, i32, i64]
     lib.carrack_half_to_float.argtypes = [p, p, i64]
     lib.carrack_float_to_half.argtypes = [p, p, i64]
-    for fn in (lib.carrack_softmax, lib.carrack_layer_norm, lib.carrack_gelu, lib.carrack_half_to_float,
-               lib.carrack_float_to_half):
+    for fn in (lib.carrack_softmax_threads, lib.carrack_layer_norm_threads, lib.carrack_gelu_threads,
+               lib.carrack_half_to_float, lib.carrack_float_to_half):
         fn.restype = None
 
 
@@ -65,14 +65,11 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...], first: np.ndarray, *
     return np.empty(shape, _F32)
 
 
-def _split(call: Callable[[int, int], None], rows: int, row_size: int) -> None:
-    """call(first_row, row_count) over all rows: on one thread, or in even parts over native.threads()."""
-    parts = min(native.threads(), rows, max(1, rows * row_size // PARALLEL_MIN))
-    if parts <= 1:
-        call(0, rows)
-        return
-    step = -(-rows // parts)
-    native.run_parallel([functools.partial(call, start, min(step, rows - start)) for start in range(0, rows, step)])
+def _threads(rows: int, row_size: int) -> int:
+    """The threads a call over `rows` rows may use: the run's count, each thread getting PARALLEL_MIN elements."""
+    if rows * row_size < 2 * PARALLEL_MIN:
+        return 1
+    return min(native.threads(), rows, rows * row_size // PARALLEL_MIN)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
@@ -93,12 +90,8 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     n = x.shape[-1]
     rows = x.size // n
     b, dims, strides = _bias_layout(bias, x.shape)
-    xp, yp, bp = _ptr(x), _ptr(y), _ptr(b)
-
-    def call(start: int, count: int) -> None:
-        lib.carrack_softmax(xp, yp, start, count, n, scale, bp, dims[1], dims[2], *strides, int(zero_masked))
-
-    _split(call, rows, n)
+    lib.carrack_softmax_threads(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
+                                int(zero_masked), _threads(rows, n))
     return y
 
 
@@ -154,11 +147,7 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
     if x.size == 0:
         return y, mean, inv_std, summed
     args = [_ptr(a) for a in (x, skip, bias, gamma, beta, y, mean, inv_std, summed)]
-
-    def call(start: int, count: int) -> None:
-        lib.carrack_layer_norm(*args, start, count, row_size, epsilon)
-
-    _split(call, rows, row_size)
+    lib.carrack_layer_norm_threads(*args, 0, rows, row_size, epsilon, _threads(rows, row_size))
     return y, mean, inv_std, summed
 
 
@@ -172,20 +161,10 @@ def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = Fals
     y = _output(out, x.shape, x, bias)
     if x.size == 0:
         return y
-    # without a bias the array is one long row, cut into pieces at any element
-    n = x.shape[-1] if bias is not None else x.size
+    # without a bias GELU is elementwise: any rows of the array will do, short ones merged into one long row
+    n = x.shape[-1] if bias is not None or x.shape[-1] >= _GELU_MIN_ROW else x.size
     rows = x.size // n
-    xp, yp, bp = _ptr(x), _ptr(y), _ptr(bias)
-    mode = int(approximate)
-    if bias is not None:
-        _split(lambda start, count: lib.carrack_gelu(xp, bp, yp, start, count, n, mode), rows, n)
-        return y
-    item = _F32.itemsize
-
-    def piece(start: int, count: int) -> None:
-        lib.carrack_gelu(xp + start * item, None, yp + start * item, 0, 1, count, mode)
-
-    _split(piece, n, 1)
+    lib.carrack_gelu_threads(_ptr(x), _ptr(bias), _ptr(y), 0, rows, n, int(approximate), _threads(rows, n))
     return y
 
 
@@ -202,9 +181,7 @@ def _convert(x: np.ndarray, dtype: np.dtype, fn_name: str, out: np.ndarray | Non
                 and out.flags.aligned and out.flags.writeable and not np.may_share_memory(out, x)) \
         else np.empty(x.shape, dtype)
     if x.size:
-        fn, xp, yp = getattr(lib, fn_name), data_address(x), data_address(y)
-        x_item, y_item = x.itemsize, y.itemsize
-        _split(lambda start, count: fn(xp + start * x_item, yp + start * y_item, count), x.size, 1)
+        getattr(lib, fn_name)(data_address(x), data_address(y), x.size)  # memory-bound: one thread
     return y
 
 

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from carrack.native import matmul as native_matmul
 from carrack.native import rowops
 from carrack.ops.elementwise import gelu, tanh_gelu, widen
 from carrack.ops.registry import Kernel, register
@@ -226,7 +227,11 @@ def _softmax_in_place(x: np.ndarray) -> np.ndarray:
 def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None, native: bool) -> np.ndarray:
     """softmax(q k^T * scale + bias) over (B, N, S, H) heads (float32 by the native softmax where `native`)."""
     if native and q.dtype == np.float32:
-        scores = np.matmul(q, k.swapaxes(-1, -2))
+        keys = k.swapaxes(-1, -2)
+        scores = np.empty(np.broadcast_shapes(q.shape[:-2], keys.shape[:-2]) + (q.shape[-2], keys.shape[-1]),
+                          np.result_type(q, keys))
+        if not native_matmul.batched_into(q, keys, scores):
+            np.matmul(q, keys, out=scores)
         try:  # scale, bias and softmax in one pass over the scores, in place
             return rowops.softmax(scores, scale, bias, zero_masked=True, out=scores)
         except ValueError:  # a bias that broadcasts the scores to a larger shape: the general path below
@@ -250,7 +255,9 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.
     if (out is None or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
             or not out.flags.writeable or np.may_share_memory(out, v)):
         out = np.empty(shape, dtype)
-    np.matmul(probs, v, out=out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3))
+    heads_view = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
+    if not native_matmul.batched_into(probs, v, heads_view):  # on the run's threads, not BLAS's
+        np.matmul(probs, v, out=heads_view)
     return out
 
 

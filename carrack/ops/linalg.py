@@ -28,7 +28,7 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
     if a.dtype != np.float32 or b.dtype != np.float32 or b.ndim != 2 or a.ndim < 2 or not a.flags.c_contiguous:
         return None
     rows = a.size // a.shape[-1] if a.shape[-1] else 0
-    if not native_matmul.pays(rows, b.shape[0], b.shape[1]) or a.shape[-1] != b.shape[0]:
+    if not native_matmul.chosen(rows, b.shape[0], b.shape[1]) or a.shape[-1] != b.shape[0]:
         return None
     y = np.empty(a.shape[:-1] + b.shape[-1:], np.float32) if out is None else out
     if not native_matmul.matmul_into(a.reshape(rows, -1), b, y.reshape(rows, -1)):
@@ -110,7 +110,9 @@ class Gemm(Kernel):
                 and out.shape == (wa.shape[0], wb.shape[1]) and wa.shape[1] == wb.shape[0]
                 and out.flags.c_contiguous and out.flags.writeable):
             out = None
-        y = np.matmul(wa, wb, out=out)
+        y = self._native_transposed(wa, b, out) if self.trans_b else None
+        if y is None:
+            y = np.matmul(wa, wb, out=out)
         if self.alpha != 1.0:
             y = _scaled(y, self.alpha)
         if c is not None and self.beta != 0.0:
@@ -119,6 +121,15 @@ class Gemm(Kernel):
             in_place = y.dtype == np.result_type(y, wc) and np.broadcast_shapes(y.shape, wc.shape) == y.shape
             y = np.add(y, wc, out=y if in_place else None)
         return y.astype(a.dtype, copy=False)
+
+    @staticmethod
+    def _native_transposed(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+        """A @ B^T for a few float32 rows by the native dot-product kernel, on the run's threads (numpy's BLAS
+        would use its own pool); None when it does not apply."""
+        if a.dtype != np.float32 or a.ndim != 2 or a.shape[0] > native_matmul.MAX_DOT_ROWS or b.ndim != 2:
+            return None
+        y = out if out is not None else np.empty((a.shape[0], b.shape[0]), np.float32)
+        return y if native_matmul.transposed_into(a, b, y) else None
 
 
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""numpy's BLAS thread pool: read and limit it (carrack's matmuls and convolutions run there).
+"""numpy's BLAS thread pool: read and limit it.
 
 Uses threadpoolctl when installed, else the BLAS library's own setter found among the process's loaded libraries.
-The pool is process-wide: a session with intra_op_num_threads limits it while its runs execute and restores it
-after (sessions running at the same time in several threads share the one pool).
+The pool is process-wide, so sessions do not change it: a run's intra_op_num_threads goes to carrack's own kernels
+(carrack.native.intra_op), and the products of a run allowed fewer threads than this pool has are done there too.
+`carrack bench` and the benchmarks limit it for a whole process.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from carrack.native.intra_op import intra_op_threads, threads
+
 if TYPE_CHECKING:
     from carrack.runtime.program import Program
 
@@ -74,6 +76,7 @@ def run_concurrently(program: Program, env: list[Any], limit: int, execute_step)
     state = {"left": len(steps), "error": None}
     free_workers = threading.Semaphore(max(1, limit) - 1)  # helpers beyond the calling thread
     pool = _workers()
+    kernel_threads = threads()  # the run's intra-op thread count, which the helpers' kernels keep too
 
     def chain(i: int | None) -> None:
         while i is not None and state["error"] is None:
@@ -116,7 +119,8 @@ def run_concurrently(program: Program, env: list[Any], limit: int, execute_step)
 
         def task() -> None:
             try:
-                chain(j)
+                with intra_op_threads(kernel_threads):
+                    chain(j)
             finally:
                 free_workers.release()
 

@@ -15,6 +15,7 @@ from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedO
 from carrack.ir.dims import Sym, binding_name, dim_label
 from carrack.ir.graph import Graph, Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
+from carrack.native.intra_op import intra_op_threads
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import seal_constants
@@ -22,7 +23,6 @@ from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
 from carrack.plan import Plan, build_plan
 from carrack.runtime.allocator import retain_freed_memory
-from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
 from carrack.runtime.ort_session import OrtSessionApi, apply_session_options, terminate_check
@@ -165,8 +165,8 @@ class InferenceSession(OrtSessionApi):
             program = self._program
             bound = self._plan.bind(self._sizes(feed))
             inputs = [feed.get(v.name) for v in self._inputs] + bound.derived
-        # intra_op_num_threads > 0 limits numpy's BLAS pool (process-wide) for this run; 0 leaves it as it is
-        with limited_blas_threads(self._options.intra_op_num_threads or None):
+        # intra_op_num_threads: this run's thread count (0: one per core), for this run only (see intra_op_threads)
+        with intra_op_threads(self._options.intra_op_num_threads):
             if self._profiler is None:
                 results = program.run(inputs, concurrency=self._concurrency, bound=bound, should_stop=should_stop)
             else:

@@ -64,6 +64,8 @@ def portable_library(tmp_path_factory):
     directory = tmp_path_factory.mktemp("portable")
     source = (native.SOURCE_DIR / "rowops.c").read_text()
     (directory / "rowops.c").write_text("// carrack-cflags: -DCARRACK_PORTABLE\n" + source)
+    for header in native.SOURCE_DIR.glob("*.h"):  # threadpool.h
+        (directory / header.name).write_text(header.read_text())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "SOURCE_DIR", directory)
         patch.setenv("CARRACK_CACHE_DIR", str(directory / "cache"))

@@ -1,0 +1,84 @@
+"""How many threads the native kernels of a run may use, and the thread pool they run on (threadpool.c).
+
+The count belongs to the run, not to the process: a session's `intra_op_num_threads` is set for the calling thread
+while its run executes (`intra_op_threads`), and every native kernel the run calls reads it (`threads()`) and
+passes it to C. A session running beside another one in a second Python thread keeps its own count.
+
+The pool itself is shared by the process: its workers are created once, and a parallel region only borrows
+workers that are idle at that moment, so sessions running at the same time never start more pool threads than the
+largest count they asked for (the calling threads take work too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Iterator
+
+_local = threading.local()
+_default: int | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform tells it, read once)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    """The thread count of a run that sets none (intra_op_num_threads 0): one per core, as onnxruntime; the
+    environment's CARRACK_NUM_THREADS overrides it."""
+    global _default
+    if _default is None:
+        chosen = os.environ.get("CARRACK_NUM_THREADS", "").strip()
+        _default = int(chosen) if chosen.isdigit() and int(chosen) > 0 else cores()
+    return _default
+
+
+def threads() -> int:
+    """The thread count native kernels may use now: the running session's, else the default."""
+    return getattr(_local, "count", 0) or default_threads()
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int | None) -> Iterator[int]:
+    """Run the block (in this Python thread only) with native kernels limited to `count` threads; 0 or None
+    means one per core. Yields the count in force. Nested blocks restore the outer count when they end."""
+    if count is not None and (not isinstance(count, int) or count < 0):
+        from carrack.errors import InvalidArgument
+
+        raise InvalidArgument(f"intra_op_num_threads must be an int >= 0 (0: one per core), got {count!r}")
+    before = getattr(_local, "count", 0)
+    _local.count = count or default_threads()
+    try:
+        yield _local.count
+    finally:
+        _local.count = before
+
+
+def attach_pool(name: str, lib: ctypes.CDLL, pool: ctypes.CDLL | None) -> bool:
+    """Hand the pool's entry point to a kernel library that includes threadpool.h (its `<name>_use_pool`);
+    False when the library has none or there is no pool (its kernels then run on the calling thread)."""
+    use_pool = getattr(lib, f"{name}_use_pool", None)
+    if use_pool is None or pool is None:
+        return False
+    use_pool.argtypes, use_pool.restype = [ctypes.c_void_p], None
+    use_pool(ctypes.cast(pool.carrack_parallel, ctypes.c_void_p))
+    return True
+
+
+def pool_workers() -> int:
+    """Pool worker threads created so far in this process (0 before the first parallel region)."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    if pool is None:
+        return 0
+    pool.carrack_pool_workers.restype = ctypes.c_int64
+    return int(pool.carrack_pool_workers())

@@ -1,0 +1,230 @@
+/* carrack's intra-op thread pool: persistent workers that the kernels' parallel regions borrow.
+ *
+ * Workers are created once (lazily, as many as the largest region has asked for) and live for the process. A
+ * region (carrack_parallel) reserves only workers that are idle at that moment, so sessions running in several
+ * threads at once share the workers instead of each bringing its own: a region that finds none idle runs on its
+ * calling thread alone, and the machine never runs more pool threads than the largest thread count asked for.
+ *
+ * A worker between regions spins for a short while (CARRACK_SPIN_US, default 200 microseconds: the gap between
+ * two kernels of one inference is usually shorter) and then sleeps on a condition variable, so an idle process
+ * costs no CPU. The caller takes pieces too; when it has run out of pieces it withdraws the workers that have not
+ * started yet (a sleeping worker's wake-up can take longer than the work) and waits only for those running.
+ *
+ * Pieces are claimed from a shared counter: a participant that the machine delays leaves its pieces to the others.
+ * Which participant runs a piece never changes what the piece computes.
+ */
+// carrack-cflags: -pthread
+#define _GNU_SOURCE
+#define CARRACK_THREADPOOL_IMPLEMENTATION
+#include "threadpool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define MAX_WORKERS 255
+#define FINISH_SPIN_NS 30000 /* how long a caller spins for its helpers to finish before it sleeps */
+
+/* A worker's state word: the state in the low 2 bits, above them the number of the last reservation, so that a
+ * caller withdrawing its assignment can never withdraw a newer one given by another caller meanwhile. */
+enum { IDLE, RESERVED, ASSIGNED, RUNNING };
+#define STATE(word) ((int)((word) & 3))
+#define WITH_STATE(word, state) (((word) & ~(int64_t)3) | (state))
+
+typedef struct {
+    carrack_task task;
+    void *context;
+    int64_t begin, count, chunks;
+    _Atomic int64_t next;    /* the next unclaimed piece */
+    _Atomic int64_t slots;   /* slot numbers handed out (the caller is slot 0) */
+} job_t;
+
+typedef struct {
+    _Atomic int64_t state;
+    _Atomic int sleeping;
+    _Atomic int caller_waiting; /* callers asleep on `done` until this worker finishes their job */
+    job_t *_Atomic job;
+    pthread_mutex_t mutex;
+    pthread_cond_t wake, done;
+    pthread_t thread;
+} __attribute__((aligned(64))) worker_t;
+
+static worker_t workers[MAX_WORKERS];
+static _Atomic int worker_count;
+static pthread_mutex_t grow_lock = PTHREAD_MUTEX_INITIALIZER;
+static int64_t spin_ns = -1;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void run_pieces(job_t *job, int64_t slot) {
+    for (;;) {
+        const int64_t piece = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (piece >= job->chunks) return;
+        const int64_t lo = job->begin + job->count * piece / job->chunks;
+        const int64_t hi = job->begin + job->count * (piece + 1) / job->chunks;
+        if (hi > lo) job->task(job->context, lo, hi, slot);
+    }
+}
+
+/* Waits until the worker is given a job: spinning first, then asleep. */
+static void await_assignment(worker_t *w) {
+    const int64_t deadline = now_ns() + spin_ns;
+    for (int spins = 0; STATE(atomic_load_explicit(&w->state, memory_order_acquire)) != ASSIGNED; spins++) {
+        cpu_relax();
+        if ((spins & 63) == 63 && now_ns() >= deadline) break;
+    }
+    if (STATE(atomic_load(&w->state)) == ASSIGNED) return;
+    pthread_mutex_lock(&w->mutex);
+    atomic_store(&w->sleeping, 1);
+    while (STATE(atomic_load(&w->state)) != ASSIGNED) pthread_cond_wait(&w->wake, &w->mutex);
+    atomic_store(&w->sleeping, 0);
+    pthread_mutex_unlock(&w->mutex);
+}
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    for (;;) {
+        await_assignment(w);
+        int64_t assigned = atomic_load(&w->state);
+        /* the caller may have withdrawn the job meanwhile (then the state is IDLE, or a newer assignment) */
+        if (STATE(assigned) != ASSIGNED ||
+            !atomic_compare_exchange_strong(&w->state, &assigned, WITH_STATE(assigned, RUNNING)))
+            continue;
+        job_t *job = atomic_load_explicit(&w->job, memory_order_acquire);
+        run_pieces(job, atomic_fetch_add_explicit(&job->slots, 1, memory_order_relaxed));
+        /* the job's last use: its caller may return (and the job leave its stack) once this is seen */
+        atomic_store(&w->state, WITH_STATE(assigned, IDLE)); /* sequentially consistent, before the read below */
+        if (atomic_load(&w->caller_waiting)) {
+            pthread_mutex_lock(&w->mutex);
+            pthread_cond_broadcast(&w->done);
+            pthread_mutex_unlock(&w->mutex);
+        }
+    }
+    return NULL;
+}
+
+static void reset_after_fork(void) {
+    /* a forked child has none of the parent's threads: its workers are created again when first needed */
+    atomic_store(&worker_count, 0);
+    pthread_mutex_init(&grow_lock, NULL);
+}
+
+static void ensure_workers(int wanted) {
+    if (wanted > MAX_WORKERS) wanted = MAX_WORKERS;
+    if (atomic_load_explicit(&worker_count, memory_order_acquire) >= wanted) return;
+    pthread_mutex_lock(&grow_lock);
+    if (spin_ns < 0) {
+        const char *text = getenv("CARRACK_SPIN_US");
+        spin_ns = (text && *text ? atoll(text) : 200) * 1000;
+        pthread_atfork(NULL, NULL, reset_after_fork);
+    }
+    for (int i = atomic_load(&worker_count); i < wanted; i++) {
+        worker_t *w = &workers[i];
+        atomic_store(&w->state, IDLE);
+        atomic_store(&w->sleeping, 0);
+        pthread_mutex_init(&w->mutex, NULL);
+        pthread_cond_init(&w->wake, NULL);
+        pthread_cond_init(&w->done, NULL);
+        atomic_store(&w->caller_waiting, 0);
+        if (pthread_create(&w->thread, NULL, worker_main, w) != 0) break;
+        pthread_detach(w->thread);
+        atomic_store_explicit(&worker_count, i + 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&grow_lock);
+}
+
+static void assign(worker_t *w, job_t *job, int64_t reserved) {
+    atomic_store_explicit(&w->job, job, memory_order_relaxed);
+    /* sequentially consistent: ordered before the read of `sleeping` */
+    atomic_store(&w->state, WITH_STATE(reserved, ASSIGNED));
+    if (atomic_load(&w->sleeping)) {
+        pthread_mutex_lock(&w->mutex);
+        pthread_cond_signal(&w->wake);
+        pthread_mutex_unlock(&w->mutex);
+    }
+}
+
+/* Returns once the worker has left `running` (its run of the caller's job): spinning for a short while (its
+ * last piece usually ends about when the caller's does), then asleep, leaving the core to the worker should the
+ * machine have preempted it. */
+static void await_finish(worker_t *w, int64_t running) {
+    const int64_t deadline = now_ns() + FINISH_SPIN_NS;
+    for (int spins = 0; atomic_load_explicit(&w->state, memory_order_acquire) == running; spins++) {
+        cpu_relax();
+        if ((spins & 63) == 63 && now_ns() >= deadline) break;
+    }
+    if (atomic_load(&w->state) != running) return;
+    pthread_mutex_lock(&w->mutex);
+    atomic_fetch_add(&w->caller_waiting, 1); /* a count: the previous job's caller may not have left yet */
+    while (atomic_load(&w->state) == running) pthread_cond_wait(&w->done, &w->mutex);
+    atomic_fetch_sub(&w->caller_waiting, 1);
+    pthread_mutex_unlock(&w->mutex);
+}
+
+void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
+                      int64_t threads) {
+    if (end <= begin) return;
+    if (chunks > end - begin) chunks = end - begin;
+    if (threads > chunks) threads = chunks;
+    if (threads <= 1) {
+        task(context, begin, end, 0);
+        return;
+    }
+    ensure_workers((int)(threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS));
+    job_t job = {task, context, begin, end - begin, chunks, 0, 1};
+    int taken[MAX_WORKERS], count = 0;
+    int64_t reservation[MAX_WORKERS];
+    const int available = atomic_load_explicit(&worker_count, memory_order_acquire);
+    for (int i = 0; i < available && count < threads - 1; i++) {
+        int64_t idle = atomic_load_explicit(&workers[i].state, memory_order_relaxed);
+        if (STATE(idle) != IDLE) continue;
+        const int64_t reserved = WITH_STATE(idle + 4, RESERVED); /* the next reservation number */
+        if (atomic_compare_exchange_strong(&workers[i].state, &idle, reserved)) {
+            assign(&workers[i], &job, reserved);
+            reservation[count] = reserved;
+            taken[count++] = i;
+        }
+    }
+    run_pieces(&job, 0);
+    for (int i = 0; i < count; i++) { /* withdraw the workers that have not started on this job */
+        int64_t expected = WITH_STATE(reservation[i], ASSIGNED);
+        atomic_compare_exchange_strong(&workers[taken[i]].state, &expected, WITH_STATE(reservation[i], IDLE));
+    }
+    for (int i = 0; i < count; i++) await_finish(&workers[taken[i]], WITH_STATE(reservation[i], RUNNING));
+}
+
+/* Workers created so far (for tests and `carrack info`). */
+int64_t carrack_pool_workers(void) { return atomic_load(&worker_count); }
+
+/* For the tests: a region over items [0, count) in `chunks` pieces on `threads` threads, each item taking about
+ * `item_ns` nanoseconds; owner[i] (-1 on entry) gets the slot that ran item i, or -2 when it ran more than once. */
+typedef struct {
+    int64_t *owner, item_ns;
+} selftest_t;
+
+static void selftest_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const selftest_t *s = p;
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t until = now_ns() + s->item_ns;
+        while (now_ns() < until) cpu_relax();
+        s->owner[i] = s->owner[i] == -1 ? slot : -2;
+    }
+}
+
+void carrack_pool_selftest(int64_t *owner, int64_t count, int64_t chunks, int64_t threads, int64_t item_ns) {
+    selftest_t s = {owner, item_ns};
+    carrack_parallel(selftest_piece, &s, 0, count, chunks, threads);
+}

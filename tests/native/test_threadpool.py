@@ -1,0 +1,374 @@
+"""The intra-op thread pool (carrack/native/threadpool.c) and the per-run thread count (carrack.native.intra_op).
+
+Every parallel kernel splits its output into tiles, so each output element is computed by one thread in the same
+order whatever the thread count: results with 1, 2 and 4 threads must be bit-identical (float and integer kernels
+alike), including sizes that do not split evenly. The split thresholds are lowered here so that small, fast
+operands are split too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import carrack
+from carrack import native
+from carrack.errors import InvalidArgument
+from carrack.native import convolution as native_conv
+from carrack.native import intra_op, qconv, qgemm, rowops
+from carrack.native import matmul as native_matmul
+
+needs_native = pytest.mark.skipif(native.library("threadpool") is None or native_conv.load() is None,
+                                  reason="native kernels (and their thread pool) are not built here")
+THREAD_COUNTS = (1, 2, 4)
+
+
+@pytest.fixture
+def split_small(monkeypatch):
+    """Split even the small operands of these tests over the threads."""
+    monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)
+    monkeypatch.setattr(rowops, "PARALLEL_MIN", 1)
+    monkeypatch.setattr(qgemm, "_PARALLEL_MIN_MACS", 1)
+    monkeypatch.setattr(qconv, "_ADD_SPLIT", 1)
+    monkeypatch.setattr(qconv, "_ROW_ALIGN", 16)
+
+
+def _at_each_thread_count(compute) -> list:
+    results = []
+    for count in THREAD_COUNTS:
+        with intra_op.intra_op_threads(count):
+            result = compute()
+        results.append([np.array(r, copy=True) for r in (result if isinstance(result, tuple) else (result,))])
+    return results
+
+
+def _assert_same_at_every_count(compute) -> None:
+    first, *others = _at_each_thread_count(compute)
+    for other in others:
+        assert len(other) == len(first)
+        for a, b in zip(first, other):
+            np.testing.assert_array_equal(a, b)
+
+
+# -- the pool itself ---------------------------------------------------------------------------------------------------
+def _selftest(count: int, chunks: int, threads: int, item_ns: int) -> np.ndarray:
+    pool = native.library("threadpool")
+    fn = pool.carrack_pool_selftest
+    fn.argtypes, fn.restype = [ctypes.c_void_p, *[ctypes.c_int64] * 4], None
+    owner = np.full(count, -1, np.int64)
+    fn(owner.ctypes.data, count, chunks, threads, item_ns)
+    return owner
+
+
+@needs_native
+@pytest.mark.parametrize(("count", "chunks", "threads"), [(1, 1, 4), (7, 3, 2), (64, 16, 4), (101, 101, 3),
+                                                          (5, 50, 8), (1000, 7, 2)])
+def test_every_item_runs_once_on_a_valid_slot(count, chunks, threads):
+    owner = _selftest(count, chunks, threads, 0)
+    assert owner.min() >= 0, "an item ran twice or never"
+    assert owner.max() < threads
+
+
+@needs_native
+def test_workers_take_part_and_are_reused():
+    used_several = False
+    for _ in range(200):  # other processes share the cores: a worker may not get a piece every time
+        owner = _selftest(64, 16, 2, 20_000)
+        assert owner.min() >= 0
+        if len(set(owner.tolist())) > 1:
+            used_several = True
+            break
+    assert used_several, "no pool worker ever took a piece"
+    created = intra_op.pool_workers()
+    for _ in range(20):
+        _selftest(16, 16, 2, 0)
+    assert intra_op.pool_workers() == created  # no thread per call
+
+
+@needs_native
+def test_concurrent_regions_share_the_pool():
+    """Regions from several Python threads at once: each still covers its items once; workers are borrowed only
+    while idle, so their number stays the largest count asked for, not the sum."""
+    _selftest(8, 8, 3, 0)
+    before = intra_op.pool_workers()
+    failures = []
+
+    def region():
+        for _ in range(30):
+            owner = _selftest(96, 24, 3, 2_000)
+            if owner.min() < 0:
+                failures.append(owner)
+
+    threads = [threading.Thread(target=region) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    assert intra_op.pool_workers() == max(before, 2)
+
+
+def test_thread_count_is_per_python_thread():
+    seen = {}
+
+    def run(count):
+        with intra_op.intra_op_threads(count):
+            barrier.wait()
+            seen[count] = intra_op.threads()
+
+    barrier = threading.Barrier(2)
+    workers = [threading.Thread(target=run, args=(c,)) for c in (1, 3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert seen == {1: 1, 3: 3}
+
+
+def test_intra_op_threads_nests_and_restores():
+    default = intra_op.default_threads()
+    assert intra_op.threads() == default  # outside any run
+    with intra_op.intra_op_threads(3):
+        assert native.threads() == 3
+        with intra_op.intra_op_threads(0):
+            assert native.threads() == default  # 0: one per core
+        assert native.threads() == 3
+    assert native.threads() == default
+    with pytest.raises(InvalidArgument, match="intra_op_num_threads"):
+        with intra_op.intra_op_threads(-1):
+            pass
+
+
+# -- every parallel kernel: the same bits at 1, 2 and 4 threads ------------------------------------------------------
+def _rand(*shape, seed=0):
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(np.float32)
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(37, 129, 203), (8, 64, 64), (255, 77, 65)])
+def test_matmul(split_small, t, k, n):
+    a, b = _rand(t, k), _rand(k, n, seed=1)
+
+    def compute():
+        y = np.empty((t, n), np.float32)
+        assert native_matmul.matmul_into(a, b, y)
+        return y
+
+    _assert_same_at_every_count(compute)
+    np.testing.assert_allclose(compute(), a @ b, rtol=1e-4, atol=1e-3)
+
+
+CONVS = [  # (x shape, w shape, strides, pads, group)
+    ((1, 13, 17, 19), (11, 13, 3, 3), (1, 1), (1, 1, 1, 1), 1),
+    ((2, 6, 23, 21), (10, 3, 3, 3), (2, 2), (1, 0, 1, 2), 2),
+    ((1, 3, 33, 31), (7, 3, 5, 5), (2, 1), (2, 2, 2, 2), 1),
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("x_shape", "w_shape", "strides", "pads", "group"), CONVS)
+def test_direct_convolution(split_small, x_shape, w_shape, strides, pads, group):
+    kernels = native_conv.load()
+    x, w, bias = _rand(*x_shape), _rand(*w_shape, seed=1), _rand(w_shape[0], seed=2)
+    _assert_same_at_every_count(lambda: kernels.direct(x, w, bias, None, strides, pads, (1, 1), group, (1, 0, 0)))
+
+
+@needs_native
+@pytest.mark.parametrize(("x_shape", "m", "group"), [((2, 13, 9, 11), 17, 1), ((1, 8, 5, 7), 12, 4),
+                                                     ((1, 64, 3, 3), 70, 1)])
+def test_pointwise_convolution(split_small, x_shape, m, group):
+    kernels = native_conv.load()
+    x, w, bias = _rand(*x_shape), _rand(m, x_shape[1] // group, 1, 1, seed=1), _rand(m, seed=2)
+    z = _rand(x_shape[0], m, *x_shape[2:], seed=3)
+    _assert_same_at_every_count(lambda: kernels.pointwise(x, w, bias, None, group, (2, 0.0, 6.0), z))
+
+
+@needs_native
+def test_im2col_and_bound_convolutions(split_small):
+    kernels = native_conv.load()
+    image = _rand(5, 17, 19)
+
+    def columns():
+        cols = np.empty((5 * 9, 7 * 9), np.float32)
+        kernels.im2col(image, cols, (3, 3), 9, (2, 2), (1, 1), (1, 1, 1, 1), 1, 8)
+        return cols
+
+    _assert_same_at_every_count(columns)
+    x, w, bias = _rand(1, 9, 15, 13), _rand(14, 9, 3, 3, seed=1), _rand(14, seed=2)
+    direct = kernels.bind("direct", x.shape, w, bias, (1, 1), (1, 1, 1, 1), (1, 1), 1, (1, 0, 0))
+    _assert_same_at_every_count(lambda: direct(x, None, None))
+    depthwise_w = _rand(18, 1, 3, 3, seed=3)
+    depthwise = kernels.bind("depthwise", x.shape, depthwise_w, None, (2, 2), (1, 1, 1, 1), (1, 1), 9, (0, 0, 0))
+    _assert_same_at_every_count(lambda: depthwise(x, None, None))
+
+
+@needs_native
+@pytest.mark.parametrize(("x_shape", "mult", "strides"), [((2, 7, 15, 13), 2, (1, 1)), ((1, 33, 9, 30), 1, (2, 2))])
+def test_depthwise_convolution(split_small, x_shape, mult, strides):
+    kernels = native_conv.load()
+    c = x_shape[1]
+    x, w, bias = _rand(*x_shape), _rand(c * mult, 1, 3, 3, seed=1), _rand(c * mult, seed=2)
+    _assert_same_at_every_count(lambda: kernels.depthwise(x, w, bias, None, strides, (1, 1, 1, 1), (1, 1),
+                                                          (5, 0.0, 0.0)))
+
+
+@needs_native
+def test_pools_and_plane_passes(split_small):
+    kernels = native_conv.load()
+    x = _rand(3, 5, 17, 15)
+    scale, shift, bias = _rand(5, seed=1), _rand(5, seed=2), _rand(5, seed=3)
+    for mode in (native_conv.POOL_MAX, native_conv.POOL_AVERAGE, native_conv.POOL_AVERAGE_PADS):
+        _assert_same_at_every_count(lambda mode=mode: kernels.pool(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (9, 8),
+                                                                    mode))
+    _assert_same_at_every_count(lambda: kernels.plane_mean(x))
+    _assert_same_at_every_count(lambda: kernels.scale_shift(x, scale, shift, (1, 0.0, 0.0)))
+
+    def bias_relu():
+        y = x.copy()
+        assert kernels.bias_activation(y, bias, (1, 0.0, 0.0))
+        return y
+
+    _assert_same_at_every_count(bias_relu)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 37, 129])
+def test_row_kernels(split_small, rows):
+    if rowops.library() is None:
+        pytest.skip("rowops not built here")
+    x, skip, gamma, beta = _rand(rows, 300), _rand(rows, 300, seed=1), _rand(300, seed=2), _rand(300, seed=3)
+    scores, mask = _rand(2, 3, rows, 41), _rand(2, 1, rows, 41, seed=4)
+    _assert_same_at_every_count(lambda: rowops.softmax(scores, 0.5, mask, True))
+    _assert_same_at_every_count(lambda: rowops.layer_norm(x, gamma, beta, 1e-5, 300, skip=skip, stats=True,
+                                                          total=True))
+    _assert_same_at_every_count(lambda: rowops.gelu(x))
+    _assert_same_at_every_count(lambda: rowops.gelu(x, beta, True))
+    _assert_same_at_every_count(lambda: rowops.gelu(_rand(5, 3, 7)))  # short rows merged into one
+
+
+@needs_native
+@pytest.mark.parametrize(("m", "k", "n"), [(50, 99, 300), (3, 17, 40), (131, 64, 7), (1, 256, 1000)])
+def test_int8_gemm(split_small, m, k, n):
+    rng = np.random.default_rng(m)
+    a = rng.integers(0, 256, (m, k), dtype=np.uint8)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    packed = qgemm.PackedInt8Weight.pack(w)
+    exact = (a.astype(np.int64) - 7) @ w.astype(np.int64)
+    results = _at_each_thread_count(lambda: qgemm.qgemm(a, packed, a_zero_point=7))
+    for (result,) in results:
+        np.testing.assert_array_equal(result, exact)
+    _assert_same_at_every_count(lambda: qgemm.qgemm(a, packed, a_zero_point=7, multiplier=np.float32(1 / 512),
+                                                    y_zero_point=100, out_dtype=np.uint8))
+
+
+def _qdq_conv_model(x_shape, w, group, strides, pads) -> bytes:
+    inits = {"xs": np.float32(0.05), "xz": np.uint8(3), "w": w, "ws": np.float32(0.02), "wz": np.int8(0),
+             "ys": np.float32(0.1), "yz": np.uint8(5)}
+    nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xf"]),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wf"]),
+             helper.make_node("Conv", ["xf", "wf"], ["yf"], group=group, strides=strides, pads=pads),
+             helper.make_node("QuantizeLinear", ["yf", "ys", "yz"], ["y"])]
+    graph = helper.make_graph(nodes, "qconv", [helper.make_tensor_value_info("x", TensorProto.UINT8, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, None)],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
+
+
+QCONVS = [  # (x shape, w shape, group, strides, pads): im2col, 1x1 (transposes only), depthwise
+    ((1, 5, 21, 19), (9, 5, 3, 3), 1, [1, 1], [1, 1, 1, 1]),
+    ((2, 16, 13, 11), (24, 16, 1, 1), 1, [1, 1], [0, 0, 0, 0]),
+    ((1, 12, 17, 15), (12, 1, 3, 3), 12, [2, 2], [1, 1, 1, 1]),
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("x_shape", "w_shape", "group", "strides", "pads"), QCONVS)
+def test_quantized_convolution(split_small, monkeypatch, x_shape, w_shape, group, strides, pads):
+    if qconv.library() is None:
+        pytest.skip("qconv not built here")
+    monkeypatch.setattr(qconv, "BLOCK_BYTES", 1024)  # several pixel blocks per image
+    rng = np.random.default_rng(1)
+    model = _qdq_conv_model(x_shape, rng.integers(-128, 128, w_shape, dtype=np.int8), group, strides, pads)
+    x = rng.integers(0, 256, x_shape, dtype=np.uint8)
+    results = []
+    for count in THREAD_COUNTS:
+        options = carrack.SessionOptions()
+        options.intra_op_num_threads = count
+        results.append(carrack.InferenceSession(model, options).run(None, {"x": x})[0])
+    for result in results[1:]:
+        np.testing.assert_array_equal(result, results[0])
+
+
+@needs_native
+def test_quantized_add_and_max_pool(split_small):
+    if qconv.library() is None:
+        pytest.skip("qconv not built here")
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, 256, (3, 7, 11), dtype=np.uint8), rng.integers(0, 256, (3, 7, 11), dtype=np.uint8)
+    _assert_same_at_every_count(lambda: qconv.qlinear_add(a, b, np.float32(0.7), np.float32(0.4), np.float32(-3.0),
+                                                          np.uint8))
+    x = rng.integers(-128, 128, (2, 5, 13, 11), dtype=np.int8)
+    _assert_same_at_every_count(lambda: qconv.maxpool_8bit(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), (7, 6)))
+
+
+@needs_native
+@pytest.mark.parametrize(("batch", "t", "k", "n"), [((1, 6), 37, 64, 197), ((2, 3), 64, 65, 64), ((5,), 9, 130, 71)])
+def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
+    """Attention's products: per (batch, head) views with strided rows, keys transposed (copied), the result
+    written through a transposed view, as the fused Attention kernel calls it."""
+    heads = batch[-1]
+    packed_q = _rand(*batch[:-1], t, heads * k)  # (B, S, N * H): heads are strided views
+    q = packed_q.reshape(*batch[:-1], t, heads, k).swapaxes(-2, -3)
+    keys = _rand(*batch, n, k, seed=1).swapaxes(-1, -2)  # rows not contiguous: copied
+
+    def compute():
+        out = np.full((*batch[:-1], t, heads * n), np.nan, np.float32)
+        view = out.reshape(*batch[:-1], t, heads, n).swapaxes(-2, -3)
+        assert native_matmul.batched_into(q, keys, view)
+        return out
+
+    _assert_same_at_every_count(compute)
+    expected = np.matmul(q.astype(np.float64), keys).swapaxes(-2, -3).reshape(*batch[:-1], t, heads * n)
+    np.testing.assert_allclose(compute(), expected, rtol=1e-4, atol=1e-3)
+    assert not native_matmul.batched_into(q, keys[..., :1, :], np.empty((*batch, t, n), np.float32))  # K differs
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(1, 1280, 1000), (3, 17, 33), (16, 64, 5)])
+def test_dot_products_by_a_transposed_weight(split_small, t, k, n):
+    a, b = _rand(t, k), _rand(n, k, seed=1)
+
+    def compute():
+        y = np.empty((t, n), np.float32)
+        assert native_matmul.transposed_into(a, b, y)
+        return y
+
+    _assert_same_at_every_count(compute)
+    np.testing.assert_allclose(compute(), a.astype(np.float64) @ b.T, rtol=1e-4, atol=1e-4)
+    assert not native_matmul.transposed_into(_rand(17, k), b, np.empty((17, n), np.float32))  # too many rows
+
+
+@needs_native
+def test_gemm_head_on_native_threads(monkeypatch):
+    """A classifier head (Gemm, transB, alpha, beta, bias) through the native path matches onnxruntime."""
+    from tests.helpers import ort_run
+
+    calls = []
+    original = native_matmul.transposed_into
+    monkeypatch.setattr(native_matmul, "transposed_into", lambda *args: calls.append(1) or original(*args))
+
+    rng = np.random.default_rng(0)
+    w, c = rng.standard_normal((40, 300)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+    node = helper.make_node("Gemm", ["x", "w", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 300])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    got = carrack.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ort_run(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    assert calls == [1]
