@@ -1,0 +1,311 @@
+/* carrack's portable C kernels for compiled models (`carrack compile`): float32, no allocation, no I/O.
+ *
+ * Every kernel writes its whole output from its inputs; the generated code places the buffers (inputs, outputs,
+ * weights, arena). Loops are written so compilers vectorize the innermost one (contiguous output pixels or
+ * columns): SSE/AVX on x86 with -O3 -march=native, SIMD128 on WebAssembly with -msimd128. An output may alias
+ * an input only where the element it writes is the one it reads (elementwise ops, a residual). The only library
+ * calls are <math.h> functions, so the same source builds for a shared library and a WebAssembly module with no
+ * imports.
+ */
+#ifndef CARRACK_RT_H
+#define CARRACK_RT_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CR_UNUSED __attribute__((unused))
+#define CR_ALIGN 64
+
+enum cr_act { CR_ACT_NONE, CR_ACT_RELU, CR_ACT_CLIP, CR_ACT_LEAKY, CR_ACT_SIGMOID, CR_ACT_TANH, CR_ACT_HARDSIGMOID,
+              CR_ACT_HARDSWISH, CR_ACT_GELU, CR_ACT_ELU, CR_ACT_EXP, CR_ACT_NEG, CR_ACT_SQRT, CR_ACT_ABS };
+
+enum cr_binop { CR_ADD, CR_SUB, CR_MUL, CR_DIV };
+
+static inline int64_t cr_floordiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t cr_mod(int64_t a, int64_t b) { return a - cr_floordiv(a, b) * b; }
+static inline int64_t cr_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t cr_max(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t cr_align(int64_t n) { return (n + CR_ALIGN - 1) / CR_ALIGN * CR_ALIGN; }
+
+static inline float cr_act1(float v, int act, float a, float b) {
+    switch (act) {
+    case CR_ACT_RELU: return v < 0.0f ? 0.0f : v;
+    case CR_ACT_CLIP: v = v < a ? a : v; return v > b ? b : v;
+    case CR_ACT_LEAKY: return v < 0.0f ? v * a : v;
+    case CR_ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
+    case CR_ACT_TANH: return tanhf(v);
+    case CR_ACT_HARDSIGMOID: {
+        float s = v * a + b;
+        s = s < 0.0f ? 0.0f : s;
+        return s > 1.0f ? 1.0f : s;
+    }
+    case CR_ACT_HARDSWISH: {
+        float s = v * (1.0f / 6.0f) + 0.5f;
+        s = s < 0.0f ? 0.0f : s;
+        return v * (s > 1.0f ? 1.0f : s);
+    }
+    case CR_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case CR_ACT_ELU: return v < 0.0f ? a * (expf(v) - 1.0f) : v;
+    case CR_ACT_EXP: return expf(v);
+    case CR_ACT_NEG: return -v;
+    case CR_ACT_SQRT: return sqrtf(v);
+    case CR_ACT_ABS: return fabsf(v);
+    default: return v;
+    }
+}
+
+/* y = act(x) over n elements; the common activations get their own loop so it vectorizes */
+static CR_UNUSED void cr_unary(const float *x, float *y, int64_t n, int act, float a, float b) {
+    if (act == CR_ACT_RELU) {
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+    } else if (act == CR_ACT_CLIP) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i] < a ? a : x[i];
+            y[i] = v > b ? b : v;
+        }
+    } else if (act == CR_ACT_NONE) {
+        if (x != y) memmove(y, x, (size_t)n * sizeof(float));
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] = cr_act1(x[i], act, a, b);
+    }
+}
+
+static inline float cr_binop1(int op, float a, float b) {
+    switch (op) {
+    case CR_ADD: return a + b;
+    case CR_SUB: return a - b;
+    case CR_MUL: return a * b;
+    default: return a / b;
+    }
+}
+
+#define CR_MAX_RANK 6
+
+/* y = a op b with numpy broadcasting: `shape` is y's shape padded to CR_MAX_RANK dims in front, `sa`/`sb` the
+ * strides (in elements) of a and b over those dims, 0 along a broadcast dim */
+static CR_UNUSED void cr_binary(int op, const float *a, const int64_t *sa, const float *b, const int64_t *sb, float *y,
+                                const int64_t *shape) {
+    int64_t outer = 1;
+    for (int d = 0; d < CR_MAX_RANK - 1; d++) outer *= shape[d];
+    int64_t inner = shape[CR_MAX_RANK - 1], ia = sa[CR_MAX_RANK - 1], ib = sb[CR_MAX_RANK - 1];
+    int64_t index[CR_MAX_RANK] = {0};
+    for (int64_t o = 0; o < outer; o++) {
+        int64_t oa = 0, ob = 0;
+        for (int d = 0; d < CR_MAX_RANK - 1; d++) {
+            oa += index[d] * sa[d];
+            ob += index[d] * sb[d];
+        }
+        const float *pa = a + oa, *pb = b + ob;
+        float *py = y + o * inner;
+        if (ia == 1 && ib == 1) {
+            switch (op) {
+            case CR_ADD: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] + pb[i]; break;
+            case CR_SUB: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] - pb[i]; break;
+            case CR_MUL: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] * pb[i]; break;
+            default: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] / pb[i]; break;
+            }
+        } else if (ia == 1 && ib == 0) {
+            float vb = pb[0];
+            switch (op) {
+            case CR_ADD: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] + vb; break;
+            case CR_SUB: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] - vb; break;
+            case CR_MUL: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] * vb; break;
+            default: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] / vb; break;
+            }
+        } else {
+            for (int64_t i = 0; i < inner; i++) py[i] = cr_binop1(op, pa[i * ia], pb[i * ib]);
+        }
+        for (int d = CR_MAX_RANK - 2; d >= 0; d--) {
+            if (++index[d] < shape[d]) break;
+            index[d] = 0;
+        }
+    }
+}
+
+/* 2-D convolution, NCHW, direct: y[n, m, oh, ow] = act(bias[m] + z[n, m, oh, ow]
+ *     + sum_{c, i, j} w[m, c, i, j] x[n, g * cg + c, oh * sh - pt + i * dh, ow * sw - pl + j * dw])
+ * for the output channels m of group g (cg = c_in / groups); padding reads zeros. bias and z may be NULL. */
+static CR_UNUSED void cr_conv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh, int64_t ow,
+                                int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                                int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t m = 0; m < m_out; m++) {
+            int64_t g = m / mg;
+            float *yp = y + (img * m_out + m) * plane;
+            const float *zp = z ? z + (img * m_out + m) * plane : NULL;
+            float b0 = bias ? bias[m] : 0.0f;
+            for (int64_t p = 0; p < plane; p++) yp[p] = b0 + (zp ? zp[p] : 0.0f);
+            for (int64_t c = 0; c < cg; c++) {
+                const float *xp = x + (img * c_in + g * cg + c) * h * wd;
+                const float *wp = w + (m * cg + c) * kh * kw;
+                for (int64_t i = 0; i < kh; i++) {
+                    for (int64_t j = 0; j < kw; j++) {
+                        float wv = wp[i * kw + j];
+                        int64_t col0 = j * dw - pl; /* input column of output column 0 */
+                        /* output columns whose input column lies in [0, wd) */
+                        int64_t lo = col0 >= 0 ? 0 : (-col0 + sw - 1) / sw;
+                        int64_t hi = wd - col0 <= 0 ? 0 : (wd - col0 + sw - 1) / sw;
+                        if (hi > ow) hi = ow;
+                        if (lo >= hi) continue;
+                        for (int64_t r = 0; r < oh; r++) {
+                            int64_t row = r * sh - pt + i * dh;
+                            if (row < 0 || row >= h) continue;
+                            const float *xr = xp + row * wd + col0;
+                            float *yr = yp + r * ow;
+                            if (sw == 1) {
+                                for (int64_t q = lo; q < hi; q++) yr[q] += wv * xr[q];
+                            } else {
+                                for (int64_t q = lo; q < hi; q++) yr[q] += wv * xr[q * sw];
+                            }
+                        }
+                    }
+                }
+            }
+            if (act != CR_ACT_NONE) cr_unary(yp, yp, plane, act, a, b);
+        }
+    }
+}
+
+/* y[bt, i, j] = act(alpha * sum_k a[bt, i, k] b[bt, k, j] + beta * c[i, j]) with element strides:
+ * a's rows lda, columns a_col (1, or lda's transpose), b likewise; the c term is added through its
+ * strides (cs_row, cs_col: 0 along a broadcast dim) when c is not NULL. Batches step a by a_batch and b by b_batch. */
+static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, float *y, int64_t batch, int64_t m,
+                              int64_t k, int64_t n, int64_t a_row, int64_t a_col, int64_t b_row, int64_t b_col,
+                              int64_t a_batch, int64_t b_batch, int64_t cs_row, int64_t cs_col, float alpha,
+                              float beta, int act, float act_a, float act_b) {
+    for (int64_t bt = 0; bt < batch; bt++) {
+        const float *ab = a + bt * a_batch, *bb = b + bt * b_batch;
+        float *yb = y + bt * m * n;
+        for (int64_t i = 0; i < m; i++) {
+            float *yr = yb + i * n;
+            for (int64_t j = 0; j < n; j++) yr[j] = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                float av = ab[i * a_row + kk * a_col];
+                const float *br = bb + kk * b_row;
+                if (b_col == 1) {
+                    for (int64_t j = 0; j < n; j++) yr[j] += av * br[j];
+                } else {
+                    for (int64_t j = 0; j < n; j++) yr[j] += av * br[j * b_col];
+                }
+            }
+            if (alpha != 1.0f)
+                for (int64_t j = 0; j < n; j++) yr[j] *= alpha;
+            if (c) {
+                const float *cr = c + i * cs_row;
+                for (int64_t j = 0; j < n; j++) yr[j] += beta * cr[j * cs_col];
+            }
+            if (act != CR_ACT_NONE) cr_unary(yr, yr, n, act, act_a, act_b);
+        }
+    }
+}
+
+/* y[o, c, i] = act(x[o, c, i] * scale[c] + shift[c]) (inference BatchNormalization folded at compile time) */
+static CR_UNUSED void cr_affine(const float *x, const float *scale, const float *shift, float *y, int64_t outer,
+                                int64_t channels, int64_t inner, int act, float a, float b) {
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t c = 0; c < channels; c++) {
+            const float *xp = x + (o * channels + c) * inner;
+            float *yp = y + (o * channels + c) * inner;
+            float s = scale[c], t = shift[c];
+            for (int64_t i = 0; i < inner; i++) yp[i] = xp[i] * s + t;
+            if (act != CR_ACT_NONE) cr_unary(yp, yp, inner, act, a, b);
+        }
+    }
+}
+
+/* 2-D max or average pooling over planes (n * c of them); padding is skipped by max and by average without
+ * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule) */
+static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_t h, int64_t wd, int64_t oh, int64_t ow,
+                                int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                                int64_t pl, int64_t pb, int64_t pr, int is_max, int count_pad) {
+    for (int64_t p = 0; p < planes; p++) {
+        const float *xp = x + p * h * wd;
+        float *yp = y + p * oh * ow;
+        for (int64_t r = 0; r < oh; r++) {
+            for (int64_t q = 0; q < ow; q++) {
+                float acc = is_max ? -INFINITY : 0.0f;
+                int64_t count = 0, padded = 0;
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = r * sh - pt + i * dh;
+                    for (int64_t j = 0; j < kw; j++) {
+                        int64_t col = q * sw - pl + j * dw;
+                        if (row >= -pt && row < h + pb && col >= -pl && col < wd + pr) padded++;
+                        if (row < 0 || row >= h || col < 0 || col >= wd) continue;
+                        float v = xp[row * wd + col];
+                        if (is_max) acc = v > acc || v != v ? v : acc;
+                        else acc += v;
+                        count++;
+                    }
+                }
+                if (!is_max) acc /= (float)(count_pad ? padded : count);
+                yp[r * ow + q] = acc;
+            }
+        }
+    }
+}
+
+/* y[p] = mean or max of the `size` elements of plane p */
+static CR_UNUSED void cr_global_pool(const float *x, float *y, int64_t planes, int64_t size, int is_max) {
+    for (int64_t p = 0; p < planes; p++) {
+        const float *xp = x + p * size;
+        float acc = is_max ? -INFINITY : 0.0f;
+        for (int64_t i = 0; i < size; i++) acc = is_max ? (xp[i] > acc || xp[i] != xp[i] ? xp[i] : acc) : acc + xp[i];
+        y[p] = is_max ? acc : acc / (float)size;
+    }
+}
+
+/* softmax (or log-softmax) along an axis of `axis_size` elements spaced `inner` apart, for each of outer x inner */
+static CR_UNUSED void cr_softmax(const float *x, float *y, int64_t outer, int64_t axis_size, int64_t inner, int log) {
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < inner; i++) {
+            const float *xp = x + o * axis_size * inner + i;
+            float *yp = y + o * axis_size * inner + i;
+            float top = -INFINITY;
+            for (int64_t k = 0; k < axis_size; k++) top = xp[k * inner] > top ? xp[k * inner] : top;
+            float sum = 0.0f;
+            for (int64_t k = 0; k < axis_size; k++) {
+                float e = expf(xp[k * inner] - top);
+                sum += e;
+                if (!log) yp[k * inner] = e;
+            }
+            if (log) {
+                float shift = top + logf(sum);
+                for (int64_t k = 0; k < axis_size; k++) yp[k * inner] = xp[k * inner] - shift;
+            } else {
+                float inv = 1.0f / sum;
+                for (int64_t k = 0; k < axis_size; k++) yp[k * inner] *= inv;
+            }
+        }
+    }
+}
+
+/* one input of a Concat: its outer blocks of `part` elements go to y at `offset` within blocks of `whole` */
+static CR_UNUSED void cr_concat_part(const float *x, float *y, int64_t outer, int64_t part, int64_t whole,
+                                     int64_t offset) {
+    for (int64_t o = 0; o < outer; o++) memcpy(y + o * whole + offset, x + o * part, (size_t)part * sizeof(float));
+}
+
+/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded) */
+static CR_UNUSED void cr_transpose(const float *x, float *y, const int64_t *shape, const int64_t *strides) {
+    int64_t total = 1;
+    for (int d = 0; d < CR_MAX_RANK; d++) total *= shape[d];
+    int64_t index[CR_MAX_RANK] = {0};
+    for (int64_t t = 0; t < total; t++) {
+        int64_t at = 0;
+        for (int d = 0; d < CR_MAX_RANK; d++) at += index[d] * strides[d];
+        y[t] = x[at];
+        for (int d = CR_MAX_RANK - 1; d >= 0; d--) {
+            if (++index[d] < shape[d]) break;
+            index[d] = 0;
+        }
+    }
+}
+
+#endif
