@@ -6,6 +6,7 @@
 """
 
 from carrack import ops as _ops  # noqa: F401 - registers the kernels
+from carrack.backends.c.compiled import CompiledModel
 from carrack.errors import (
     CarrackError,
     CorruptModel,
@@ -49,3 +50,4 @@ __all__ = [
     "get_build_info", "get_device", "get_version_string", "has_collective_ops", "install_as_onnxruntime",
     "set_default_logger_severity", "set_default_logger_verbosity",
 ]
+__all__ += ["CompiledModel"]

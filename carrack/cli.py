@@ -254,10 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("output")
     o.add_argument("--level", choices=list(_LEVELS), default="all")
     o.set_defaults(func=cmd_optimize)
+    from carrack.backends.c.cli import add_compile_parser
     from carrack.bench import add_bench_parser
     from carrack.gguf.cli import add_gguf_parser
 
     add_bench_parser(sub)
+    add_compile_parser(sub)
     add_gguf_parser(sub)
     return p
 

@@ -89,6 +89,7 @@ class _Emitter:
     steps: list[tuple[str, str, list[str]]] = field(default_factory=list)  # (function name, comment, body lines)
     extra_blocks: list[Block] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)  # Constant nodes' values
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -199,13 +200,13 @@ def _place_inputs_outputs(em: _Emitter, facts) -> None:
 def _pointer(em: _Emitter, name: str) -> str:
     value = em.values[name]
     if not value.pointer:
-        array = em.plan.graph.initializers[name]
+        array = _const(em, name)
         value.pointer = em.constant(name, np.asarray(array, dtype=np.float32))
     return value.pointer
 
 
 def _const(em: _Emitter, name: str) -> np.ndarray | None:
-    array = em.plan.graph.initializers.get(name)
+    array = em.plan.graph.initializers.get(name, em.constants.get(name))
     return None if array is None else np.asarray(array)
 
 
@@ -265,6 +266,8 @@ def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
     except _Unsupported as e:
         em.missing.append((op, f"{node.label()}: {e}"))
         return
+    except _Skipped:
+        return
     if body is None:
         return
     label = node.name or node.outputs[0]
@@ -277,13 +280,18 @@ class _Unsupported(Exception):
     pass
 
 
+class _Skipped(Exception):
+    """A node reading a value no emitter produced: the producer is the one to list."""
+
+
 def _require_float(em: _Emitter, node: Node, names) -> None:
     for name in names:
-        if name and name in em.plan.graph.initializers and \
-                np.asarray(em.plan.graph.initializers[name]).dtype != np.float32:
+        if name and _const(em, name) is not None and _const(em, name).dtype != np.float32:
             raise _Unsupported(f"input '{name}' is not float32")
         if name and name not in em.values:
-            raise _Unsupported(f"input '{name}' is computed from the dims at run time (shape arithmetic)")
+            if any(d.name == name for d in em.plan.derived):
+                raise _Unsupported(f"input '{name}' is shape arithmetic computed from the dims at run time")
+            raise _Skipped()  # its producer is listed already
 
 
 def _f(x: float) -> str:
@@ -307,6 +315,20 @@ def _activation(node: Node) -> tuple[str, float, float]:
 
 
 # emitters: (emitter, step, node, input shapes, output shape) -> C body lines ---------------------------------------
+
+def _emit_constant(em, step, node, shapes, out_shape):
+    if "value" in node.attrs:
+        value = np.asarray(node.attrs["value"])
+    elif "value_float" in node.attrs or "value_floats" in node.attrs:
+        value = np.asarray(node.attrs.get("value_float", node.attrs.get("value_floats")), dtype=np.float32)
+    else:
+        raise _Unsupported(f"Constant with {sorted(node.attrs)}")
+    if value.dtype != np.float32:
+        raise _Unsupported(f"a {value.dtype} Constant")
+    em.constants[node.outputs[0]] = value
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    return None
+
 
 def _emit_view(em, step, node, shapes, out_shape):
     source = node.inputs[0]
@@ -384,6 +406,13 @@ def _emit_binary(em, step, node, shapes, out_shape):
     return [_c_array(em, "shape", padded), _c_array(em, "sa", _broadcast_strides(shape_a, out_shape)),
             _c_array(em, "sb", _broadcast_strides(shape_b, out_shape)),
             f"cr_binary({_BINARY[node.op_type]}, {pa}, sa, {pb}, sb, {y.pointer}, shape);"]
+
+
+def _emit_bias_gelu(em, step, node, shapes, out_shape):
+    """com.microsoft BiasGelu: gelu(x + bias), the sum written then activated in place."""
+    lines = _emit_binary(em, step, Node("Add", node.inputs[:2], node.outputs, name=node.name), shapes, out_shape)
+    y = em.values[node.outputs[0]].pointer
+    return lines + [f"cr_unary({y}, {y}, {em.c_dim(_elements(out_shape))}, CR_ACT_GELU, 0.0f, 0.0f);"]
 
 
 def _conv_geometry(node: Node, x_shape, w_shape) -> dict:
@@ -597,10 +626,10 @@ def _emit_transpose(em, step, node, shapes, out_shape):
 
 
 _EMITTERS = {
-    **{("*", op): _emit_view for op in _VIEWS},
+    **{("*", op): _emit_view for op in _VIEWS}, ("", "Constant"): _emit_constant,
     **{("*", op): _emit_unary for op in ("Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
                                          "Elu", "Exp", "Neg", "Sqrt", "Abs")},
-    ("com.microsoft", "Gelu"): _emit_unary, ("", "Gelu"): _emit_unary,
+    ("com.microsoft", "Gelu"): _emit_unary, ("", "Gelu"): _emit_unary, ("com.microsoft", "BiasGelu"): _emit_bias_gelu,
     **{("*", op): _emit_binary for op in _BINARY},
     ("", "Conv"): _emit_conv, ("com.microsoft", "FusedConv"): _emit_conv, ("carrack", "FusedConv"): _emit_conv,
     ("", "BatchNormalization"): _emit_batchnorm, ("carrack", "FusedBatchNormalization"): _emit_batchnorm,

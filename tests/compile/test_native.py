@@ -1,0 +1,178 @@
+"""`carrack compile --target native`: the generated C, built with the system compiler and run through
+`carrack.CompiledModel`, equals carrack's Python session within float32 rounding on CNNs and MLPs exported by
+torch, at several sizes of their run-time dims; errors are listed at once and named; output is reproducible."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import carrack
+from carrack.backends.c.build import compile_model
+from carrack.backends.c.emit import CompileError, UnsupportedOperators, emit
+from carrack.cli import main
+from carrack.errors import InvalidArgument
+from carrack.onnx.importer import load_model
+from carrack.plan import build_plan
+from tests.compile.models import MODELS, feeds, session_outputs
+
+pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
+                                reason="no C compiler (apt-get install gcc)")
+
+
+@pytest.fixture(scope="module")
+def compiled(exported, tmp_path_factory):
+    """name -> (onnx path, CompiledModel), built once per model."""
+    out = {}
+    for name, (path, maxima) in exported.items():
+        directory = tmp_path_factory.mktemp(f"native_{name}")
+        compile_model(path, directory, "native", max_dims=maxima)
+        out[name] = (path, carrack.CompiledModel(directory))
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_outputs_equal_the_session_at_every_size(compiled, name):
+    path, model = compiled[name]
+    for feed in feeds(name):
+        got = model.run(None, feed)
+        want = session_outputs(path, feed)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_unoptimized_plans_compile_too(exported, tmp_path, level):
+    """Level 0 keeps BatchNormalization, Relu and Constant nodes the optimizer would fold or fuse."""
+    path, maxima = exported["small_cnn"]
+    compile_model(path, tmp_path, "native", max_dims=maxima, level=level)
+    model = carrack.CompiledModel(tmp_path)
+    for feed in feeds("small_cnn"):
+        np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_inputs_in_any_layout_give_the_same_outputs(compiled):
+    """Strided, byte-swapped and unaligned inputs are copied into aligned buffers: outputs equal bit for bit."""
+    path, model = compiled["residual_cnn"]
+    x = np.random.default_rng(3).standard_normal((2, 3, 9, 13)).astype(np.float32)
+    want = model.run(None, {"x": x})[0]
+    wide = np.zeros((2, 3, 9, 26), np.float32)
+    wide[..., ::2] = x
+    swapped = x.astype(">f4")
+    raw = np.zeros(x.nbytes + 1, np.uint8)
+    unaligned = np.frombuffer(raw.data, dtype=np.float32, count=x.size, offset=1).reshape(x.shape)
+    assert unaligned.ctypes.data % 4 != 0
+    raw[1:] = x.view(np.uint8).reshape(-1)
+    fortran = np.asfortranarray(x)
+    for variant in (wide[..., ::2], swapped, unaligned, fortran):
+        np.testing.assert_array_equal(model.run(None, {"x": variant})[0], want)
+
+
+def test_run_checks_names_dtypes_and_maxima(compiled):
+    _, model = compiled["small_cnn"]
+    x = np.zeros((2, 3, 16, 16), np.float32)
+    with pytest.raises(InvalidArgument, match="unknown input name.*'image'"):
+        model.run(None, {"image": x})
+    with pytest.raises(InvalidArgument, match="'x' must be float32, got float64"):
+        model.run(None, {"x": x.astype(np.float64)})
+    with pytest.raises(InvalidArgument, match=r"'x' dim 0 \('batch'\) must be in 1..4 .*got 5"):
+        model.run(None, {"x": np.zeros((5, 3, 16, 16), np.float32)})
+    with pytest.raises(InvalidArgument, match="'x' dim 2 must be 16, got 15"):
+        model.run(None, {"x": np.zeros((2, 3, 15, 16), np.float32)})
+
+
+def test_arena_is_sized_for_the_maxima(compiled, exported):
+    """The static arena is the plan's layout at the declared maxima; a run at smaller dims uses a prefix of it,
+    and the plan's own blocks sit at the offsets the Python plan computes."""
+    path, model = compiled["residual_cnn"]
+    maxima = exported["residual_cnn"][1]
+    capacity = model.manifest["arena_capacity"]
+    assert model.arena_bytes(maxima) == capacity
+    plan = build_plan(load_model(str(path)), 99)
+    for dims in ({"batch": 1, "height": 5, "width": 7}, {"batch": 2, "height": 20, "width": 9}, maxima):
+        used = model.arena_bytes(dims)
+        assert plan.bind(plan.sizes_of(dims)).arena_bytes <= used <= capacity
+
+
+def test_fixed_dims_are_compiled_in(exported, tmp_path):
+    path, _ = exported["small_cnn"]
+    compile_model(path, tmp_path, "native", dims={"batch": 2})
+    model = carrack.CompiledModel(tmp_path)
+    assert model.get_inputs()[0].shape == [2, 3, 16, 16]
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
+    np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidArgument, match="dim 0 must be 2, got 3"):
+        model.run(None, {"x": np.zeros((3, 3, 16, 16), np.float32)})
+
+
+def test_generated_files_are_reproducible(exported, tmp_path):
+    path, maxima = exported["residual_cnn"]
+    for run in ("a", "b"):
+        compile_model(path, tmp_path / run, "native", max_dims=maxima)
+    for name in ("model.c", "weights.bin", "model.json", "carrack_rt.h"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    source = (tmp_path / "a" / "model.c").read_text()
+    assert "/conv1/Conv" in source and "S_height" in source  # names from the graph
+
+
+def test_weights_are_64_byte_aligned(exported, tmp_path):
+    path, maxima = exported["mlp"]
+    emitted = emit(build_plan(load_model(str(path)), 99), None, maxima)
+    offsets = [int(part.split(")")[0]) for part in emitted.source.split("r->weights + ")[1:]]
+    assert offsets and all(o % 64 == 0 for o in offsets)
+    assert len(emitted.weights) >= sum(p.nbytes for p in load_model(str(path)).graph.initializers.values())
+
+
+def test_symbols_need_a_size_or_a_maximum(exported):
+    path, _ = exported["residual_cnn"]
+    plan = build_plan(load_model(str(path)), 99)
+    with pytest.raises(CompileError, match=r"\['height', 'width'\] need a size"):
+        emit(plan, {"batch": 1}, None)
+    with pytest.raises(CompileError, match="no symbolic dim.*'depth'"):
+        emit(plan, {"depth": 3}, {"batch": 1, "height": 4, "width": 4})
+
+
+class _Unsupported(torch.nn.Module):
+    def forward(self, x):
+        return torch.floor(torch.cumsum(x, 1)).relu() + torch.sort(x, 1).values
+
+
+def test_unsupported_operators_are_listed_at_once(tmp_path):
+    path = tmp_path / "unsupported.onnx"
+    torch.onnx.export(_Unsupported(), (torch.randn(2, 5),), str(path), input_names=["x"], dynamo=False)
+    with pytest.raises(UnsupportedOperators) as info:
+        compile_model(path, tmp_path / "out", "native")
+    message = str(info.value)
+    for op in ("CumSum", "Floor", "TopK"):
+        assert op in message
+    assert "Relu" not in message and "Add" not in message  # readers of unsupported values are not listed
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_float_inputs_are_named(tmp_path):
+    graph = helper.make_graph([helper.make_node("Cast", ["ids"], ["y"], to=TensorProto.FLOAT)], "g",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    path = tmp_path / "ids.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(UnsupportedOperators, match="'ids'.*only float32"):
+        compile_model(path, tmp_path / "out", "native")
+
+
+def test_cli_compiles_and_reports_errors(exported, tmp_path, capsys):
+    path, _ = exported["mlp"]
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--max-dim", "batch=3"]) == 0
+    assert "libmodel" in capsys.readouterr().out
+    feed = {"x": np.ones((3, 20), np.float32)}
+    np.testing.assert_allclose(carrack.CompiledModel(tmp_path / "out").run(None, feed)[0],
+                               session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)
+    assert main(["compile", str(path), "-o", str(tmp_path / "out2")]) == 1
+    assert "need a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--max-dim expects SYMBOL=SIZE"):
+        main(["compile", str(path), "-o", str(tmp_path / "out3"), "--max-dim", "batch"])
