@@ -176,3 +176,43 @@ def test_cli_compiles_and_reports_errors(exported, tmp_path, capsys):
     assert "need a size" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--max-dim expects SYMBOL=SIZE"):
         main(["compile", str(path), "-o", str(tmp_path / "out3"), "--max-dim", "batch"])
+
+
+LIGHT_DIR = __import__("os").path.join(__import__("os").path.dirname(onnx.__file__), "backend", "test", "data",
+                                       "light")
+
+
+@pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "inception_v1"])
+def test_real_architectures_from_the_onnx_wheel(name, tmp_path):
+    """Real architectures (fire modules, grouped convs with channel shuffles, LRN, inception concats) compile and
+    reproduce onnx's expected outputs for its dummy input."""
+    from onnx import numpy_helper
+
+    path = f"{LIGHT_DIR}/light_{name}.onnx"
+    compile_model(path, tmp_path, "native")
+    model = carrack.CompiledModel(tmp_path)
+    info = model.get_inputs()[0]
+    n = int(np.prod(info.shape))
+    x = (np.arange(n, dtype=np.float32) / n).reshape(info.shape)
+    expected = numpy_helper.to_array(onnx.load_tensor(f"{LIGHT_DIR}/light_{name}_output_0.pb"))
+    got = model.run(None, {info.name: x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got, carrack.InferenceSession(path).run(None, {info.name: x})[0], rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_sum_of_three_and_lrn(tmp_path):
+    rng = np.random.default_rng(0)
+    bias = helper.make_tensor("bias", TensorProto.FLOAT, [4, 1, 1], rng.standard_normal(4).astype(np.float32))
+    row = helper.make_tensor("row", TensorProto.FLOAT, [5], rng.standard_normal(5).astype(np.float32))
+    graph = helper.make_graph(
+        [helper.make_node("LRN", ["x"], ["n"], size=3, alpha=0.5, beta=0.75, bias=2.0),
+         helper.make_node("Sum", ["n", "bias", "row"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 3, 5])], [bias, row])
+    path = tmp_path / "sum.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    compile_model(path, tmp_path / "out", "native", max_dims={"batch": 2})
+    feed = {"x": rng.standard_normal((2, 4, 3, 5)).astype(np.float32) * 3}
+    np.testing.assert_allclose(carrack.CompiledModel(tmp_path / "out").run(None, feed)[0],
+                               session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)

@@ -330,6 +330,20 @@ def _emit_constant(em, step, node, shapes, out_shape):
     return None
 
 
+def _emit_constant_of_shape(em, step, node, shapes, out_shape):
+    """A constant-filled tensor of a constant shape: a constant of the weights file."""
+    if not all(isinstance(d, (int, np.integer)) for d in out_shape):
+        raise _Unsupported("a shape that depends on the run-time dims")
+    fill = node.attrs.get("value")
+    fill = np.zeros(1, np.float32) if fill is None else np.asarray(fill).reshape(-1)
+    if fill.dtype != np.float32:
+        raise _Unsupported(f"a {fill.dtype} fill value")
+    value = np.full(tuple(int(d) for d in out_shape), fill[0], dtype=np.float32)
+    em.constants[node.outputs[0]] = value
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    return None
+
+
 def _emit_view(em, step, node, shapes, out_shape):
     source = node.inputs[0]
     _require_float(em, node, [source])
@@ -413,6 +427,35 @@ def _emit_bias_gelu(em, step, node, shapes, out_shape):
     lines = _emit_binary(em, step, Node("Add", node.inputs[:2], node.outputs, name=node.name), shapes, out_shape)
     y = em.values[node.outputs[0]].pointer
     return lines + [f"cr_unary({y}, {y}, {em.c_dim(_elements(out_shape))}, CR_ACT_GELU, 0.0f, 0.0f);"]
+
+
+def _emit_sum(em, step, node, shapes, out_shape):
+    """Sum of any number of inputs: the first two added, then each next one added in place."""
+    names = [i for i in node.inputs if i]
+    if len(names) == 1:
+        return _emit_unary(em, step, Node("Identity", names, node.outputs, name=node.name), shapes, out_shape)
+    lines = _emit_binary(em, step, Node("Add", names[:2], node.outputs, name=node.name), shapes, out_shape)
+    for name in names[2:]:
+        _require_float(em, node, [name])
+        y = em.values[node.outputs[0]]
+        strides = _broadcast_strides(shapes.get(name, em.values[name].shape), out_shape)
+        lines += ["{", "    " + _c_array(em, "sn", strides),
+                  f"    cr_binary(CR_ADD, {y.pointer}, sa_out, {_pointer(em, name)}, sn, {y.pointer}, shape);", "}"]
+    if len(names) > 2:
+        lines.insert(3, _c_array(em, "sa_out", _broadcast_strides(out_shape, out_shape)))
+    return lines
+
+
+def _emit_lrn(em, step, node, shapes, out_shape):
+    x = node.inputs[0]
+    _require_float(em, node, [x])
+    x_shape = shapes[x]
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    size = int(node.attrs["size"])
+    alpha, beta = float(node.attrs.get("alpha", 1e-4)), float(node.attrs.get("beta", 0.75))
+    bias = float(node.attrs.get("bias", 1.0))
+    return [f"cr_lrn({_pointer(em, x)}, {y.pointer}, {em.c_dim(x_shape[0])}, {em.c_dim(x_shape[1])}, "
+            f"{em.c_dim(_elements(x_shape[2:]))}, {size}, {_f(alpha)}, {_f(beta)}, {_f(bias)});"]
 
 
 def _conv_geometry(node: Node, x_shape, w_shape) -> dict:
@@ -627,6 +670,7 @@ def _emit_transpose(em, step, node, shapes, out_shape):
 
 _EMITTERS = {
     **{("*", op): _emit_view for op in _VIEWS}, ("", "Constant"): _emit_constant,
+    ("", "ConstantOfShape"): _emit_constant_of_shape,
     **{("*", op): _emit_unary for op in ("Relu", "Clip", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
                                          "Elu", "Exp", "Neg", "Sqrt", "Abs")},
     ("com.microsoft", "Gelu"): _emit_unary, ("", "Gelu"): _emit_unary, ("com.microsoft", "BiasGelu"): _emit_bias_gelu,
@@ -638,6 +682,7 @@ _EMITTERS = {
     ("", "Gemm"): _emit_gemm, ("com.microsoft", "FusedGemm"): _emit_gemm, ("carrack", "FusedGemm"): _emit_gemm,
     ("", "MatMul"): _emit_matmul, ("carrack", "FusedMatMul"): _emit_matmul,
     ("", "Softmax"): _emit_softmax, ("", "LogSoftmax"): _emit_softmax,
+    ("", "Sum"): _emit_sum, ("", "LRN"): _emit_lrn,
     ("", "Concat"): _emit_concat, ("", "Transpose"): _emit_transpose,
 }
 _EMITTERS = {(d if d != "ai.onnx" else "", op): f for (d, op), f in _EMITTERS.items()}

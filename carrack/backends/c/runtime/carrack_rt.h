@@ -308,4 +308,23 @@ static CR_UNUSED void cr_transpose(const float *x, float *y, const int64_t *shap
     }
 }
 
+/* local response normalization across channels (NCHW):
+ * y = x / (bias + alpha / size * sum of x^2 over channels c - (size - 1) / 2 .. c + size / 2) ^ beta */
+static CR_UNUSED void cr_lrn(const float *x, float *y, int64_t n, int64_t c, int64_t inner, int64_t size, float alpha,
+                             float beta, float bias) {
+    int64_t before = (size - 1) / 2, after = size / 2;
+    for (int64_t img = 0; img < n; img++) {
+        const float *xi = x + img * c * inner;
+        float *yi = y + img * c * inner;
+        for (int64_t ch = 0; ch < c; ch++) {
+            int64_t lo = ch - before < 0 ? 0 : ch - before, hi = ch + after >= c ? c - 1 : ch + after;
+            for (int64_t i = 0; i < inner; i++) {
+                float sum = 0.0f;
+                for (int64_t k = lo; k <= hi; k++) sum += xi[k * inner + i] * xi[k * inner + i];
+                yi[ch * inner + i] = xi[ch * inner + i] / powf(bias + alpha / (float)size * sum, beta);
+            }
+        }
+    }
+}
+
 #endif
