@@ -127,81 +127,112 @@ static CR_UNUSED void cr_binary(int op, const float *a, const int64_t *sa, const
     }
 }
 
+#define CR_MR 4  /* output channels (or rows) accumulated together: each input load feeds CR_MR sums */
+#define CR_NR 64 /* output columns per tile: CR_MR x CR_NR sums stay in L1 (or registers) */
+
 /* 2-D convolution, NCHW, direct: y[n, m, oh, ow] = act(bias[m] + z[n, m, oh, ow]
  *     + sum_{c, i, j} w[m, c, i, j] x[n, g * cg + c, oh * sh - pt + i * dh, ow * sw - pl + j * dw])
- * for the output channels m of group g (cg = c_in / groups); padding reads zeros. bias and z may be NULL. */
+ * for the output channels m of group g (cg = c_in / groups); padding reads zeros. bias and z may be NULL.
+ * Tiles of CR_MR output channels by CR_NR columns of one output row are summed over every (c, i, j) tap. */
 static CR_UNUSED void cr_conv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
                                 int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh, int64_t ow,
                                 int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
                                 int64_t pl, int64_t groups, int act, float a, float b) {
-    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow;
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow, taps = kh * kw;
+    float acc[CR_MR][CR_NR];
     for (int64_t img = 0; img < n; img++) {
-        for (int64_t m = 0; m < m_out; m++) {
-            int64_t g = m / mg;
-            float *yp = y + (img * m_out + m) * plane;
-            const float *zp = z ? z + (img * m_out + m) * plane : NULL;
-            float b0 = bias ? bias[m] : 0.0f;
-            for (int64_t p = 0; p < plane; p++) yp[p] = b0 + (zp ? zp[p] : 0.0f);
-            for (int64_t c = 0; c < cg; c++) {
-                const float *xp = x + (img * c_in + g * cg + c) * h * wd;
-                const float *wp = w + (m * cg + c) * kh * kw;
-                for (int64_t i = 0; i < kh; i++) {
-                    for (int64_t j = 0; j < kw; j++) {
-                        float wv = wp[i * kw + j];
-                        int64_t col0 = j * dw - pl; /* input column of output column 0 */
-                        /* output columns whose input column lies in [0, wd) */
-                        int64_t lo = col0 >= 0 ? 0 : (-col0 + sw - 1) / sw;
-                        int64_t hi = wd - col0 <= 0 ? 0 : (wd - col0 + sw - 1) / sw;
-                        if (hi > ow) hi = ow;
-                        if (lo >= hi) continue;
-                        for (int64_t r = 0; r < oh; r++) {
+        int64_t mr = CR_MR;
+        for (int64_t m0 = 0; m0 < m_out; m0 += mr) {
+            int64_t g = m0 / mg;
+            mr = CR_MR;
+            if (m0 + mr > (g + 1) * mg) mr = (g + 1) * mg - m0; /* a tile stays in its group */
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            for (int64_t r = 0; r < oh; r++) {
+                for (int64_t q0 = 0; q0 < ow; q0 += CR_NR) {
+                    int64_t nq = ow - q0 < CR_NR ? ow - q0 : CR_NR;
+                    for (int64_t t = 0; t < mr; t++) {
+                        float b0 = bias ? bias[m0 + t] : 0.0f;
+                        const float *zr = z ? z + (img * m_out + m0 + t) * plane + r * ow + q0 : NULL;
+                        for (int64_t q = 0; q < nq; q++) acc[t][q] = b0 + (zr ? zr[q] : 0.0f);
+                    }
+                    for (int64_t c = 0; c < cg; c++) {
+                        const float *xc = xg + c * h * wd;
+                        const float *wc = w + (m0 * cg + c) * taps;
+                        for (int64_t i = 0; i < kh; i++) {
                             int64_t row = r * sh - pt + i * dh;
                             if (row < 0 || row >= h) continue;
-                            const float *xr = xp + row * wd + col0;
-                            float *yr = yp + r * ow;
-                            if (sw == 1) {
-                                for (int64_t q = lo; q < hi; q++) yr[q] += wv * xr[q];
-                            } else {
-                                for (int64_t q = lo; q < hi; q++) yr[q] += wv * xr[q * sw];
+                            for (int64_t j = 0; j < kw; j++) {
+                                int64_t col0 = j * dw - pl; /* input column of output column 0 */
+                                int64_t lo = col0 >= 0 ? 0 : (-col0 + sw - 1) / sw;
+                                int64_t hi = wd - col0 <= 0 ? 0 : (wd - col0 + sw - 1) / sw;
+                                lo = lo > q0 ? lo - q0 : 0;
+                                hi = (hi < q0 + nq ? hi : q0 + nq) - q0;
+                                if (lo >= hi) continue;
+                                const float *xr = xc + row * wd + col0 + q0 * sw;
+                                for (int64_t t = 0; t < mr; t++) {
+                                    float wv = wc[t * cg * taps + i * kw + j];
+                                    float *at = acc[t];
+                                    if (sw == 1) {
+                                        for (int64_t q = lo; q < hi; q++) at[q] += wv * xr[q];
+                                    } else {
+                                        for (int64_t q = lo; q < hi; q++) at[q] += wv * xr[q * sw];
+                                    }
+                                }
                             }
                         }
                     }
+                    for (int64_t t = 0; t < mr; t++) {
+                        float *yr = y + (img * m_out + m0 + t) * plane + r * ow + q0;
+                        cr_unary(acc[t], yr, nq, act, a, b);
+                    }
                 }
             }
-            if (act != CR_ACT_NONE) cr_unary(yp, yp, plane, act, a, b);
         }
     }
 }
 
 /* y[bt, i, j] = act(alpha * sum_k a[bt, i, k] b[bt, k, j] + beta * c[i, j]) with element strides:
  * a's rows lda, columns a_col (1, or lda's transpose), b likewise; the c term is added through its
- * strides (cs_row, cs_col: 0 along a broadcast dim) when c is not NULL. Batches step a by a_batch and b by b_batch. */
+ * strides (cs_row, cs_col: 0 along a broadcast dim) when c is not NULL. Batches step a by a_batch and b by b_batch.
+ * Tiles of CR_MR rows by CR_NR columns are summed over the whole depth. */
 static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, float *y, int64_t batch, int64_t m,
                               int64_t k, int64_t n, int64_t a_row, int64_t a_col, int64_t b_row, int64_t b_col,
                               int64_t a_batch, int64_t b_batch, int64_t cs_row, int64_t cs_col, float alpha,
                               float beta, int act, float act_a, float act_b) {
+    float acc[CR_MR][CR_NR];
     for (int64_t bt = 0; bt < batch; bt++) {
         const float *ab = a + bt * a_batch, *bb = b + bt * b_batch;
         float *yb = y + bt * m * n;
-        for (int64_t i = 0; i < m; i++) {
-            float *yr = yb + i * n;
-            for (int64_t j = 0; j < n; j++) yr[j] = 0.0f;
-            for (int64_t kk = 0; kk < k; kk++) {
-                float av = ab[i * a_row + kk * a_col];
-                const float *br = bb + kk * b_row;
-                if (b_col == 1) {
-                    for (int64_t j = 0; j < n; j++) yr[j] += av * br[j];
-                } else {
-                    for (int64_t j = 0; j < n; j++) yr[j] += av * br[j * b_col];
+        for (int64_t i0 = 0; i0 < m; i0 += CR_MR) {
+            int64_t mr = m - i0 < CR_MR ? m - i0 : CR_MR;
+            for (int64_t j0 = 0; j0 < n; j0 += CR_NR) {
+                int64_t nq = n - j0 < CR_NR ? n - j0 : CR_NR;
+                for (int64_t t = 0; t < mr; t++)
+                    for (int64_t q = 0; q < nq; q++) acc[t][q] = 0.0f;
+                for (int64_t kk = 0; kk < k; kk++) {
+                    const float *br = bb + kk * b_row + j0 * b_col;
+                    for (int64_t t = 0; t < mr; t++) {
+                        float av = ab[(i0 + t) * a_row + kk * a_col];
+                        float *at = acc[t];
+                        if (b_col == 1) {
+                            for (int64_t q = 0; q < nq; q++) at[q] += av * br[q];
+                        } else {
+                            for (int64_t q = 0; q < nq; q++) at[q] += av * br[q * b_col];
+                        }
+                    }
+                }
+                for (int64_t t = 0; t < mr; t++) {
+                    float *yr = yb + (i0 + t) * n + j0;
+                    float *at = acc[t];
+                    if (alpha != 1.0f)
+                        for (int64_t q = 0; q < nq; q++) at[q] *= alpha;
+                    if (c) {
+                        const float *cr = c + (i0 + t) * cs_row + j0 * cs_col;
+                        for (int64_t q = 0; q < nq; q++) at[q] += beta * cr[q * cs_col];
+                    }
+                    cr_unary(at, yr, nq, act, act_a, act_b);
                 }
             }
-            if (alpha != 1.0f)
-                for (int64_t j = 0; j < n; j++) yr[j] *= alpha;
-            if (c) {
-                const float *cr = c + i * cs_row;
-                for (int64_t j = 0; j < n; j++) yr[j] += beta * cr[j * cs_col];
-            }
-            if (act != CR_ACT_NONE) cr_unary(yr, yr, n, act, act_a, act_b);
         }
     }
 }
