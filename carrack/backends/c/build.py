@@ -130,4 +130,10 @@ def _build_wasm(compiler: list[str], out: Path, emitted: Emitted) -> list[str]:
     from carrack.backends.c.js import module_source
 
     (out / "model.mjs").write_text(module_source(emitted.manifest, memory))
-    return ["model.wasm", "model.mjs"]
+    files = ["model.wasm", "model.mjs"]
+    from carrack.backends.c.page import is_image_classifier, page_source
+
+    if is_image_classifier(emitted.manifest):
+        (out / "index.html").write_text(page_source())
+        files.append("index.html")
+    return files
