@@ -31,6 +31,10 @@ from carrack.plan import Plan
 from carrack.plan.arena import ALIGNMENT, Block, align, order_blocks
 
 RUNTIME_HEADER = "carrack_rt.h"
+#: output channels per group from which a convolution is vectorized over its channels rather than its pixels
+CHANNEL_VECTORIZED_MIN = 16
+#: output rows shorter than this (or strided, or of run-time length) are not what a convolution vectorizes over
+SHORT_ROW = 32
 MAX_RANK = 6
 
 #: error codes of model_run, as the manifest tells the loaders
@@ -501,7 +505,15 @@ def _emit_conv(em, step, node, shapes, out_shape):
             *(em.c_dim(d) for d in (x_shape[0], x_shape[1], h, wd, out_shape[1], oh, ow)),
             *map(str, (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], int(node.attrs.get("group", 1)))),
             act, _f(a), _f(b)]
-    return [f"cr_conv2d({', '.join(args[:5])},", f"          {', '.join(args[5:12])},",
+    groups = int(node.attrs.get("group", 1))
+    kernel = "cr_conv2d"
+    short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
+    if w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
+        m_out, cg = w_array.shape[:2]
+        reordered = w_array.reshape(groups, m_out // groups, cg, -1).transpose(0, 2, 3, 1)
+        args[1] = em.constant(f"{w}::channels_last", reordered)
+        kernel = "cr_conv2d_cm"
+    return [f"{kernel}({', '.join(args[:5])},", f"          {', '.join(args[5:12])},",
             f"          {', '.join(args[12:])});"]
 
 

@@ -191,6 +191,62 @@ static CR_UNUSED void cr_conv2d(const float *x, const float *w, const float *bia
     }
 }
 
+#define CR_PB 16 /* output pixels per tile of the channel-vectorized convolution */
+#define CR_MB 64 /* output channels per tile of the channel-vectorized convolution */
+
+/* The same convolution vectorized over output channels, for layers with many channels per group (wide 1x1 and
+ * KxK layers, whose output rows are often too short to vectorize): the weights come reordered as
+ * wt[g, c, i, j, m] (the output channels of a group contiguous), and tiles of CR_PB output pixels by CR_MB
+ * output channels are summed over every (c, i, j) tap, each input value broadcast over the channels. */
+static CR_UNUSED void cr_conv2d_cm(const float *x, const float *wt, const float *bias, const float *z, float *y,
+                                   int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                   int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                   int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow;
+    float acc[CR_PB][CR_MB];
+    int64_t rows[CR_PB], cols[CR_PB];
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            const float *wg = wt + g * cg * kh * kw * mg;
+            for (int64_t m0 = 0; m0 < mg; m0 += CR_MB) {
+                int64_t mb = mg - m0 < CR_MB ? mg - m0 : CR_MB;
+                int64_t first = img * m_out + g * mg + m0; /* y's channel index of the tile's first channel */
+                for (int64_t p0 = 0; p0 < plane; p0 += CR_PB) {
+                    int64_t pb = plane - p0 < CR_PB ? plane - p0 : CR_PB;
+                    for (int64_t pp = 0; pp < pb; pp++) {
+                        rows[pp] = (p0 + pp) / ow * sh - pt;
+                        cols[pp] = (p0 + pp) % ow * sw - pl;
+                        for (int64_t m = 0; m < mb; m++)
+                            acc[pp][m] = (bias ? bias[g * mg + m0 + m] : 0.0f)
+                                         + (z ? z[(first + m) * plane + p0 + pp] : 0.0f);
+                    }
+                    for (int64_t c = 0; c < cg; c++) {
+                        const float *xc = xg + c * h * wd;
+                        for (int64_t i = 0; i < kh; i++) {
+                            for (int64_t j = 0; j < kw; j++) {
+                                const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
+                                for (int64_t pp = 0; pp < pb; pp++) {
+                                    int64_t row = rows[pp] + i * dh, col = cols[pp] + j * dw;
+                                    if (row < 0 || row >= h || col < 0 || col >= wd) continue;
+                                    float xv = xc[row * wd + col];
+                                    float *at = acc[pp];
+                                    for (int64_t m = 0; m < mb; m++) at[m] += xv * wrow[m];
+                                }
+                            }
+                        }
+                    }
+                    for (int64_t pp = 0; pp < pb; pp++) cr_unary(acc[pp], acc[pp], mb, act, a, b);
+                    for (int64_t m = 0; m < mb; m++) { /* a run of pb pixels per channel: whole cache lines */
+                        float *yr = y + (first + m) * plane + p0;
+                        for (int64_t pp = 0; pp < pb; pp++) yr[pp] = acc[pp][m];
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* y[bt, i, j] = act(alpha * sum_k a[bt, i, k] b[bt, k, j] + beta * c[i, j]) with element strides:
  * a's rows lda, columns a_col (1, or lda's transpose), b likewise; the c term is added through its
  * strides (cs_row, cs_col: 0 along a broadcast dim) when c is not NULL. Batches step a by a_batch and b by b_batch.
