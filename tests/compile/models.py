@@ -44,19 +44,21 @@ class Fire(nn.Module):
 
 class ResidualCNN(nn.Module):
     """Residual blocks (conv + add + relu), a squeezenet fire module (concat), BatchNorm after a concat,
-    ceil-mode max pooling, padded average pooling counting the pads, a strided dilated conv, hardswish,
-    leaky relu, sigmoid gating and a global max pool; batch, height and width are dynamic."""
+    ceil-mode max pooling, padded average pooling counting the pads, a strided dilated conv, a grouped conv,
+    hardswish, leaky relu, sigmoid gating and a global max pool; batch, height and width are dynamic. Its
+    convolutions take both kernels: vectorized over pixels (few channels) and over channels (16 and more)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Conv2d(3, 12, 3, padding=1, bias=False)
-        self.conv1 = nn.Conv2d(12, 12, 3, padding=1)
-        self.conv2 = nn.Conv2d(12, 12, 3, padding=1)
-        self.fire = Fire(12, 6, 8)
+        self.stem = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(16, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.fire = Fire(16, 6, 8)
         self.bn = nn.BatchNorm2d(16)
         self.dilated = nn.Conv2d(16, 16, 3, stride=2, padding=2, dilation=2)
-        self.gate = nn.Conv2d(16, 16, 1)
-        self.head = nn.Linear(16, 5)
+        self.grouped = nn.Conv2d(16, 32, 3, padding=1, groups=2)
+        self.gate = nn.Conv2d(32, 32, 1)
+        self.head = nn.Linear(32, 5)
 
     def forward(self, x):
         y = nn.functional.hardswish(self.stem(x))
@@ -64,7 +66,7 @@ class ResidualCNN(nn.Module):
         y = nn.functional.max_pool2d(y, 3, stride=2, ceil_mode=True)
         y = self.bn(self.fire(y))
         y = nn.functional.avg_pool2d(y, 3, stride=1, padding=1, count_include_pad=True)
-        y = nn.functional.leaky_relu(self.dilated(y), 0.1)
+        y = self.grouped(nn.functional.leaky_relu(self.dilated(y), 0.1))
         y = y * torch.sigmoid(self.gate(y))
         y = nn.functional.adaptive_max_pool2d(y, 1).flatten(1)
         return nn.functional.log_softmax(self.head(y), -1)
