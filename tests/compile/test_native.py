@@ -216,3 +216,17 @@ def test_sum_of_three_and_lrn(tmp_path):
     feed = {"x": rng.standard_normal((2, 4, 3, 5)).astype(np.float32) * 3}
     np.testing.assert_allclose(carrack.CompiledModel(tmp_path / "out").run(None, feed)[0],
                                session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_threads_and_second_loads_share_one_library_safely(compiled, exported):
+    """A directory loaded twice shares the library's static arena and weights; concurrent runs take turns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, model = compiled["small_cnn"]
+    again = carrack.CompiledModel(model.directory)
+    assert again._lib is model._lib and again._weights is model._weights
+    feeds_ = feeds("small_cnn", seed=7) * 4
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda f: again.run(None, f)[0], feeds_))
+    for feed, got in zip(feeds_, results):
+        np.testing.assert_allclose(got, session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)

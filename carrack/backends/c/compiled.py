@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,35 @@ def aligned_empty(count: int, dtype: np.dtype, alignment: int = ALIGNMENT) -> np
     raw = np.empty(count * dtype.itemsize + alignment, dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start:start + count * dtype.itemsize].view(dtype)
+
+
+#: library path -> (library, its weights, the lock its runs take): a process loads a library once (a second
+#: dlopen of the same file returns the same handle, whose arena and weights pointer are shared)
+_LOADED: dict[str, tuple[ctypes.CDLL, np.ndarray, threading.Lock]] = {}
+_LOADING = threading.Lock()
+
+
+def _load_library(library: Path, weights_path: Path, weight_bytes: int):
+    key = str(library.resolve())
+    with _LOADING:
+        if key in _LOADED:
+            return _LOADED[key]
+        lib = ctypes.CDLL(key)
+        lib.model_init.argtypes = [ctypes.c_void_p]
+        lib.model_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.model_arena_bytes.argtypes = [ctypes.c_void_p]
+        lib.model_arena_bytes.restype = ctypes.c_int64
+        raw = np.fromfile(weights_path, dtype=np.uint8)
+        if raw.size != weight_bytes:
+            raise CarrackError(f"CompiledModel: {weights_path.name} holds {raw.size} bytes, model.json says "
+                               f"{weight_bytes}")
+        weights = aligned_empty(max(1, raw.size), np.uint8)
+        weights[:raw.size] = raw
+        code = lib.model_init(weights.ctypes.data)
+        if code:
+            raise CarrackError(f"CompiledModel: model_init failed with code {code}")
+        _LOADED[key] = (lib, weights, threading.Lock())
+        return _LOADED[key]
 
 
 class IOInfo:
@@ -57,20 +87,8 @@ class CompiledModel:
         if not library.is_file():
             raise CarrackError(f"CompiledModel: '{self.directory}' holds no {library.name}; it was compiled for "
                                "another target: compile it with --target native")
-        self._lib = ctypes.CDLL(str(library))
-        self._lib.model_init.argtypes = [ctypes.c_void_p]
-        self._lib.model_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self._lib.model_arena_bytes.argtypes = [ctypes.c_void_p]
-        self._lib.model_arena_bytes.restype = ctypes.c_int64
-        raw = np.fromfile(self.directory / "weights.bin", dtype=np.uint8)
-        if raw.size != self.manifest["weights"]["bytes"]:
-            raise CarrackError(f"CompiledModel: weights.bin holds {raw.size} bytes, model.json says "
-                               f"{self.manifest['weights']['bytes']}")
-        self._weights = aligned_empty(max(1, raw.size), np.uint8)
-        self._weights[:raw.size] = raw
-        code = self._lib.model_init(self._weights.ctypes.data)
-        if code:
-            raise CarrackError(f"CompiledModel: model_init failed with code {code}")
+        self._lib, self._weights, self._lock = _load_library(library, self.directory / "weights.bin",
+                                                             self.manifest["weights"]["bytes"])
         self._dims = [d["name"] for d in self.manifest["dims"]]
         self._maxima = {d["name"]: d["max"] for d in self.manifest["dims"]}
         self._inputs = [IOInfo(e) for e in self.manifest["inputs"]]
@@ -103,7 +121,8 @@ class CompiledModel:
             outputs.append(aligned_empty(int(np.prod(shape)), np.float32).reshape(shape))
         in_pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[b.ctypes.data for b in buffers])
         out_pointers = (ctypes.c_void_p * max(1, len(outputs)))(*[o.ctypes.data for o in outputs])
-        code = self._lib.model_run(dims.ctypes.data, in_pointers, out_pointers)
+        with self._lock:  # one static arena per library
+            code = self._lib.model_run(dims.ctypes.data, in_pointers, out_pointers)
         if code:
             reason = self.manifest["run_errors"].get(str(code), "unknown error")
             raise RunFailure(f"CompiledModel.run: the compiled model failed with code {code}: {reason}")
