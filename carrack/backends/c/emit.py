@@ -500,19 +500,18 @@ def _emit_conv(em, step, node, shapes, out_shape):
     y = _output_value(em, step, node.outputs[0], out_shape)
     h, wd = _hw(x_shape, g["spatial"])
     oh, ow = _hw(out_shape, g["spatial"])
-    args = [_pointer(em, x), _pointer(em, w), _pointer(em, bias) if bias else "NULL",
-            _pointer(em, z) if z else "NULL", y.pointer,
-            *(em.c_dim(d) for d in (x_shape[0], x_shape[1], h, wd, out_shape[1], oh, ow)),
-            *map(str, (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], int(node.attrs.get("group", 1)))),
-            act, _f(a), _f(b)]
     groups = int(node.attrs.get("group", 1))
-    kernel = "cr_conv2d"
     short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
     if w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
         m_out, cg = w_array.shape[:2]
         reordered = w_array.reshape(groups, m_out // groups, cg, -1).transpose(0, 2, 3, 1)
-        args[1] = em.constant(f"{w}::channels_last", reordered)
-        kernel = "cr_conv2d_cm"
+        kernel, weights = "cr_conv2d_cm", em.constant(f"{w}::channels_last", reordered)
+    else:
+        kernel, weights = "cr_conv2d", _pointer(em, w)
+    args = [_pointer(em, x), weights, _pointer(em, bias) if bias else "NULL",
+            _pointer(em, z) if z else "NULL", y.pointer,
+            *(em.c_dim(d) for d in (x_shape[0], x_shape[1], h, wd, out_shape[1], oh, ow)),
+            *map(str, (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], groups)), act, _f(a), _f(b)]
     return [f"{kernel}({', '.join(args[:5])},", f"          {', '.join(args[5:12])},",
             f"          {', '.join(args[12:])});"]
 
