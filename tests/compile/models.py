@@ -106,6 +106,20 @@ def _randomize_batchnorm(module: nn.Module, rng: torch.Generator) -> None:
             m.bias.data.copy_(torch.randn(m.num_features, generator=rng) * 0.1)
 
 
+class FullyConvolutional(nn.Module):
+    """A dense-prediction head: strided and padded convolutions whose output height and width are expressions of
+    the input's ((height - 1) // 2 + 1), which the loaders get from the compiled model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.mix = nn.Conv2d(8, 24, 3, padding=1)
+        self.classes = nn.Conv2d(24, 4, 1)
+
+    def forward(self, x):
+        return torch.softmax(self.classes(torch.relu(self.mix(torch.relu(self.down(x))))), 1)
+
+
 #: name -> (module class, example input shape, dynamic axes of the input {axis: symbol}, run-time maxima)
 MODELS = {
     "small_cnn": (SmallCNN, (2, 3, 16, 16), {0: "batch"}, {"batch": 4}),
@@ -113,7 +127,12 @@ MODELS = {
                      {"batch": 3, "height": 20, "width": 20}),
     "sequence_mlp": (SequenceMLP, (2, 6, 7), {0: "batch", 2: "length"}, {"batch": 3, "length": 12}),
     "mlp": (MLP, (2, 20), {0: "batch"}, {"batch": 5}),
+    "fully_convolutional": (FullyConvolutional, (1, 3, 9, 12), {0: "batch", 2: "height", 3: "width"},
+                            {"batch": 2, "height": 40, "width": 40}),
 }
+
+#: outputs' dynamic axes where they are not just the batch
+OUTPUT_AXES = {"fully_convolutional": {0: "batch", 2: "out_height", 3: "out_width"}}
 
 #: input shapes each test runs (all within the maxima)
 SHAPES = {
@@ -121,6 +140,7 @@ SHAPES = {
     "residual_cnn": [(1, 3, 15, 17), (3, 3, 20, 20), (2, 3, 8, 11)],
     "sequence_mlp": [(1, 6, 1), (3, 6, 12), (2, 6, 5)],
     "mlp": [(1, 20), (5, 20), (2, 20)],
+    "fully_convolutional": [(1, 3, 9, 12), (2, 3, 40, 33), (2, 3, 1, 2)],
 }
 
 
@@ -135,7 +155,8 @@ def export(name: str, directory: Path) -> tuple[Path, dict[str, int]]:
     path = directory / f"{name}.onnx"
     outputs = ["y", "z"] if name == "sequence_mlp" else ["y"]
     torch.onnx.export(module, (torch.randn(*shape),), str(path), input_names=["x"], output_names=outputs,
-                      dynamic_axes={"x": axes, **{o: {0: "batch"} for o in outputs}}, dynamo=False)
+                      dynamic_axes={"x": axes, **{o: OUTPUT_AXES.get(name, {0: "batch"}) for o in outputs}},
+                      dynamo=False)
     return path, maxima
 
 

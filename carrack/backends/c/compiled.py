@@ -20,6 +20,8 @@ import numpy as np
 from carrack.errors import CarrackError, InvalidArgument, RunFailure
 
 ALIGNMENT = 64
+#: the most dims an input or output of a compiled model may have (the C API's shape buffers)
+MAX_RANK_IO = 16
 
 
 def aligned_empty(count: int, dtype: np.dtype, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -46,6 +48,7 @@ def _load_library(library: Path, weights_path: Path, weight_bytes: int):
         lib.model_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.model_arena_bytes.argtypes = [ctypes.c_void_p]
         lib.model_arena_bytes.restype = ctypes.c_int64
+        lib.model_output_shape.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         raw = np.fromfile(weights_path, dtype=np.uint8)
         if raw.size != weight_bytes:
             raise CarrackError(f"CompiledModel: {weights_path.name} holds {raw.size} bytes, model.json says "
@@ -116,9 +119,11 @@ class CompiledModel:
         buffers = [self._input_buffer(info, input_feed, sizes) for info in self._inputs]
         dims = np.array([sizes.get(name, 1) for name in self._dims] or [0], dtype=np.int64)
         outputs = []
-        for info in self._outputs:
-            shape = tuple(d if isinstance(d, int) else sizes[d] for d in info.shape)
-            outputs.append(aligned_empty(int(np.prod(shape)), np.float32).reshape(shape))
+        shape = np.zeros(MAX_RANK_IO, dtype=np.int64)
+        for k in range(len(self._outputs)):
+            rank = self._lib.model_output_shape(k, dims.ctypes.data, shape.ctypes.data)
+            dims_k = tuple(int(d) for d in shape[:rank])
+            outputs.append(aligned_empty(int(np.prod(dims_k)), np.float32).reshape(dims_k))
         in_pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[b.ctypes.data for b in buffers])
         out_pointers = (ctypes.c_void_p * max(1, len(outputs)))(*[o.ctypes.data for o in outputs])
         with self._lock:  # one static arena per library

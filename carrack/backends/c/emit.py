@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from carrack.backends.c.compiled import MAX_RANK_IO
 from carrack.errors import CarrackError, UnsupportedModel
 from carrack.ir import symbolic
 from carrack.ir.dims import Sym
@@ -108,7 +109,7 @@ class _Emitter:
         for mono, c in sorted(d.terms.items(), key=lambda kv: str(kv[0])):
             factors = [self._c_atom(a) for a in mono]
             if c != 1 or not factors:
-                factors.insert(0, f"INT64_C({int(c)})")
+                factors.insert(0, str(int(c)))
             terms.append(" * ".join(factors))
         return "(" + " + ".join(terms) + ")" if terms else "0"
 
@@ -185,11 +186,11 @@ def _check_inputs_outputs(plan: Plan, facts) -> None:
     for v in list(plan.inputs) + list(plan.graph.outputs):
         fact = facts.get(v.name)
         dtype = None if fact is None or fact.tensor is None else fact.elem_type
-        if dtype != 1 or fact.shape is None:
+        if dtype != 1 or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
             wrong.append(f"'{v.name}' ({'unknown type' if dtype is None else f'element type {dtype}'})")
     if wrong:
-        raise UnsupportedOperators([("input/output", f"{w}: only float32 tensors of known rank are compiled")
-                                    for w in wrong])
+        rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
+        raise UnsupportedOperators([("input/output", f"{w}: {rule}") for w in wrong])
 
 
 def _place_inputs_outputs(em: _Emitter, facts) -> None:
@@ -800,6 +801,8 @@ def _assemble(em: _Emitter) -> Emitted:
         "    return 0;",
         "}",
         "",
+        *_output_shape_function(em),
+        "",
         "int model_n_dims(void) { return MODEL_N_DIMS; }",
         "int64_t model_arena_capacity(void) { return MODEL_ARENA_CAPACITY; }",
         "",
@@ -845,6 +848,18 @@ def _capacity(em: _Emitter, sizes, below, extra_sizes, extra_below) -> int:
     return top
 
 
+def _output_shape_function(em: _Emitter) -> list[str]:
+    """model_output_shape(k, dims, shape): output k's shape for these run-time dims (its rank returned), so the
+    loaders need not evaluate dims like (height - 1) / 2 + 1 themselves."""
+    lines = ["int model_output_shape(int k, const int64_t *dims, int64_t *shape) {", "    (void)dims;",
+             "    switch (k) {"]
+    for k, v in enumerate(em.plan.graph.outputs):
+        shape = em.values[v.name].shape
+        assigns = " ".join(f"shape[{d}] = {em.c_dim(dim)};" for d, dim in enumerate(shape))
+        lines.append(f"    case {k}: {assigns}{' ' if assigns else ''}return {len(shape)};")
+    return lines + ["    default: return -1;", "    }", "}"]
+
+
 def _io_entry(em: _Emitter, name: str) -> dict:
     shape = []
     for d in em.values[name].shape:
@@ -880,6 +895,11 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
               "{ return model_run(dims_area, input_areas, output_areas); }",
               "__attribute__((export_name(\"model_arena_bytes_areas\"))) int64_t model_arena_bytes_areas(void) "
               "{ return model_arena_bytes(dims_area); }",
+              f"static int64_t shape_area[{MAX_RANK_IO}];",
+              "__attribute__((export_name(\"model_shape_area\"))) int64_t *model_shape_area(void) "
+              "{ return shape_area; }",
+              "__attribute__((export_name(\"model_output_shape_area\"))) int model_output_shape_area(int k) "
+              "{ return model_output_shape(k, dims_area, shape_area); }",
               "#endif"]
     return lines
 
