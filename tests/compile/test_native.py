@@ -234,3 +234,22 @@ def test_threads_and_second_loads_share_one_library_safely(compiled, exported):
         results = list(pool.map(lambda f: again.run(None, f)[0], feeds_))
     for feed, got in zip(feeds_, results):
         np.testing.assert_allclose(got, session_outputs(path, feed)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_passed_through_from_inputs_and_constants(tmp_path):
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((2, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, ["n", 3]),
+         helper.make_tensor_value_info("table", TensorProto.FLOAT, [2, 3])],
+        [onnx.numpy_helper.from_array(table, "table")])
+    path = tmp_path / "through.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    compile_model(path, tmp_path / "out", "native", max_dims={"n": 4})
+    x = rng.standard_normal((3, 3)).astype(np.float32)
+    got = carrack.CompiledModel(tmp_path / "out").run(None, {"x": x})
+    for g, w in zip(got, session_outputs(path, {"x": x})):
+        np.testing.assert_array_equal(g, w)

@@ -161,7 +161,21 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
         _emit_node(em, k, node, facts)
     if em.missing:
         raise UnsupportedOperators(em.missing)
+    _copy_unwritten_outputs(em)
     return _assemble(em)
+
+
+def _copy_unwritten_outputs(em: _Emitter) -> None:
+    """Outputs no step wrote into the caller's buffer (an input or a constant passed through) are copied there."""
+    for k, v in enumerate(em.plan.graph.outputs):
+        value = em.values.get(v.name)
+        target = f"(float *)r->out[{k}]"
+        if value is None or value.pointer == target:
+            continue
+        source = _pointer(em, v.name)
+        size = em.c_dim(_elements(value.shape))
+        em.steps.append((f"copy_output_{k}", f"output {v.name}: copied into the caller's buffer",
+                         [f"memcpy({target}, {source}, (size_t)({size}) * 4);"]))
 
 
 def _check_symbols(plan: Plan, fixed: Mapping[str, int], maxima: Mapping[str, int]) -> None:
