@@ -4,7 +4,10 @@ torch, at several sizes of their run-time dims; errors are listed at once and na
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -112,9 +115,13 @@ def test_fixed_dims_are_compiled_in(exported, tmp_path):
 
 
 def test_generated_files_are_reproducible(exported, tmp_path):
+    """Two processes with different hash seeds write the same bytes."""
     path, maxima = exported["residual_cnn"]
-    for run in ("a", "b"):
-        compile_model(path, tmp_path / run, "native", max_dims=maxima)
+    for run, seed in (("a", "1"), ("b", "2")):
+        command = [sys.executable, "-m", "carrack", "compile", str(path), "-o", str(tmp_path / run),
+                   *[f"--max-dim={k}={v}" for k, v in maxima.items()]]
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run(command, check=True, env=env, capture_output=True)
     for name in ("model.c", "weights.bin", "model.json", "carrack_rt.h"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     source = (tmp_path / "a" / "model.c").read_text()
@@ -181,8 +188,7 @@ def test_cli_compiles_and_reports_errors(exported, tmp_path, capsys):
         main(["compile", str(path), "-o", str(tmp_path / "out3"), "--max-dim", "batch"])
 
 
-LIGHT_DIR = __import__("os").path.join(__import__("os").path.dirname(onnx.__file__), "backend", "test", "data",
-                                       "light")
+LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 
 
 @pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "inception_v1"])
