@@ -191,11 +191,86 @@ static CR_UNUSED void cr_conv2d(const float *x, const float *w, const float *bia
     }
 }
 
-#define CR_PB 16 /* output pixels per tile of the channel-vectorized convolution */
-#define CR_MB 64 /* output channels per tile of the channel-vectorized convolution */
+#define CR_PB 4  /* output pixels per tile of the channel-vectorized convolution */
+#define CR_MB 16 /* output channels per tile of the channel-vectorized convolution */
+
+typedef float cr_v8 __attribute__((vector_size(32))); /* 8 lanes: AVX, or two SIMD128 vectors on wasm */
+
+static inline cr_v8 cr_load8(const float *p) {
+    cr_v8 v;
+    memcpy(&v, p, sizeof v); /* any alignment */
+    return v;
+}
+
+/* one output tile of the channel-vectorized convolution: CR_PB pixels from p0 by `mb` channels from m0 of group
+ * g, summed over every tap; the full tile (CR_PB x CR_MB) keeps its 8 sums in vector registers */
+static inline void cr_cm_tile(const float *xg, const float *wg, const float *bias, const float *z, float *y,
+                              int64_t first, int64_t plane, int64_t p0, int64_t pb, int64_t m0, int64_t mb,
+                              int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t ow, int64_t kh, int64_t kw,
+                              int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int act, float a,
+                              float b) {
+    float sums[CR_PB][CR_MB];
+    int64_t rows[CR_PB], cols[CR_PB];
+    for (int64_t pp = 0; pp < CR_PB; pp++) {
+        int64_t p = p0 + (pp < pb ? pp : 0);
+        rows[pp] = p / ow * sh - pt;
+        cols[pp] = p % ow * sw - pl;
+    }
+    if (pb == CR_PB && mb == CR_MB) {
+        cr_v8 zero = {0};
+        cr_v8 b0 = bias ? cr_load8(bias + m0) : zero, b1 = bias ? cr_load8(bias + m0 + 8) : zero;
+        cr_v8 s00 = b0, s01 = b1, s10 = b0, s11 = b1, s20 = b0, s21 = b1, s30 = b0, s31 = b1;
+        for (int64_t c = 0; c < cg; c++) {
+            const float *xc = xg + c * h * wd;
+            for (int64_t i = 0; i < kh; i++) {
+                for (int64_t j = 0; j < kw; j++) {
+                    const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
+                    cr_v8 w0 = cr_load8(wrow), w1 = cr_load8(wrow + 8);
+                    float xv[CR_PB];
+                    for (int pp = 0; pp < CR_PB; pp++) {
+                        int64_t row = rows[pp] + i * dh, col = cols[pp] + j * dw;
+                        xv[pp] = row >= 0 && row < h && col >= 0 && col < wd ? xc[row * wd + col] : 0.0f;
+                    }
+                    s00 += xv[0] * w0; s01 += xv[0] * w1;
+                    s10 += xv[1] * w0; s11 += xv[1] * w1;
+                    s20 += xv[2] * w0; s21 += xv[2] * w1;
+                    s30 += xv[3] * w0; s31 += xv[3] * w1;
+                }
+            }
+        }
+        memcpy(sums[0], &s00, 32); memcpy(sums[0] + 8, &s01, 32);
+        memcpy(sums[1], &s10, 32); memcpy(sums[1] + 8, &s11, 32);
+        memcpy(sums[2], &s20, 32); memcpy(sums[2] + 8, &s21, 32);
+        memcpy(sums[3], &s30, 32); memcpy(sums[3] + 8, &s31, 32);
+    } else { /* a partial tile at the plane's or the group's end */
+        for (int64_t pp = 0; pp < pb; pp++) {
+            for (int64_t m = 0; m < mb; m++) sums[pp][m] = bias ? bias[m0 + m] : 0.0f;
+            for (int64_t c = 0; c < cg; c++) {
+                const float *xc = xg + c * h * wd;
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = rows[pp] + i * dh;
+                    if (row < 0 || row >= h) continue;
+                    for (int64_t j = 0; j < kw; j++) {
+                        int64_t col = cols[pp] + j * dw;
+                        if (col < 0 || col >= wd) continue;
+                        float xv = xc[row * wd + col];
+                        const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
+                        for (int64_t m = 0; m < mb; m++) sums[pp][m] += xv * wrow[m];
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t pp = 0; pp < pb; pp++) {
+        if (z)
+            for (int64_t m = 0; m < mb; m++) sums[pp][m] += z[(first + m) * plane + p0 + pp];
+        cr_unary(sums[pp], sums[pp], mb, act, a, b);
+        for (int64_t m = 0; m < mb; m++) y[(first + m) * plane + p0 + pp] = sums[pp][m];
+    }
+}
 
 /* The same convolution vectorized over output channels, for layers with many channels per group (wide 1x1 and
- * KxK layers, whose output rows are often too short to vectorize): the weights come reordered as
+ * KxK layers, whose output rows are often too short or strided to vectorize): the weights come reordered as
  * wt[g, c, i, j, m] (the output channels of a group contiguous), and tiles of CR_PB output pixels by CR_MB
  * output channels are summed over every (c, i, j) tap, each input value broadcast over the channels. */
 static CR_UNUSED void cr_conv2d_cm(const float *x, const float *wt, const float *bias, const float *z, float *y,
@@ -203,8 +278,6 @@ static CR_UNUSED void cr_conv2d_cm(const float *x, const float *wt, const float 
                                    int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                    int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
     int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow;
-    float acc[CR_PB][CR_MB];
-    int64_t rows[CR_PB], cols[CR_PB];
     for (int64_t img = 0; img < n; img++) {
         for (int64_t g = 0; g < groups; g++) {
             const float *xg = x + (img * c_in + g * cg) * h * wd;
@@ -214,33 +287,8 @@ static CR_UNUSED void cr_conv2d_cm(const float *x, const float *wt, const float 
                 int64_t first = img * m_out + g * mg + m0; /* y's channel index of the tile's first channel */
                 for (int64_t p0 = 0; p0 < plane; p0 += CR_PB) {
                     int64_t pb = plane - p0 < CR_PB ? plane - p0 : CR_PB;
-                    for (int64_t pp = 0; pp < pb; pp++) {
-                        rows[pp] = (p0 + pp) / ow * sh - pt;
-                        cols[pp] = (p0 + pp) % ow * sw - pl;
-                        for (int64_t m = 0; m < mb; m++)
-                            acc[pp][m] = (bias ? bias[g * mg + m0 + m] : 0.0f)
-                                         + (z ? z[(first + m) * plane + p0 + pp] : 0.0f);
-                    }
-                    for (int64_t c = 0; c < cg; c++) {
-                        const float *xc = xg + c * h * wd;
-                        for (int64_t i = 0; i < kh; i++) {
-                            for (int64_t j = 0; j < kw; j++) {
-                                const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
-                                for (int64_t pp = 0; pp < pb; pp++) {
-                                    int64_t row = rows[pp] + i * dh, col = cols[pp] + j * dw;
-                                    if (row < 0 || row >= h || col < 0 || col >= wd) continue;
-                                    float xv = xc[row * wd + col];
-                                    float *at = acc[pp];
-                                    for (int64_t m = 0; m < mb; m++) at[m] += xv * wrow[m];
-                                }
-                            }
-                        }
-                    }
-                    for (int64_t pp = 0; pp < pb; pp++) cr_unary(acc[pp], acc[pp], mb, act, a, b);
-                    for (int64_t m = 0; m < mb; m++) { /* a run of pb pixels per channel: whole cache lines */
-                        float *yr = y + (first + m) * plane + p0;
-                        for (int64_t pp = 0; pp < pb; pp++) yr[pp] = acc[pp][m];
-                    }
+                    cr_cm_tile(xg, wg, bias ? bias + g * mg : NULL, z, y, first, plane, p0, pb, m0, mb, mg, cg, h,
+                               wd, ow, kh, kw, sh, sw, dh, dw, pt, pl, act, a, b);
                 }
             }
         }
