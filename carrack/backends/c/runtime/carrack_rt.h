@@ -5,7 +5,7 @@
  * columns): SSE/AVX on x86 with -O3 -march=native, SIMD128 on WebAssembly with -msimd128. An output may alias
  * an input only where the element it writes is the one it reads (elementwise ops, a residual). The only library
  * calls are <math.h> functions, so the same source builds for a shared library and a WebAssembly module with no
- * imports.
+ * imports. C11 with GCC/Clang vector extensions (cr_v8) for the channel-vectorized convolution's register tile.
  */
 #ifndef CARRACK_RT_H
 #define CARRACK_RT_H
