@@ -6,6 +6,7 @@
 """
 
 from carrack import ops as _ops  # noqa: F401 - registers the kernels
+from carrack.backends.c.compiled import CompiledModel
 from carrack.errors import (
     CarrackError,
     CorruptModel,
@@ -51,3 +52,4 @@ __all__ = [
     "set_default_logger_severity", "set_default_logger_verbosity",
     "PerformanceWarning",
 ]
+__all__ += ["CompiledModel"]

@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("output")
     o.add_argument("--level", choices=list(_LEVELS), default="all")
     o.set_defaults(func=cmd_optimize)
+    from carrack.backends.c.cli import add_compile_parser
     from carrack.batch import add_batch_parser
     from carrack.bench import add_bench_parser
     from carrack.doctor import add_doctor_parser
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_batch_parser(sub)
+    add_compile_parser(sub)
     add_gguf_parser(sub)
     add_doctor_parser(sub)
     add_llm_parser(sub)

@@ -1,0 +1,66 @@
+"""Latency of `carrack compile --target native` against carrack's session and onnxruntime at 1 thread, on the
+real architectures shipped in the onnx wheel (placeholder weights: the latency is the architecture's), runs
+interleaved so a shared machine's load hits every engine alike.
+
+    python benchmarks/compiled.py squeezenet shufflenet resnet50 [--iters 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import carrack
+from carrack.backends.c.build import compile_model
+
+LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+
+
+def interleaved_medians(runs: dict, iters: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) * 1000 for name, t in times.items()}
+
+
+def measure(name: str, iters: int) -> dict[str, float]:
+    path = os.path.join(LIGHT, f"light_{name}.onnx")
+    with tempfile.TemporaryDirectory() as directory:
+        compile_model(path, directory, "native")
+        compiled = carrack.CompiledModel(directory)
+        session = carrack.InferenceSession(path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        reference = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        info = session.get_inputs()[0]
+        feed = {info.name: np.random.default_rng(0).standard_normal(info.shape).astype(np.float32)}
+        runs = {"compiled": lambda: compiled.run(None, feed), "session": lambda: session.run(None, feed),
+                "onnxruntime_1t": lambda: reference.run(None, feed)}
+        for run in runs.values():
+            run()
+        return interleaved_medians(runs, iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", help="light model names: squeezenet, shufflenet, resnet50, ...")
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args()
+    for name in args.models:
+        ms = measure(name, args.iters)
+        cells = "  ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
+        print(f"{name:12s} {cells}  compiled/onnxruntime {ms['compiled'] / ms['onnxruntime_1t']:.2f}  "
+              f"compiled/session {ms['compiled'] / ms['session']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

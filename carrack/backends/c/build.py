@@ -1,0 +1,139 @@
+"""`carrack compile`: a model file to a directory holding its C source, weights, manifest and a built library.
+
+    carrack compile model.onnx -o out --target native --max-dim batch=8   # out/libmodel.so (system C compiler)
+    carrack compile model.onnx -o out --target wasm32 --max-dim batch=8   # out/model.wasm + out/model.mjs
+
+Toolchains: native builds use the system C compiler (``$CC``, else cc, gcc or clang). WebAssembly builds use the
+``ziglang`` package from PyPI (``pip install carrack[wasm]``): a pip-installable clang with wasi-libc's libm for
+wasm32, so the wasm target needs nothing from the system package manager, on any OS, and the same compiler
+version everywhere. The module is built as a reactor with no imports; its memory is fixed at link time (initial
+= maximum) from the plan at the declared maxima, so it cannot grow during a run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from carrack.backends.c.emit import RUNTIME_HEADER, Emitted, emit, manifest_json
+from carrack.errors import CarrackError
+
+RUNTIME_DIR = Path(__file__).parent / "runtime"
+TARGETS = ("native", "wasm32")
+WASM_PAGE = 65536
+WASM_STACK = 1 << 20
+#: room for the C library's data and the compiler's globals above the static areas and the stack
+WASM_SLACK = 1 << 20
+LIBRARY_NAME = {"linux": "libmodel.so", "darwin": "libmodel.dylib", "win32": "model.dll"}
+
+
+class ToolchainMissing(CarrackError, RuntimeError):
+    """The compiler a target needs is not installed; the message says what to install."""
+
+
+class BuildFailed(CarrackError, RuntimeError):
+    """The C compiler rejected the generated code (a carrack bug): the message holds its output."""
+
+
+@dataclass
+class Compiled:
+    directory: Path
+    target: str
+    files: list[str]
+
+
+def library_name() -> str:
+    return LIBRARY_NAME.get(sys.platform, "libmodel.so")
+
+
+def compile_model(model, directory: str | os.PathLike, target: str = "native", dims: Mapping[str, int] | None = None,
+                  max_dims: Mapping[str, int] | None = None, level: int = 99) -> Compiled:
+    """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`."""
+    if target not in TARGETS:
+        raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
+    from carrack.onnx.importer import load_model
+    from carrack.plan import build_plan
+
+    if isinstance(model, (str, os.PathLike)):
+        model = load_model(str(model))
+    compiler = native_compiler() if target == "native" else wasm_compiler()  # fail before the work
+    emitted = emit(build_plan(model, level), dims, max_dims)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_sources(emitted, out)
+    if target == "native":
+        files.append(_build_native(compiler, out))
+    else:
+        files += _build_wasm(compiler, out, emitted)
+    return Compiled(out, target, files)
+
+
+def write_sources(emitted: Emitted, out: Path) -> list[str]:
+    (out / "model.c").write_text(emitted.source)
+    shutil.copyfile(RUNTIME_DIR / RUNTIME_HEADER, out / RUNTIME_HEADER)
+    (out / "weights.bin").write_bytes(emitted.weights)
+    (out / "model.json").write_text(manifest_json(emitted.manifest))
+    return ["model.c", RUNTIME_HEADER, "weights.bin", "model.json"]
+
+
+def native_compiler() -> list[str]:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate.split()[0]):
+            return candidate.split()
+    raise ToolchainMissing("carrack compile --target native needs a C compiler: install gcc or clang "
+                           "(Debian: apt-get install gcc) or set $CC")
+
+
+def wasm_compiler() -> list[str]:
+    if importlib.util.find_spec("ziglang") is None:
+        raise ToolchainMissing("carrack compile --target wasm32 needs the ziglang package (a clang for wasm32): "
+                               "pip install 'carrack[wasm]' (or pip install ziglang)")
+    return [sys.executable, "-m", "ziglang", "cc"]
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BuildFailed(f"carrack compile: the C compiler failed ({' '.join(command)}):\n"
+                          f"{(done.stdout + done.stderr)[-4000:]}")
+
+
+def _build_native(compiler: list[str], out: Path) -> str:
+    name = library_name()
+    flags = ["-std=c11", "-O3", "-fPIC", "-shared", "-Wall", "-Wno-unused-function"]
+    if sys.platform != "win32":
+        flags.append("-march=native")
+    _run([*compiler, *flags, "-o", name, "model.c", "-lm"], out)
+    return name
+
+
+def wasm_memory_bytes(emitted: Emitted) -> int:
+    """The module's whole memory: weights, arena, input and output areas at the maxima, stack and slack."""
+    manifest = emitted.manifest
+    areas = sum(4 * max(1, e["max_elements"]) + 64 for e in manifest["inputs"] + manifest["outputs"])
+    total = manifest["weights"]["bytes"] + 64 + manifest["arena_capacity"] + 64 + areas + WASM_STACK + WASM_SLACK
+    return (total + WASM_PAGE - 1) // WASM_PAGE * WASM_PAGE
+
+
+def _build_wasm(compiler: list[str], out: Path, emitted: Emitted) -> list[str]:
+    memory = wasm_memory_bytes(emitted)
+    flags = ["-target", "wasm32-wasi", "-std=c11", "-O3", "-msimd128", "-mexec-model=reactor", "-Wall",
+             "-Wno-unused-function", "-Wl,--no-entry", "-Wl,--strip-all", f"-Wl,--initial-memory={memory}",
+             f"-Wl,--max-memory={memory}", f"-Wl,-z,stack-size={WASM_STACK}"]
+    _run([*compiler, *flags, "-o", "model.wasm", "model.c"], out)
+    from carrack.backends.c.js import module_source
+
+    (out / "model.mjs").write_text(module_source(emitted.manifest, memory))
+    files = ["model.wasm", "model.mjs"]
+    from carrack.backends.c.page import is_image_classifier, page_source
+
+    if is_image_classifier(emitted.manifest):
+        (out / "index.html").write_text(page_source())
+        files.append("index.html")
+    return files

@@ -1,0 +1,465 @@
+/* carrack's portable C kernels for compiled models (`carrack compile`): float32, no allocation, no I/O.
+ *
+ * Every kernel writes its whole output from its inputs; the generated code places the buffers (inputs, outputs,
+ * weights, arena). Loops are written so compilers vectorize the innermost one (contiguous output pixels or
+ * columns): SSE/AVX on x86 with -O3 -march=native, SIMD128 on WebAssembly with -msimd128. An output may alias
+ * an input only where the element it writes is the one it reads (elementwise ops, a residual). The only library
+ * calls are <math.h> functions, so the same source builds for a shared library and a WebAssembly module with no
+ * imports. C11 with GCC/Clang vector extensions (cr_v8) for the channel-vectorized convolution's register tile.
+ */
+#ifndef CARRACK_RT_H
+#define CARRACK_RT_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CR_UNUSED __attribute__((unused))
+#define CR_ALIGN 64
+
+enum cr_act { CR_ACT_NONE, CR_ACT_RELU, CR_ACT_CLIP, CR_ACT_LEAKY, CR_ACT_SIGMOID, CR_ACT_TANH, CR_ACT_HARDSIGMOID,
+              CR_ACT_HARDSWISH, CR_ACT_GELU, CR_ACT_ELU, CR_ACT_EXP, CR_ACT_NEG, CR_ACT_SQRT, CR_ACT_ABS };
+
+enum cr_binop { CR_ADD, CR_SUB, CR_MUL, CR_DIV };
+
+static inline int64_t cr_floordiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t cr_mod(int64_t a, int64_t b) { return a - cr_floordiv(a, b) * b; }
+static inline int64_t cr_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t cr_max(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t cr_align(int64_t n) { return (n + CR_ALIGN - 1) / CR_ALIGN * CR_ALIGN; }
+
+static inline float cr_act1(float v, int act, float a, float b) {
+    switch (act) {
+    case CR_ACT_RELU: return v < 0.0f ? 0.0f : v;
+    case CR_ACT_CLIP: v = v < a ? a : v; return v > b ? b : v;
+    case CR_ACT_LEAKY: return v < 0.0f ? v * a : v;
+    case CR_ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
+    case CR_ACT_TANH: return tanhf(v);
+    case CR_ACT_HARDSIGMOID: {
+        float s = v * a + b;
+        s = s < 0.0f ? 0.0f : s;
+        return s > 1.0f ? 1.0f : s;
+    }
+    case CR_ACT_HARDSWISH: {
+        float s = v * (1.0f / 6.0f) + 0.5f;
+        s = s < 0.0f ? 0.0f : s;
+        return v * (s > 1.0f ? 1.0f : s);
+    }
+    case CR_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case CR_ACT_ELU: return v < 0.0f ? a * (expf(v) - 1.0f) : v;
+    case CR_ACT_EXP: return expf(v);
+    case CR_ACT_NEG: return -v;
+    case CR_ACT_SQRT: return sqrtf(v);
+    case CR_ACT_ABS: return fabsf(v);
+    default: return v;
+    }
+}
+
+/* y = act(x) over n elements; the common activations get their own loop so it vectorizes */
+static CR_UNUSED void cr_unary(const float *x, float *y, int64_t n, int act, float a, float b) {
+    if (act == CR_ACT_RELU) {
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+    } else if (act == CR_ACT_CLIP) {
+        for (int64_t i = 0; i < n; i++) {
+            float v = x[i] < a ? a : x[i];
+            y[i] = v > b ? b : v;
+        }
+    } else if (act == CR_ACT_NONE) {
+        if (x != y) memmove(y, x, (size_t)n * sizeof(float));
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] = cr_act1(x[i], act, a, b);
+    }
+}
+
+static inline float cr_binop1(int op, float a, float b) {
+    switch (op) {
+    case CR_ADD: return a + b;
+    case CR_SUB: return a - b;
+    case CR_MUL: return a * b;
+    default: return a / b;
+    }
+}
+
+#define CR_MAX_RANK 6
+
+/* y = a op b with numpy broadcasting: `shape` is y's shape padded to CR_MAX_RANK dims in front, `sa`/`sb` the
+ * strides (in elements) of a and b over those dims, 0 along a broadcast dim */
+static CR_UNUSED void cr_binary(int op, const float *a, const int64_t *sa, const float *b, const int64_t *sb, float *y,
+                                const int64_t *shape) {
+    int64_t outer = 1;
+    for (int d = 0; d < CR_MAX_RANK - 1; d++) outer *= shape[d];
+    int64_t inner = shape[CR_MAX_RANK - 1], ia = sa[CR_MAX_RANK - 1], ib = sb[CR_MAX_RANK - 1];
+    int64_t index[CR_MAX_RANK] = {0};
+    for (int64_t o = 0; o < outer; o++) {
+        int64_t oa = 0, ob = 0;
+        for (int d = 0; d < CR_MAX_RANK - 1; d++) {
+            oa += index[d] * sa[d];
+            ob += index[d] * sb[d];
+        }
+        const float *pa = a + oa, *pb = b + ob;
+        float *py = y + o * inner;
+        if (ia == 1 && ib == 1) {
+            switch (op) {
+            case CR_ADD: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] + pb[i]; break;
+            case CR_SUB: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] - pb[i]; break;
+            case CR_MUL: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] * pb[i]; break;
+            default: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] / pb[i]; break;
+            }
+        } else if (ia == 1 && ib == 0) {
+            float vb = pb[0];
+            switch (op) {
+            case CR_ADD: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] + vb; break;
+            case CR_SUB: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] - vb; break;
+            case CR_MUL: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] * vb; break;
+            default: for (int64_t i = 0; i < inner; i++) py[i] = pa[i] / vb; break;
+            }
+        } else {
+            for (int64_t i = 0; i < inner; i++) py[i] = cr_binop1(op, pa[i * ia], pb[i * ib]);
+        }
+        for (int d = CR_MAX_RANK - 2; d >= 0; d--) {
+            if (++index[d] < shape[d]) break;
+            index[d] = 0;
+        }
+    }
+}
+
+#define CR_MR 4  /* output channels (or rows) accumulated together: each input load feeds CR_MR sums */
+#define CR_NR 64 /* output columns per tile: CR_MR x CR_NR sums stay in L1 (or registers) */
+
+/* 2-D convolution, NCHW, direct: y[n, m, oh, ow] = act(bias[m] + z[n, m, oh, ow]
+ *     + sum_{c, i, j} w[m, c, i, j] x[n, g * cg + c, oh * sh - pt + i * dh, ow * sw - pl + j * dw])
+ * for the output channels m of group g (cg = c_in / groups); padding reads zeros. bias and z may be NULL.
+ * Tiles of CR_MR output channels by CR_NR columns of one output row are summed over every (c, i, j) tap. */
+static CR_UNUSED void cr_conv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh, int64_t ow,
+                                int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                                int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow, taps = kh * kw;
+    float acc[CR_MR][CR_NR];
+    for (int64_t img = 0; img < n; img++) {
+        int64_t mr = CR_MR;
+        for (int64_t m0 = 0; m0 < m_out; m0 += mr) {
+            int64_t g = m0 / mg;
+            mr = CR_MR;
+            if (m0 + mr > (g + 1) * mg) mr = (g + 1) * mg - m0; /* a tile stays in its group */
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            for (int64_t r = 0; r < oh; r++) {
+                for (int64_t q0 = 0; q0 < ow; q0 += CR_NR) {
+                    int64_t nq = ow - q0 < CR_NR ? ow - q0 : CR_NR;
+                    for (int64_t t = 0; t < mr; t++) {
+                        float b0 = bias ? bias[m0 + t] : 0.0f;
+                        const float *zr = z ? z + (img * m_out + m0 + t) * plane + r * ow + q0 : NULL;
+                        for (int64_t q = 0; q < nq; q++) acc[t][q] = b0 + (zr ? zr[q] : 0.0f);
+                    }
+                    for (int64_t c = 0; c < cg; c++) {
+                        const float *xc = xg + c * h * wd;
+                        const float *wc = w + (m0 * cg + c) * taps;
+                        for (int64_t i = 0; i < kh; i++) {
+                            int64_t row = r * sh - pt + i * dh;
+                            if (row < 0 || row >= h) continue;
+                            for (int64_t j = 0; j < kw; j++) {
+                                int64_t col0 = j * dw - pl; /* input column of output column 0 */
+                                int64_t lo = col0 >= 0 ? 0 : (-col0 + sw - 1) / sw;
+                                int64_t hi = wd - col0 <= 0 ? 0 : (wd - col0 + sw - 1) / sw;
+                                lo = lo > q0 ? lo - q0 : 0;
+                                hi = (hi < q0 + nq ? hi : q0 + nq) - q0;
+                                if (lo >= hi) continue;
+                                const float *xr = xc + row * wd + col0 + q0 * sw;
+                                for (int64_t t = 0; t < mr; t++) {
+                                    float wv = wc[t * cg * taps + i * kw + j];
+                                    float *at = acc[t];
+                                    if (sw == 1) {
+                                        for (int64_t q = lo; q < hi; q++) at[q] += wv * xr[q];
+                                    } else {
+                                        for (int64_t q = lo; q < hi; q++) at[q] += wv * xr[q * sw];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for (int64_t t = 0; t < mr; t++) {
+                        float *yr = y + (img * m_out + m0 + t) * plane + r * ow + q0;
+                        cr_unary(acc[t], yr, nq, act, a, b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define CR_PB 4  /* output pixels per tile of the channel-vectorized convolution */
+#define CR_MB 16 /* output channels per tile of the channel-vectorized convolution */
+
+typedef float cr_v8 __attribute__((vector_size(32))); /* 8 lanes: AVX, or two SIMD128 vectors on wasm */
+
+static inline cr_v8 cr_load8(const float *p) {
+    cr_v8 v;
+    memcpy(&v, p, sizeof v); /* any alignment */
+    return v;
+}
+
+/* one output tile of the channel-vectorized convolution: CR_PB pixels from p0 by `mb` channels from m0 of group
+ * g, summed over every tap; the full tile (CR_PB x CR_MB) keeps its 8 sums in vector registers */
+static inline void cr_cm_tile(const float *xg, const float *wg, const float *bias, const float *z, float *y,
+                              int64_t first, int64_t plane, int64_t p0, int64_t pb, int64_t m0, int64_t mb,
+                              int64_t mg, int64_t cg, int64_t h, int64_t wd, int64_t ow, int64_t kh, int64_t kw,
+                              int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int act, float a,
+                              float b) {
+    float sums[CR_PB][CR_MB];
+    int64_t rows[CR_PB], cols[CR_PB];
+    for (int64_t pp = 0; pp < CR_PB; pp++) {
+        int64_t p = p0 + (pp < pb ? pp : 0);
+        rows[pp] = p / ow * sh - pt;
+        cols[pp] = p % ow * sw - pl;
+    }
+    if (pb == CR_PB && mb == CR_MB) {
+        cr_v8 zero = {0};
+        cr_v8 b0 = bias ? cr_load8(bias + m0) : zero, b1 = bias ? cr_load8(bias + m0 + 8) : zero;
+        cr_v8 s00 = b0, s01 = b1, s10 = b0, s11 = b1, s20 = b0, s21 = b1, s30 = b0, s31 = b1;
+        for (int64_t c = 0; c < cg; c++) {
+            const float *xc = xg + c * h * wd;
+            for (int64_t i = 0; i < kh; i++) {
+                for (int64_t j = 0; j < kw; j++) {
+                    const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
+                    cr_v8 w0 = cr_load8(wrow), w1 = cr_load8(wrow + 8);
+                    float xv[CR_PB];
+                    for (int pp = 0; pp < CR_PB; pp++) {
+                        int64_t row = rows[pp] + i * dh, col = cols[pp] + j * dw;
+                        xv[pp] = row >= 0 && row < h && col >= 0 && col < wd ? xc[row * wd + col] : 0.0f;
+                    }
+                    s00 += xv[0] * w0; s01 += xv[0] * w1;
+                    s10 += xv[1] * w0; s11 += xv[1] * w1;
+                    s20 += xv[2] * w0; s21 += xv[2] * w1;
+                    s30 += xv[3] * w0; s31 += xv[3] * w1;
+                }
+            }
+        }
+        memcpy(sums[0], &s00, 32); memcpy(sums[0] + 8, &s01, 32);
+        memcpy(sums[1], &s10, 32); memcpy(sums[1] + 8, &s11, 32);
+        memcpy(sums[2], &s20, 32); memcpy(sums[2] + 8, &s21, 32);
+        memcpy(sums[3], &s30, 32); memcpy(sums[3] + 8, &s31, 32);
+    } else { /* a partial tile at the plane's or the group's end */
+        for (int64_t pp = 0; pp < pb; pp++) {
+            for (int64_t m = 0; m < mb; m++) sums[pp][m] = bias ? bias[m0 + m] : 0.0f;
+            for (int64_t c = 0; c < cg; c++) {
+                const float *xc = xg + c * h * wd;
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = rows[pp] + i * dh;
+                    if (row < 0 || row >= h) continue;
+                    for (int64_t j = 0; j < kw; j++) {
+                        int64_t col = cols[pp] + j * dw;
+                        if (col < 0 || col >= wd) continue;
+                        float xv = xc[row * wd + col];
+                        const float *wrow = wg + ((c * kh + i) * kw + j) * mg + m0;
+                        for (int64_t m = 0; m < mb; m++) sums[pp][m] += xv * wrow[m];
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t pp = 0; pp < pb; pp++) {
+        if (z)
+            for (int64_t m = 0; m < mb; m++) sums[pp][m] += z[(first + m) * plane + p0 + pp];
+        cr_unary(sums[pp], sums[pp], mb, act, a, b);
+        for (int64_t m = 0; m < mb; m++) y[(first + m) * plane + p0 + pp] = sums[pp][m];
+    }
+}
+
+/* The same convolution vectorized over output channels, for layers with many channels per group (wide 1x1 and
+ * KxK layers, whose output rows are often too short or strided to vectorize): the weights come reordered as
+ * wt[g, c, i, j, m] (the output channels of a group contiguous), and tiles of CR_PB output pixels by CR_MB
+ * output channels are summed over every (c, i, j) tap, each input value broadcast over the channels. */
+static CR_UNUSED void cr_conv2d_cm(const float *x, const float *wt, const float *bias, const float *z, float *y,
+                                   int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                   int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                   int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            const float *wg = wt + g * cg * kh * kw * mg;
+            for (int64_t m0 = 0; m0 < mg; m0 += CR_MB) {
+                int64_t mb = mg - m0 < CR_MB ? mg - m0 : CR_MB;
+                int64_t first = img * m_out + g * mg + m0; /* y's channel index of the tile's first channel */
+                for (int64_t p0 = 0; p0 < plane; p0 += CR_PB) {
+                    int64_t pb = plane - p0 < CR_PB ? plane - p0 : CR_PB;
+                    cr_cm_tile(xg, wg, bias ? bias + g * mg : NULL, z, y, first, plane, p0, pb, m0, mb, mg, cg, h,
+                               wd, ow, kh, kw, sh, sw, dh, dw, pt, pl, act, a, b);
+                }
+            }
+        }
+    }
+}
+
+/* y[bt, i, j] = act(alpha * sum_k a[bt, i, k] b[bt, k, j] + beta * c[i, j]) with element strides:
+ * a's rows lda, columns a_col (1, or lda's transpose), b likewise; the c term is added through its
+ * strides (cs_row, cs_col: 0 along a broadcast dim) when c is not NULL. Batches step a by a_batch and b by b_batch.
+ * Tiles of CR_MR rows by CR_NR columns are summed over the whole depth. */
+static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, float *y, int64_t batch, int64_t m,
+                              int64_t k, int64_t n, int64_t a_row, int64_t a_col, int64_t b_row, int64_t b_col,
+                              int64_t a_batch, int64_t b_batch, int64_t cs_row, int64_t cs_col, float alpha,
+                              float beta, int act, float act_a, float act_b) {
+    float acc[CR_MR][CR_NR];
+    for (int64_t bt = 0; bt < batch; bt++) {
+        const float *ab = a + bt * a_batch, *bb = b + bt * b_batch;
+        float *yb = y + bt * m * n;
+        for (int64_t i0 = 0; i0 < m; i0 += CR_MR) {
+            int64_t mr = m - i0 < CR_MR ? m - i0 : CR_MR;
+            for (int64_t j0 = 0; j0 < n; j0 += CR_NR) {
+                int64_t nq = n - j0 < CR_NR ? n - j0 : CR_NR;
+                for (int64_t t = 0; t < mr; t++)
+                    for (int64_t q = 0; q < nq; q++) acc[t][q] = 0.0f;
+                for (int64_t kk = 0; kk < k; kk++) {
+                    const float *br = bb + kk * b_row + j0 * b_col;
+                    for (int64_t t = 0; t < mr; t++) {
+                        float av = ab[(i0 + t) * a_row + kk * a_col];
+                        float *at = acc[t];
+                        if (b_col == 1) {
+                            for (int64_t q = 0; q < nq; q++) at[q] += av * br[q];
+                        } else {
+                            for (int64_t q = 0; q < nq; q++) at[q] += av * br[q * b_col];
+                        }
+                    }
+                }
+                for (int64_t t = 0; t < mr; t++) {
+                    float *yr = yb + (i0 + t) * n + j0;
+                    float *at = acc[t];
+                    if (alpha != 1.0f)
+                        for (int64_t q = 0; q < nq; q++) at[q] *= alpha;
+                    if (c) {
+                        const float *cr = c + (i0 + t) * cs_row + j0 * cs_col;
+                        for (int64_t q = 0; q < nq; q++) at[q] += beta * cr[q * cs_col];
+                    }
+                    cr_unary(at, yr, nq, act, act_a, act_b);
+                }
+            }
+        }
+    }
+}
+
+/* y[o, c, i] = act(x[o, c, i] * scale[c] + shift[c]) (inference BatchNormalization folded at compile time) */
+static CR_UNUSED void cr_affine(const float *x, const float *scale, const float *shift, float *y, int64_t outer,
+                                int64_t channels, int64_t inner, int act, float a, float b) {
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t c = 0; c < channels; c++) {
+            const float *xp = x + (o * channels + c) * inner;
+            float *yp = y + (o * channels + c) * inner;
+            float s = scale[c], t = shift[c];
+            for (int64_t i = 0; i < inner; i++) yp[i] = xp[i] * s + t;
+            if (act != CR_ACT_NONE) cr_unary(yp, yp, inner, act, a, b);
+        }
+    }
+}
+
+/* 2-D max or average pooling over planes (n * c of them); padding is skipped by max and by average without
+ * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule) */
+static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_t h, int64_t wd, int64_t oh, int64_t ow,
+                                int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
+                                int64_t pl, int64_t pb, int64_t pr, int is_max, int count_pad) {
+    for (int64_t p = 0; p < planes; p++) {
+        const float *xp = x + p * h * wd;
+        float *yp = y + p * oh * ow;
+        for (int64_t r = 0; r < oh; r++) {
+            for (int64_t q = 0; q < ow; q++) {
+                float acc = is_max ? -INFINITY : 0.0f;
+                int64_t count = 0, padded = 0;
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = r * sh - pt + i * dh;
+                    for (int64_t j = 0; j < kw; j++) {
+                        int64_t col = q * sw - pl + j * dw;
+                        if (row >= -pt && row < h + pb && col >= -pl && col < wd + pr) padded++;
+                        if (row < 0 || row >= h || col < 0 || col >= wd) continue;
+                        float v = xp[row * wd + col];
+                        if (is_max) acc = v > acc || v != v ? v : acc;
+                        else acc += v;
+                        count++;
+                    }
+                }
+                if (!is_max) acc /= (float)(count_pad ? padded : count);
+                yp[r * ow + q] = acc;
+            }
+        }
+    }
+}
+
+/* y[p] = mean or max of the `size` elements of plane p */
+static CR_UNUSED void cr_global_pool(const float *x, float *y, int64_t planes, int64_t size, int is_max) {
+    for (int64_t p = 0; p < planes; p++) {
+        const float *xp = x + p * size;
+        float acc = is_max ? -INFINITY : 0.0f;
+        for (int64_t i = 0; i < size; i++) acc = is_max ? (xp[i] > acc || xp[i] != xp[i] ? xp[i] : acc) : acc + xp[i];
+        y[p] = is_max ? acc : acc / (float)size;
+    }
+}
+
+/* softmax (or log-softmax) along an axis of `axis_size` elements spaced `inner` apart, for each of outer x inner */
+static CR_UNUSED void cr_softmax(const float *x, float *y, int64_t outer, int64_t axis_size, int64_t inner, int log) {
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < inner; i++) {
+            const float *xp = x + o * axis_size * inner + i;
+            float *yp = y + o * axis_size * inner + i;
+            float top = -INFINITY;
+            for (int64_t k = 0; k < axis_size; k++) top = xp[k * inner] > top ? xp[k * inner] : top;
+            float sum = 0.0f;
+            for (int64_t k = 0; k < axis_size; k++) {
+                float e = expf(xp[k * inner] - top);
+                sum += e;
+                if (!log) yp[k * inner] = e;
+            }
+            if (log) {
+                float shift = top + logf(sum);
+                for (int64_t k = 0; k < axis_size; k++) yp[k * inner] = xp[k * inner] - shift;
+            } else {
+                float inv = 1.0f / sum;
+                for (int64_t k = 0; k < axis_size; k++) yp[k * inner] *= inv;
+            }
+        }
+    }
+}
+
+/* one input of a Concat: its outer blocks of `part` elements go to y at `offset` within blocks of `whole` */
+static CR_UNUSED void cr_concat_part(const float *x, float *y, int64_t outer, int64_t part, int64_t whole,
+                                     int64_t offset) {
+    for (int64_t o = 0; o < outer; o++) memcpy(y + o * whole + offset, x + o * part, (size_t)part * sizeof(float));
+}
+
+/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded) */
+static CR_UNUSED void cr_transpose(const float *x, float *y, const int64_t *shape, const int64_t *strides) {
+    int64_t total = 1;
+    for (int d = 0; d < CR_MAX_RANK; d++) total *= shape[d];
+    int64_t index[CR_MAX_RANK] = {0};
+    for (int64_t t = 0; t < total; t++) {
+        int64_t at = 0;
+        for (int d = 0; d < CR_MAX_RANK; d++) at += index[d] * strides[d];
+        y[t] = x[at];
+        for (int d = CR_MAX_RANK - 1; d >= 0; d--) {
+            if (++index[d] < shape[d]) break;
+            index[d] = 0;
+        }
+    }
+}
+
+/* local response normalization across channels (NCHW):
+ * y = x / (bias + alpha / size * sum of x^2 over channels c - (size - 1) / 2 .. c + size / 2) ^ beta */
+static CR_UNUSED void cr_lrn(const float *x, float *y, int64_t n, int64_t c, int64_t inner, int64_t size, float alpha,
+                             float beta, float bias) {
+    int64_t before = (size - 1) / 2, after = size / 2;
+    for (int64_t img = 0; img < n; img++) {
+        const float *xi = x + img * c * inner;
+        float *yi = y + img * c * inner;
+        for (int64_t ch = 0; ch < c; ch++) {
+            int64_t lo = ch - before < 0 ? 0 : ch - before, hi = ch + after >= c ? c - 1 : ch + after;
+            for (int64_t i = 0; i < inner; i++) {
+                float sum = 0.0f;
+                for (int64_t k = lo; k <= hi; k++) sum += xi[k * inner + i] * xi[k * inner + i];
+                yi[ch * inner + i] = xi[ch * inner + i] / powf(bias + alpha / (float)size * sum, beta);
+            }
+        }
+    }
+}
+
+#endif
