@@ -51,9 +51,19 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 _reasons: dict[str, str] = {}
 
 
+_OFF = ("0", "false", "no", "off")
+#: os.environ's own mapping (bytes on POSIX): every kernel call asks `enabled()`, and os.environ.get encodes and
+#: decodes on each call (about 1 us), which small models pay hundreds of times per run
+_ENVIRON = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("CARRACK_NATIVE") if _ENVIRON is not None else None
+
+
 def enabled() -> bool:
     """False when the user turned native kernels off with CARRACK_NATIVE=0."""
-    return os.environ.get("CARRACK_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    if _ENVIRON is None:
+        return os.environ.get("CARRACK_NATIVE", "1").strip().lower() not in _OFF
+    raw = _ENVIRON.get(_KEY)
+    return raw is None or os.environ.decodevalue(raw).strip().lower() not in _OFF
 
 
 def library(name: str) -> ctypes.CDLL | None:

@@ -53,7 +53,8 @@ def _outputs(node_outputs: list[str], values: list) -> tuple | np.ndarray:
 def _row_params(shape: tuple[int, ...], *params: np.ndarray | None) -> list[np.ndarray | None] | None:
     """Per-element parameters as float32 arrays of the normalized `shape` (None: one does not broadcast to it)."""
     try:
-        return [None if p is None else np.broadcast_to(p, shape).astype(np.float32, copy=False) for p in params]
+        return [p if p is None or (p.shape == shape and p.dtype == np.float32)
+                else np.broadcast_to(p, shape).astype(np.float32, copy=False) for p in params]
     except ValueError:
         return None
 
@@ -135,9 +136,12 @@ class SkipLayerNormalization(Kernel):
     def _run_native(self, out, x, skip, gamma, beta, bias) -> tuple | np.ndarray | None:
         hidden = x.shape[-1]
         params = _row_params((hidden,), gamma, beta, bias)
-        if params is None or np.broadcast_shapes(x.shape, skip.shape) != x.shape:
+        if params is None:
             return None
-        skip = np.broadcast_to(skip, x.shape)
+        if skip.shape != x.shape:
+            if np.broadcast_shapes(x.shape, skip.shape) != x.shape:
+                return None
+            skip = np.broadcast_to(skip, x.shape)
         y, mean, inv_std, total = rowops.layer_norm(x, params[0], params[1], self.epsilon, hidden, skip=skip,
                                                     bias=params[2], out=out, stats=self.wants_stats,
                                                     total=self.wants_sum)
