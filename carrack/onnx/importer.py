@@ -55,9 +55,16 @@ def _parse(source: bytes | bytearray | memoryview | ModelProto) -> tuple[ModelPr
     raise TypeError(f"expected a model path, bytes or onnx.ModelProto, got {type(source).__name__}")
 
 
+def _refuse_gguf(head: bytes, what: str) -> None:
+    if head[:4] == b"GGUF":
+        raise UnsupportedModel(f"{what} is a GGUF file, not ONNX: run it with carrack.llm.Llama(path) or "
+                               "`carrack generate FILE -p PROMPT`")
+
+
 def _parse_bytes(data: bytes, what: str) -> ModelProto:
     if not data:
         raise CorruptModel(f"{what} is empty")
+    _refuse_gguf(data[:4], what)
     proto = ModelProto()
     try:
         proto.ParseFromString(data)
@@ -74,6 +81,8 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
         raise ModelFileNotFound(f"model file '{path}' does not exist")
     if os.path.getsize(path) == 0:
         raise CorruptModel(f"{what} is empty")
+    with open(path, "rb") as f:
+        _refuse_gguf(f.read(4), what)
     try:
         with memoryview(mapped_file(path)) as buf:
             split = split_model(buf, IN_PLACE_RAW_BYTES)

@@ -205,3 +205,17 @@ def test_function_bodied_op_without_kernel_is_expanded(monkeypatch):
     mean = x.mean(axis=(0, 2, 3), keepdims=True)
     std = np.sqrt(((x - mean) ** 2).mean(axis=(0, 2, 3), keepdims=True))
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], (x - mean) / (std + 1e-9), rtol=1e-4, atol=1e-5)
+
+
+def test_a_gguf_file_is_pointed_to_carrack_llm(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for source in (str(path), path.read_bytes()):
+        with pytest.raises(UnsupportedModel, match=r"GGUF file.*carrack\.llm\.Llama"):
+            carrack.InferenceSession(source)
