@@ -32,6 +32,7 @@ from carrack.onnx.tensors import (
     mapped_file,
     tensor_to_array,
 )
+from carrack.onnx.validate import validate_model
 from carrack.onnx.wire import WireError, split_model
 
 ModelSource = str | os.PathLike | bytes | ModelProto
@@ -100,6 +101,7 @@ def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "mo
     if not proto.HasField("graph"):
         raise InvalidModel(f"{what} has no graph (not an ONNX model, or truncated)")
     opsets = _opsets(proto, what)
+    validate_model(proto, opsets, what)
     functions = {(canonical_domain(f.domain), f.name): _import_function(f, base_dir) for f in proto.functions}
     graph = import_graph(proto.graph, base_dir, raw_data)
     if functions:
