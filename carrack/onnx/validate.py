@@ -196,7 +196,7 @@ def _check_window_attributes(node: NodeProto, op_type: str, label: str) -> None:
 
 
 def _check_cast(node: NodeProto, schema: onnx.defs.OpSchema, label: str) -> None:
-    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    to = next((a.i for a in node.attribute if a.name == "to" and a.type == AttributeProto.INT), None)
     if to is None:
         return
     allowed = next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == "T2"), [])
@@ -220,13 +220,17 @@ def _check_declared_dims(v: onnx.ValueInfoProto, where: str) -> None:
 
 
 def _check_dims(dims: list[int], elem_type: int, where: str) -> None:
-    """Dims of a tensor of static size must fit: each non-negative, and the byte count within an address space."""
+    check_static_shape(dims, _itemsize(elem_type), where)
+
+
+def check_static_shape(dims: list[int], itemsize: int, where: str) -> None:
+    """Dims of a tensor of static size must fit: each non-negative, and the byte count within an address space
+    (InvalidModel naming `where` otherwise)."""
     count = 1
     for d in dims:
         if d < 0:
             raise InvalidModel(f"{where} has dim {d} in {dims}; dims must be non-negative")
         count *= d
-    itemsize = _itemsize(elem_type)
     if count * itemsize > MAX_TENSOR_BYTES:
         raise InvalidModel(f"{where} has dims {dims}: {count:,} elements ({count * itemsize:,} bytes), more than an "
                            f"address space holds ({MAX_TENSOR_BYTES:,} bytes)")

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from carrack.ir.graph import Graph, Node
+from carrack.onnx.validate import check_static_shape
 from carrack.ops import registry
 from carrack.passes.graph_view import GraphView
 from carrack.passes.rewrite import BASIC, Context, RuleSet
@@ -111,6 +112,7 @@ def _fold_uniform(node: Node, view: GraphView, shape: np.ndarray) -> bool:
     dims = tuple(int(d) for d in np.asarray(shape).reshape(-1))
     if any(d < 0 for d in dims) or scalar.size != 1:
         return False
+    check_static_shape(list(dims), scalar.itemsize, f"{node.label()} output '{node.outputs[0]}'")
     view.graph.initializers[node.outputs[0]] = np.broadcast_to(scalar.reshape(()), dims)
     view.remove([node])
     return True

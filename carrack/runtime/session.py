@@ -23,7 +23,7 @@ from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
 from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan import Plan, build_plan
-from carrack.runtime.allocator import retain_freed_memory
+from carrack.runtime.allocator import retain_freed_memory, set_memory_limit
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
@@ -112,6 +112,8 @@ class InferenceSession(OrtSessionApi):
         self._model = plan.model
         self.optimizer_stats = plan.optimizer_stats
         self._program = self._compile(plan.graph)
+        if not plan.symbols:  # static sizes: a value or arena too large for this machine is refused at load
+            plan.bind(())
         if options.enable_mem_pattern:
             self._program.attach(plan)
         self._symbol_axes = _symbol_axes(self._inputs, plan.symbols)
@@ -156,6 +158,7 @@ class InferenceSession(OrtSessionApi):
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
+        set_memory_limit(self._options.memory_limit_bytes)  # for the kernels' allocation checks in this thread
         should_stop = terminate_check(run_options)
         feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
