@@ -11,6 +11,7 @@ once into its aligned array, so loading holds the weights about once, not three 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,10 +26,12 @@ from carrack.ir.order import topological_order
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
 from carrack.onnx.tensors import (
+    EXTERNAL_DATA_ROOT,
     IN_PLACE_RAW_BYTES,
     FileRange,
     aligned_copy,
     aligned_empty,
+    file_kind,
     mapped_file,
     tensor_to_array,
 )
@@ -38,8 +41,17 @@ from carrack.onnx.wire import WireError, split_model
 ModelSource = str | os.PathLike | bytes | ModelProto
 
 
-def load_model(source: ModelSource) -> Model:
-    """Parse and import a model from a file path, serialized bytes, or a ModelProto."""
+def load_model(source: ModelSource, external_data_root: str | None = None) -> Model:
+    """Parse and import a model from a file path, serialized bytes, or a ModelProto. External data may resolve
+    (through symbolic links) into the model's folder or into `external_data_root` (see tensors.external_path)."""
+    token = EXTERNAL_DATA_ROOT.set(external_data_root)
+    try:
+        return _load_model(source)
+    finally:
+        EXTERNAL_DATA_ROOT.reset(token)
+
+
+def _load_model(source: ModelSource) -> Model:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         proto, raw_data = _parse_file(path)
@@ -71,8 +83,11 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
     """The model in file `path`, parsed without its large main-graph raw_data, and where each of those lies in the
     file (keyed by initializer index)."""
     what = f"model file '{path}'"
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ModelFileNotFound(f"model file '{path}' does not exist")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):  # never opened: opening a FIFO blocks
+        raise InvalidModel(f"{what} is not a regular file ({file_kind(mode)})")
     if os.path.getsize(path) == 0:
         raise CorruptModel(f"{what} is empty")
     try:

@@ -17,7 +17,7 @@ from carrack.ir.graph import Graph, Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
-from carrack.onnx.tensors import seal_constants
+from carrack.onnx.tensors import EXTERNAL_DATA_ROOT_KEY, seal_constants
 from carrack.passes.facts import const_fact
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
@@ -77,7 +77,7 @@ class InferenceSession(OrtSessionApi):
                  **kwargs: Any):
         options = sess_options or SessionOptions()
         self._record_source(path_or_bytes, providers, provider_options)
-        source_model = apply_session_options(load_model(path_or_bytes), options)
+        source_model = apply_session_options(load_model(path_or_bytes, external_data_root(options)), options)
         source = source_model.graph
         initialized = set(source.initializers)
         # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
@@ -329,3 +329,9 @@ def _inter_op_threads(options: SessionOptions) -> int:
     if options.execution_mode != ExecutionMode.ORT_PARALLEL:
         return 1
     return options.inter_op_num_threads or os.cpu_count() or 1
+
+
+def external_data_root(options: SessionOptions) -> str | None:
+    """The folder external data may also resolve into: the SessionOptions config entry
+    "session.external_data_root" (carrack's own; onnxruntime has none)."""
+    return options._configs.get(EXTERNAL_DATA_ROOT_KEY) or None
