@@ -27,6 +27,8 @@ from carrack.errors import InvalidModel
 SCHEMA_DOMAINS = ("", "ai.onnx", "ai.onnx.ml", "ai.onnx.preview.training")
 #: the most bytes one tensor may describe: x86-64 and arm64 user address spaces are 2**47 bytes
 MAX_TENSOR_BYTES = 1 << 47
+#: numpy's most dims
+MAX_RANK = 64
 #: the largest kernel_shape, stride, dilation or pad accepted (kernels index with 32-bit offsets in places)
 MAX_WINDOW_ATTR = 2**31 - 1
 CONV_OPS = {"Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "FusedConv", "NhwcConv", "DeformConv"}
@@ -226,6 +228,8 @@ def _check_dims(dims: list[int], elem_type: int, where: str) -> None:
 def check_static_shape(dims: list[int], itemsize: int, where: str) -> None:
     """Dims of a tensor of static size must fit: each non-negative, and the byte count within an address space
     (InvalidModel naming `where` otherwise)."""
+    if len(dims) > MAX_RANK:
+        raise InvalidModel(f"{where} has rank {len(dims)}; carrack's arrays have at most {MAX_RANK} dims")
     count = 1
     for d in dims:
         if d < 0:

@@ -10,6 +10,8 @@ from carrack.passes.rewrite import EXTENDED, Context, RuleSet
 
 MS = "com.microsoft"
 RULES = RuleSet("fusions")
+#: a normalization with more channels than this is left to its kernel (its parameters are not real)
+MAX_FOLDED_CHANNELS = 1 << 24
 
 
 def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] | None:
@@ -21,6 +23,8 @@ def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] 
     params = [view.const(i) for i in bn.inputs[1:5]]
     if any(p is None for p in params) or len(params) != 4:
         return None
+    if len({p.size for p in params}) != 1 or any(p.ndim != 1 or p.size > MAX_FOLDED_CHANNELS for p in params):
+        return None  # inconsistent parameters: not folded, the kernel reports them
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
     scale = gamma / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
     return scale, beta - mean * scale

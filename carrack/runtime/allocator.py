@@ -102,6 +102,8 @@ def check_shape(shape: Sequence[int], dtype: Any, what: str) -> None:
     from carrack.errors import InvalidArgument
 
     dims = [int(d) for d in shape]
+    if len(dims) > 64:
+        raise InvalidArgument(f"{what} would have rank {len(dims)}; arrays have at most 64 dims")
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"{what} would have a negative dim: shape {dims}")
     nbytes = math.prod(dims) * np.dtype(dtype).itemsize

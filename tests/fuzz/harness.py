@@ -140,8 +140,20 @@ def run_gguf_mutant(data: bytes) -> None:
                         raise
 
 
+def _address_space_limit() -> int:
+    """ADDRESS_SPACE_LIMIT, or 2 GiB above what this process already maps when that is more (a pytest process that
+    imported torch maps several GiB before any mutant runs)."""
+    try:
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return ADDRESS_SPACE_LIMIT
+    return max(ADDRESS_SPACE_LIMIT, mapped + (2 << 30))
+
+
 def _child(work: Callable[[], None], out_fd: int) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_LIMIT, ADDRESS_SPACE_LIMIT))
+    limit = _address_space_limit()
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     try:
         work()
@@ -198,6 +210,15 @@ def warm_up(seeds: Sequence[Seed]) -> None:
 def fuzz_onnx(seeds: Sequence[Seed], cases: int | Sequence[int], seed: int = 0, timeout: float = 60.0,
               log: Callable[[int, dict], None] | None = None) -> Report:
     """`cases` mutants of the seed models, each loaded and run in its own child."""
+    from carrack.runtime.blas import limited_blas_threads
+
+    # one BLAS thread: forking while a BLAS worker holds a lock would leave the child waiting for it forever
+    with limited_blas_threads(1):
+        return _fuzz_onnx(seeds, cases, seed, timeout, log)
+
+
+def _fuzz_onnx(seeds: Sequence[Seed], cases: int | Sequence[int], seed: int, timeout: float,
+               log: Callable[[int, dict], None] | None) -> Report:
     warm_up(seeds)
     report, start = Report(), time.monotonic()
     for case in (range(cases) if isinstance(cases, int) else cases):

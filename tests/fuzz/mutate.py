@@ -78,7 +78,9 @@ def _attr_type(model: ModelProto, rng: random.Random) -> str:
 
 
 def _tensor_value(t: TensorProto, rng: random.Random) -> None:
-    if t.data_type == TensorProto.INT64 and (t.raw_data or t.int64_data):
+    if t.data_location == TensorProto.EXTERNAL:
+        t.data_location = TensorProto.DEFAULT
+    elif t.data_type == TensorProto.INT64 and (t.raw_data or t.int64_data):
         values = onnx.numpy_helper.to_array(t).copy().reshape(-1)
         if values.size:
             values[rng.randrange(values.size)] = _extreme(rng)
@@ -224,7 +226,7 @@ def mutate_model(data: bytes, rng: random.Random) -> tuple[bytes, str]:
         kind = rng.random()
         if kind < 0.75:
             try:
-                model = onnx.load_from_string(data)
+                model = ModelProto.FromString(data)
             except Exception:
                 data = mutate_bytes(data, rng)
                 done.append("bytes")
@@ -234,13 +236,13 @@ def mutate_model(data: bytes, rng: random.Random) -> tuple[bytes, str]:
             try:
                 what = func(model, rng)
                 data = model.SerializeToString()
-            except (TypeError, ValueError, IndexError):  # protobuf refused the edit (a name that is bytes...)
+            except Exception:  # noqa: BLE001 - protobuf or numpy refused the edit (a name that is bytes...)
                 what = ""
 
             done.append(what or "nothing")
         elif kind < 0.85:
             try:
-                model = onnx.load_from_string(data)
+                model = ModelProto.FromString(data)
             except Exception:
                 continue
             data = _invalid_utf8_name(data, model, rng)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import ModelProto, numpy_helper
 
 ONNX_SUITES = ("light", "simple", "pytorch-converted")
 
@@ -42,7 +42,7 @@ def _recorded_inputs(model_path: str, data: bytes) -> dict[str, np.ndarray]:
     files = sorted(glob.glob(os.path.join(os.path.dirname(model_path), "test_data_set_0", "input_*.pb")))
     if not files:
         return {}
-    model = onnx.load_from_string(data)
+    model = ModelProto.FromString(data)
     initialized = {t.name for t in model.graph.initializer}
     names = [v.name for v in model.graph.input if v.name not in initialized]
     feeds = {}
