@@ -130,6 +130,17 @@ def _rank(view: GraphView, name: str, depth: int = 64) -> int | None:
     return None
 
 
+def _channels_match(conv: Node, w: np.ndarray, scale: np.ndarray, bias: np.ndarray | None) -> bool:
+    """Whether a convolution's weight (and bias) has as many output channels as the normalization after it."""
+    if w.ndim < 2:
+        return False
+    group = conv.attrs.get("group", 1)
+    channels = w.shape[0] if conv.op_type == "Conv" else w.shape[1] * group
+    if conv.op_type == "ConvTranspose" and (group < 1 or w.shape[0] % group):
+        return False
+    return scale.size == channels and (bias is None or bias.size == channels)
+
+
 @RULES.rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
 def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization becomes one layer with adjusted weights and bias."""
@@ -148,6 +159,8 @@ def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     bias = view.const(prev.inputs[2]) if len(prev.inputs) > 2 and prev.inputs[2] else None
     if len(prev.inputs) > 2 and prev.inputs[2] and bias is None:
         return False
+    if prev.op_type in ("Conv", "ConvTranspose") and not _channels_match(prev, w, scale, bias):
+        return False  # inconsistent: left to the kernels, which name the node
     if prev.op_type == "Conv":
         new_w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
     elif prev.op_type == "ConvTranspose":

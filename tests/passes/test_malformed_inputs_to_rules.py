@@ -55,3 +55,12 @@ def test_an_op_without_a_schema_at_the_model_opset_is_reported_not_folded():
     cast = helper.make_node("Cast", ["r"], ["c"], to=TensorProto.FLOAT)
     with pytest.raises(CarrackError, match="Range"):
         _load([rng, cast, helper.make_node("Add", ["x", "c"], ["y"])], [_x((1,))], [one], opset=9)
+
+
+def test_batchnorm_after_a_conv_of_another_width_is_reported_by_a_node():
+    params = [numpy_helper.from_array(np.ones(8, np.float32), name) for name in ("g", "b", "m", "v")]
+    w = numpy_helper.from_array(np.ones((4, 4, 1, 1), np.float32), "w")
+    conv = helper.make_node("Conv", ["x", "w"], ["c"])
+    bn = helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")
+    with pytest.raises(CarrackError, match="BatchNormalization node 'bn'"):
+        _load([conv, bn], [_x()], [w, *params]).run(None, {"x": np.ones((1, 4, 2, 2), np.float32)})
