@@ -45,11 +45,11 @@ def test_the_harness_tells_outcomes_apart():
 
 
 def test_mutated_onnx_models_get_clear_errors():
-    _assert_clean(fuzz_onnx(onnx_wheel_seeds(), 200, seed=1, timeout=30))
+    _assert_clean(fuzz_onnx(onnx_wheel_seeds(), 150, seed=1, timeout=30))
 
 
 def test_mutated_gguf_files_get_clear_errors(tmp_path):
-    _assert_clean(fuzz_gguf(gguf_seeds(tmp_path), 150, seed=1, timeout=20))
+    _assert_clean(fuzz_gguf(gguf_seeds(tmp_path), 100, seed=1, timeout=20))
 
 
 @pytest.mark.slow
