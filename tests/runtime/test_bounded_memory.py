@@ -126,3 +126,17 @@ def test_a_kernel_error_names_its_node():
                              helper.make_tensor_value_info("pos", TensorProto.INT64, [])], [_out()])
     with pytest.raises(RunFailure, match="SequenceAt node 'pick': position 50 is out of range"):
         s.run(None, {"x": np.ones(2, np.float32), "pos": np.array(50)})
+
+
+def test_the_limit_holds_for_nodes_run_on_inter_op_threads():
+    nodes = [helper.make_node("ConstantOfShape", ["small"], ["a"]),
+             helper.make_node("ConstantOfShape", ["big"], ["b"], name="big_fill")]  # the second root: a pool thread
+    graph = helper.make_graph(nodes, "g", [_shape_input("small"), _shape_input("big")], [_out("a"), _out("b")])
+    options = carrack.SessionOptions()
+    options.memory_limit_bytes = 32 * MiB
+    options.execution_mode = carrack.ExecutionMode.ORT_PARALLEL
+    options.inter_op_num_threads = 2
+    s = carrack.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+                                 .SerializeToString(), options)
+    with pytest.raises(MemoryLimitExceeded, match="ConstantOfShape node 'big_fill' output 'b'"):
+        s.run(None, {"small": np.array([4], np.int64), "big": np.array([32 << 20], np.int64)})  # 128 MiB
