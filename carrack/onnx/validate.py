@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto
@@ -61,28 +62,43 @@ def _check_graph(graph: GraphProto, opsets: Mapping[str, int], where: str) -> No
 
 
 def _check_node(node: NodeProto, index: int, opsets: Mapping[str, int], where: str) -> None:
+    op_type, domain = node.op_type, node.domain
+    if not (isinstance(op_type, str) and isinstance(node.name, str) and isinstance(domain, str)
+            and all(isinstance(x, str) for x in node.input) and all(isinstance(x, str) for x in node.output)
+            and all(isinstance(a.name, str) for a in node.attribute)):
+        _refuse_bytes(node, index, where)
+    domain = _domain(domain)
+    facts = _facts(domain, op_type, opsets.get(domain, 0)) if domain in SCHEMA_DOMAINS else None
+    if facts is not None:
+        _check_arity(node, facts, index, where)
+        _check_attribute_types(node, facts, index, where)
+        if op_type == "Cast":
+            _check_cast(node, facts, _label(node, index, where))
+    if (op_type in CONV_OPS or op_type in POOL_OPS) and (domain in SCHEMA_DOMAINS or domain == "com.microsoft"):
+        _check_window_attributes(node, op_type, _label(node, index, where))
+    for a in node.attribute:
+        if a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS, AttributeProto.UNDEFINED):
+            for sub in _subgraphs(a):
+                _check_graph(sub, opsets, f"{_label(node, index, where)}, attribute {a.name!r}")
+
+
+def _label(node: NodeProto, index: int, where: str) -> str:
+    """How errors name a node (built only when needed: most nodes are fine)."""
+    return f"{where}, node {index} ({node.op_type}" + (f" {node.name!r})" if node.name else ")")
+
+
+def _refuse_bytes(node: NodeProto, index: int, where: str) -> None:
     op_type = _text(node.op_type, f"node {index} op_type", where)
-    label = f"{where}, node {index} ({op_type}"
-    name = _text(node.name, "name", label + ")")
-    label += f" {name!r})" if name else ")"
-    domain = _domain(_text(node.domain, "domain", label))
+    label = f"{where}, node {index} ({op_type})"
+    _text(node.name, "name", label)
+    label = _label(node, index, where)
+    _text(node.domain, "domain", label)
     for i, x in enumerate(node.input):
         _text(x, f"input {i}", label)
     for i, x in enumerate(node.output):
         _text(x, f"output {i}", label)
     for a in node.attribute:
         _text(a.name, "attribute name", label)
-    schema = _schema(domain, op_type, opsets.get(domain, 0)) if domain in SCHEMA_DOMAINS else None
-    if schema is not None:
-        _check_arity(node, schema, label)
-        _check_attribute_types(node, schema, label)
-    if domain in SCHEMA_DOMAINS or domain == "com.microsoft":
-        _check_window_attributes(node, op_type, label)
-        if op_type == "Cast" and schema is not None:
-            _check_cast(node, schema, label)
-    for a in node.attribute:
-        for sub in _subgraphs(a):
-            _check_graph(sub, opsets, f"{label}, attribute {a.name!r}")
 
 
 def _subgraphs(a: AttributeProto) -> Iterator[GraphProto]:
@@ -91,30 +107,57 @@ def _subgraphs(a: AttributeProto) -> Iterator[GraphProto]:
     yield from a.graphs
 
 
+@dataclass(frozen=True)
+class _SchemaFacts:
+    """What validation reads from an OpSchema, read once per (domain, op, opset): pybind copies on every access."""
+
+    name: str
+    since: int
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    required_inputs: tuple[tuple[int, str], ...]  # (position, formal name) of Single inputs
+    output0_required: str | None
+    attributes: dict[str, int]
+    required_attributes: tuple[str, ...]
+    cast_targets: tuple[str, ...]
+
+
 @functools.lru_cache(maxsize=4096)
-def _schema(domain: str, op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+def _facts(domain: str, op_type: str, opset: int) -> _SchemaFacts | None:
     if opset <= 0:
         return None
     try:
-        return onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain=domain)
+        schema = onnx.defs.get_schema(op_type, max_inclusive_version=opset, domain=domain)
     except onnx.defs.SchemaError:
         return None
+    formal_in, formal_out, attrs = schema.inputs, schema.outputs, schema.attributes
+    return _SchemaFacts(
+        name=schema.name, since=schema.since_version,
+        inputs=(schema.min_input, schema.max_input), outputs=(schema.min_output, schema.max_output),
+        required_inputs=tuple((i, f.name) for i, f in enumerate(formal_in) if f.option == _Option.Single),
+        output0_required=formal_out[0].name if formal_out and formal_out[0].option == _Option.Single else None,
+        attributes={name: int(a.type) for name, a in attrs.items()},
+        required_attributes=tuple(name for name, a in attrs.items() if a.required),
+        cast_targets=tuple(next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == "T2"),
+                                [])))
 
 
-def _check_arity(node: NodeProto, schema: onnx.defs.OpSchema, label: str) -> None:
-    at = f"{label} at opset {schema.since_version}"
+def _check_arity(node: NodeProto, facts: _SchemaFacts, index: int, where: str) -> None:
     n_in, n_out = len(node.input), len(node.output)
-    if not schema.min_input <= n_in <= schema.max_input:
-        raise InvalidModel(f"{at} has {n_in} input(s); {schema.name} takes "
-                           f"{_range(schema.min_input, schema.max_input)}")
-    if not schema.min_output <= n_out <= schema.max_output:
-        raise InvalidModel(f"{at} has {n_out} output(s); {schema.name} gives "
-                           f"{_range(schema.min_output, schema.max_output)}")
-    for i, (name, formal) in enumerate(zip(node.input, schema.inputs)):
-        if not name and formal.option == _Option.Single:
-            raise InvalidModel(f"{at}: input {i} ({formal.name!r}) is required but its name is empty")
-    if any(not name for name in node.output[:1]) and schema.outputs and schema.outputs[0].option == _Option.Single:
-        raise InvalidModel(f"{at}: output 0 ({schema.outputs[0].name!r}) is required but its name is empty")
+    (min_in, max_in), (min_out, max_out) = facts.inputs, facts.outputs
+    if not min_in <= n_in <= max_in:
+        raise InvalidModel(f"{_label(node, index, where)} at opset {facts.since} has {n_in} input(s); {facts.name} "
+                           f"takes {_range(min_in, max_in)}")
+    if not min_out <= n_out <= max_out:
+        raise InvalidModel(f"{_label(node, index, where)} at opset {facts.since} has {n_out} output(s); "
+                           f"{facts.name} gives {_range(min_out, max_out)}")
+    for i, formal in facts.required_inputs:
+        if i < n_in and not node.input[i]:
+            raise InvalidModel(f"{_label(node, index, where)} at opset {facts.since}: input {i} ({formal!r}) is "
+                               "required but its name is empty")
+    if facts.output0_required and n_out and not node.output[0]:
+        raise InvalidModel(f"{_label(node, index, where)} at opset {facts.since}: output 0 "
+                           f"({facts.output0_required!r}) is required but its name is empty")
 
 
 def _range(low: int, high: int) -> str:
@@ -123,23 +166,23 @@ def _range(low: int, high: int) -> str:
     return f"at least {low}" if high >= 2**30 else f"{low} to {high}"
 
 
-def _check_attribute_types(node: NodeProto, schema: onnx.defs.OpSchema, label: str) -> None:
-    given = set()
+def _check_attribute_types(node: NodeProto, facts: _SchemaFacts, index: int, where: str) -> None:
     for a in node.attribute:
-        given.add(a.name)
-        expected = schema.attributes.get(a.name)
+        expected = facts.attributes.get(a.name)
         if expected is None:
-            raise InvalidModel(f"{label} has attribute {a.name!r}, which {schema.name} (opset "
-                               f"{schema.since_version}) does not define; it defines {sorted(schema.attributes)}")
+            raise InvalidModel(f"{_label(node, index, where)} has attribute {a.name!r}, which {facts.name} (opset "
+                               f"{facts.since}) does not define; it defines {sorted(facts.attributes)}")
         if a.ref_attr_name:  # inside a function body: the caller's attribute, checked at the call
             continue
         actual = _attribute_type(a)
-        if actual != int(expected.type):
-            raise InvalidModel(f"{label}: attribute {a.name!r} is {_type_name(actual)}; {schema.name} expects "
-                               f"{_type_name(int(expected.type))}")
-    missing = [name for name, attr in schema.attributes.items() if attr.required and name not in given]
-    if missing:
-        raise InvalidModel(f"{label} lacks required attribute(s) {missing}")
+        if actual != expected:
+            raise InvalidModel(f"{_label(node, index, where)}: attribute {a.name!r} is {_type_name(actual)}; "
+                               f"{facts.name} expects {_type_name(expected)}")
+    if facts.required_attributes:
+        given = {a.name for a in node.attribute}
+        missing = [name for name in facts.required_attributes if name not in given]
+        if missing:
+            raise InvalidModel(f"{_label(node, index, where)} lacks required attribute(s) {missing}")
 
 
 def _attribute_type(a: AttributeProto) -> int:
@@ -173,8 +216,6 @@ def _ints(node: NodeProto, name: str) -> list[int] | None:
 
 def _check_window_attributes(node: NodeProto, op_type: str, label: str) -> None:
     """Kernel, stride, dilation and pad attributes of convolutions and pools, as onnxruntime validates them."""
-    if op_type not in CONV_OPS and op_type not in POOL_OPS:
-        return
     kernel = _ints(node, "kernel_shape")
     for attr, low in (("kernel_shape", 1), ("strides", 1), ("dilations", 1), ("pads", 0), ("output_padding", 0)):
         values = _ints(node, attr)
@@ -197,16 +238,15 @@ def _check_window_attributes(node: NodeProto, op_type: str, label: str) -> None:
                                    f"axis (axis {axis}: kernel {k}, pads {pads[axis]} and {pads[axis + len(kernel)]})")
 
 
-def _check_cast(node: NodeProto, schema: onnx.defs.OpSchema, label: str) -> None:
+def _check_cast(node: NodeProto, facts: _SchemaFacts, label: str) -> None:
     to = next((a.i for a in node.attribute if a.name == "to" and a.type == AttributeProto.INT), None)
     if to is None:
         return
-    allowed = next((c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == "T2"), [])
     type_str = f"tensor({TensorProto.DataType.Name(to).lower()})" if to in TensorProto.DataType.values() else None
-    if type_str not in allowed:
+    if type_str not in facts.cast_targets:
         shown = TensorProto.DataType.Name(to) if type_str else str(to)
-        raise InvalidModel(f"{label}: Cast to {shown} is not allowed; Cast (opset {schema.since_version}) converts "
-                           f"to {', '.join(s[7:-1] for s in allowed)}")
+        raise InvalidModel(f"{label}: Cast to {shown} is not allowed; Cast (opset {facts.since}) converts "
+                           f"to {', '.join(s[7:-1] for s in facts.cast_targets)}")
 
 
 def _check_declared_dims(v: onnx.ValueInfoProto, where: str) -> None:
