@@ -197,7 +197,11 @@ def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
 
 
 def _import_node(n: onnx.NodeProto, base_dir: str | None) -> Node:
-    attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    try:
+        attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    except InvalidModel as e:  # an attribute's tensor has no name of its own: say whose it is
+        label = f"{n.op_type} node '{n.name}'" if n.name else f"{n.op_type} node -> {list(n.output[:1])}"
+        raise type(e)(f"{label}: {e}") from None
     if n.op_type == "Constant" and not canonical_domain(n.domain):
         attrs = _constant_as_tensor(attrs)
     return Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output), attrs=attrs,

@@ -39,7 +39,7 @@ OUTCOMES = ("ok", "clear", "unclear", "memory", "crash", "hang")
 BAD_OUTCOMES = ("unclear", "memory", "crash", "hang")
 #: a message "names something" when it quotes a name or says which node, value, field... is wrong
 _NAMES_SOMETHING = re.compile(r"'[^']+'|\"[^\"]+\"|\bnode\b|\bvalue\b|\bfield\b|\battribute\b|\binput\b|\boutput\b"
-                              r"|\binitializer\b|\btensor\b|\bopset\b|\bkey\b|\boffset\b|\bfile\b|\bmodel\b"
+                              r"|\binitializer\b|\bopset\b|\bkey\b|\boffset\b|\bfile\b|\bmodel\b"
                               r"|(?:^|\s)/\S+", re.I)
 
 

@@ -111,3 +111,9 @@ def test_well_formed_models_still_load():
                     helper.make_node("Cast", ["p"], ["y"], to=TensorProto.DOUBLE)])
     out = carrack.InferenceSession(model.SerializeToString()).run(None, {"x": np.ones((1, 1, 4, 4), np.float32)})[0]
     assert out.dtype == np.float64 and out.shape == (1, 1, 5, 5)
+
+
+def test_a_constant_whose_tensor_does_not_decode_names_the_node():
+    value = TensorProto(data_type=TensorProto.FLOAT, dims=[2, 3], raw_data=b"\0" * 8)
+    node = helper.make_node("Constant", [], ["c"], name="weights", value=value)
+    _refused(_model([node, helper.make_node("Add", ["x", "c"], ["y"])]), "Constant node 'weights'", "holds 8 bytes")
