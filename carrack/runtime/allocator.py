@@ -17,7 +17,7 @@ import math
 import os
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,15 +59,25 @@ def _mallopt(param: int, value: int) -> bool:
 # malformed model gets an error naming the node, the value and the size instead of a MemoryError or a swapping
 # machine.
 
-#: the memory limit of the session whose run is executing in this thread (0: none); set by InferenceSession.run
+#: the memory limit of the session whose run is executing in this thread (0: none); see with_memory_limit
 MEMORY_LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar("carrack_memory_limit", default=0)
 #: kernel results below this many bytes are not checked (checking costs more than they can do harm)
 CHECK_THRESHOLD = 1 << 20
 
 
-def set_memory_limit(limit_bytes: int) -> None:
-    """The memory limit for the allocations of the run starting in this thread (0 for none)."""
-    MEMORY_LIMIT.set(int(limit_bytes or 0))
+def with_memory_limit(limit_of: Callable[[Any], int]) -> Callable:
+    """Decorates a session's run method: while it runs, allocations in this thread (and the pool threads it hands
+    nodes to) are checked against `limit_of(session)`; afterwards the previous limit is back."""
+    def decorate(run: Callable) -> Callable:
+        @functools.wraps(run)
+        def limited(self: Any, *args: Any, **kwargs: Any) -> Any:
+            token = MEMORY_LIMIT.set(int(limit_of(self) or 0))
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                MEMORY_LIMIT.reset(token)
+        return limited
+    return decorate
 
 
 @functools.lru_cache(maxsize=1)

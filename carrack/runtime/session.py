@@ -23,7 +23,7 @@ from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
 from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan import Plan, build_plan
-from carrack.runtime.allocator import retain_freed_memory, set_memory_limit
+from carrack.runtime.allocator import retain_freed_memory, with_memory_limit
 from carrack.runtime.blas import limited_blas_threads
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
@@ -154,11 +154,11 @@ class InferenceSession(OrtSessionApi):
         return ModelMetadata(m.producer, m.graph.name, m.domain, m.doc_string, m.graph_doc_string, m.model_version,
                              dict(m.metadata))
 
+    @with_memory_limit(lambda session: session._options.memory_limit_bytes)  # for the allocation checks
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
         wanted = self._output_positions(output_names)
-        set_memory_limit(self._options.memory_limit_bytes)  # for the kernels' allocation checks in this thread
         should_stop = terminate_check(run_options)
         feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 import carrack
 from carrack.errors import InvalidArgument, MemoryLimitExceeded, RunFailure
-from carrack.runtime.allocator import check_allocation, physical_memory_bytes
+from carrack.runtime.allocator import MEMORY_LIMIT, check_allocation, physical_memory_bytes
 
 MiB = 1 << 20
 
@@ -140,3 +140,12 @@ def test_the_limit_holds_for_nodes_run_on_inter_op_threads():
                                  .SerializeToString(), options)
     with pytest.raises(MemoryLimitExceeded, match="ConstantOfShape node 'big_fill' output 'b'"):
         s.run(None, {"small": np.array([4], np.int64), "big": np.array([32 << 20], np.int64)})  # 128 MiB
+
+
+def test_a_run_limit_ends_with_the_run():
+    small = _session([helper.make_node("ConstantOfShape", ["shape"], ["y"])], [_shape_input()], [_out()], limit=MiB)
+    small.run(None, {"shape": np.array([4], np.int64)})
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024, 1024])  # 4 MiB intermediates, planned
+    big = _session([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])], [x], [_out()])
+    assert big.run(None, {"x": np.ones((1, 1024, 1024), np.float32)})[0].shape == (1, 1024, 1024)
+    assert MEMORY_LIMIT.get() == 0
