@@ -147,6 +147,10 @@ def _opsets(proto: ModelProto, what: str) -> dict[str, int]:
     ver = opsets.get("", 0)
     if ver > newest:
         raise UnsupportedModel(f"{what} uses ai.onnx opset {ver}; carrack supports opsets 1 to {newest}")
+    bad = {domain or "ai.onnx": v for domain, v in opsets.items()
+           if v < 1 and domain in ("", "ai.onnx.ml", "ai.onnx.preview.training")}
+    if bad:
+        raise InvalidModel(f"{what} imports opset versions {bad}; a version is at least 1")
     return opsets
 
 

@@ -117,3 +117,10 @@ def test_a_constant_whose_tensor_does_not_decode_names_the_node():
     value = TensorProto(data_type=TensorProto.FLOAT, dims=[2, 3], raw_data=b"\0" * 8)
     node = helper.make_node("Constant", [], ["c"], name="weights", value=value)
     _refused(_model([node, helper.make_node("Add", ["x", "c"], ["y"])]), "Constant node 'weights'", "holds 8 bytes")
+
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_an_opset_version_below_one_is_refused(version):
+    model = _model([helper.make_node("Conv", ["x", "x"], [])])
+    model.opset_import[0].version = version
+    _refused(model, f"imports opset versions {{'ai.onnx': {version}}}")
