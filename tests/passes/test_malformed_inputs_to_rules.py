@@ -64,3 +64,19 @@ def test_batchnorm_after_a_conv_of_another_width_is_reported_by_a_node():
     bn = helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], name="bn")
     with pytest.raises(CarrackError, match="BatchNormalization node 'bn'"):
         _load([conv, bn], [_x()], [w, *params]).run(None, {"x": np.ones((1, 4, 2, 2), np.float32)})
+
+
+def test_a_rule_that_fails_on_a_node_is_reported_naming_the_node_and_the_rule():
+    from carrack.ir.graph import Graph, Node
+    from carrack.passes.graph_view import GraphView
+    from carrack.passes.optimizer import _apply
+    from carrack.passes.rewrite import Rewrite
+
+    def reads_a_missing_input(node, view, ctx):
+        return node.inputs[3] == "x"
+
+    node = Node("FastGelu", [], ["g"], domain="com.microsoft", name="gelu")
+    rule = Rewrite(name="reads_inputs", fn=reads_a_missing_input, ops=None, level=1)
+    with pytest.raises(InvalidModel, match="FastGelu node 'gelu': optimizer rule 'reads_inputs' failed on it "
+                                           "\\(IndexError"):
+        _apply(rule, node, GraphView(Graph(nodes=[node])), None)
