@@ -35,6 +35,7 @@ MAX_WINDOW_ATTR = 2**31 - 1
 CONV_OPS = {"Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "FusedConv", "NhwcConv", "DeformConv"}
 POOL_OPS = {"MaxPool", "AveragePool", "LpPool", "MaxUnpool", "QLinearAveragePool", "NhwcMaxPool", "MaxRoiPool"}
 _Option = onnx.defs.OpSchema.FormalParameterOption
+_ELEM_TYPES = frozenset(TensorProto.DataType.values())
 
 
 def validate_model(proto: ModelProto, opsets: Mapping[str, int], what: str = "model") -> None:
@@ -250,7 +251,12 @@ def _check_cast(node: NodeProto, facts: _SchemaFacts, label: str) -> None:
 
 
 def _check_declared_dims(v: onnx.ValueInfoProto, where: str) -> None:
-    if v.type.WhichOneof("value") != "tensor_type" or not v.type.tensor_type.HasField("shape"):
+    if v.type.WhichOneof("value") != "tensor_type":
+        return
+    elem_type = v.type.tensor_type.elem_type
+    if elem_type not in _ELEM_TYPES:
+        raise InvalidModel(f"{where} has element type {elem_type}, which ONNX does not define")
+    if not v.type.tensor_type.HasField("shape"):
         return
     for i, d in enumerate(v.type.tensor_type.shape.dim):
         if d.WhichOneof("value") == "dim_param":

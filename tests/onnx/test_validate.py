@@ -124,3 +124,15 @@ def test_an_opset_version_below_one_is_refused(version):
     model = _model([helper.make_node("Conv", ["x", "x"], [])])
     model.opset_import[0].version = version
     _refused(model, f"imports opset versions {{'ai.onnx': {version}}}")
+
+
+def test_an_element_type_onnx_does_not_define_is_refused():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])])
+    model.graph.input[0].type.tensor_type.elem_type = 100
+    _refused(model, "input 'x' has element type 100, which ONNX does not define")
+
+
+def test_a_layer_normalization_without_scale_is_refused_at_load():
+    # below opset 17 LayerNormalization is onnxruntime's contrib op: no ONNX schema checks its inputs
+    node = helper.make_node("LayerNormalization", ["x", ""], ["y"], name="ln")
+    _refused(_model([node], opset=6), "LayerNormalization node 'ln': input 1 (Scale) is required")
