@@ -293,7 +293,7 @@ def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opset
         fact = facts.get(name, Fact())
         dtype = numpy_dtype(fact.elem_type)
         if (name in outputs or name in view_of or fact.shape is None or dtype is None or dtype.kind == "O"
-                or not all(_bindable(d, syms) for d in fact.shape)):
+                or not _named_by_str(dtype) or not all(_bindable(d, syms) for d in fact.shape)):
             continue
         shape = [_dim(d) for d in fact.shape]
         size: DimLike = dtype.itemsize
@@ -323,3 +323,12 @@ def check_placed(placed: list[Placed], places: list[tuple | None], arena_bytes: 
     if nbytes >= CHECK_THRESHOLD:
         check_allocation(nbytes, f"value '{name}' (shape {list(shape)})")
     check_allocation(arena_bytes, f"the run's arena (largest value '{name}', shape {list(shape)})")
+
+
+def _named_by_str(dtype: np.dtype) -> bool:
+    """Whether numpy reads `dtype.str` back (Placed keeps that string): not ml_dtypes' float8 types ('<f1')."""
+    try:
+        np.dtype(dtype.str)
+    except TypeError:
+        return False
+    return True
