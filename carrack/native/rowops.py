@@ -142,6 +142,8 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
     """(y, mean, 1 / std, s) for s = x (+ skip) (+ bias) normalized over rows of `row_size` elements:
     y = (s - mean) / sqrt(var + epsilon) * gamma (+ beta). skip has x's shape; gamma, beta and bias hold row_size
     elements. mean and 1 / std (one per row, flat) come with `stats`, s (shaped as x) with `total`."""
+    if gamma is None:  # the C kernel reads gamma unconditionally
+        raise ValueError("layer normalization needs its scale (gamma)")
     lib = library()
     x, skip = _operand(x), _operand(skip)
     gamma, beta, bias = _operand(gamma), _operand(beta), _operand(bias)

@@ -11,6 +11,7 @@ once into its aligned array, so loading holds the weights about once, not three 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,20 +26,32 @@ from carrack.ir.order import topological_order
 from carrack.ir.types import MapType, OptionalType, SequenceType, TensorType, ValueType
 from carrack.onnx.functions import Function, inline_functions
 from carrack.onnx.tensors import (
+    EXTERNAL_DATA_ROOT,
     IN_PLACE_RAW_BYTES,
     FileRange,
     aligned_copy,
     aligned_empty,
+    file_kind,
     mapped_file,
     tensor_to_array,
 )
+from carrack.onnx.validate import validate_model
 from carrack.onnx.wire import WireError, split_model
 
 ModelSource = str | os.PathLike | bytes | ModelProto
 
 
-def load_model(source: ModelSource) -> Model:
-    """Parse and import a model from a file path, serialized bytes, or a ModelProto."""
+def load_model(source: ModelSource, external_data_root: str | None = None) -> Model:
+    """Parse and import a model from a file path, serialized bytes, or a ModelProto. External data may resolve
+    (through symbolic links) into the model's folder or into `external_data_root` (see tensors.external_path)."""
+    token = EXTERNAL_DATA_ROOT.set(external_data_root)
+    try:
+        return _load_model(source)
+    finally:
+        EXTERNAL_DATA_ROOT.reset(token)
+
+
+def _load_model(source: ModelSource) -> Model:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         proto, raw_data = _parse_file(path)
@@ -77,8 +90,11 @@ def _parse_file(path: str) -> tuple[ModelProto, dict[int, FileRange]]:
     """The model in file `path`, parsed without its large main-graph raw_data, and where each of those lies in the
     file (keyed by initializer index)."""
     what = f"model file '{path}'"
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ModelFileNotFound(f"model file '{path}' does not exist")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):  # never opened: opening a FIFO blocks
+        raise InvalidModel(f"{what} is not a regular file ({file_kind(mode)})")
     if os.path.getsize(path) == 0:
         raise CorruptModel(f"{what} is empty")
     with open(path, "rb") as f:
@@ -109,6 +125,7 @@ def import_model(proto: ModelProto, base_dir: str | None = None, what: str = "mo
     if not proto.HasField("graph"):
         raise InvalidModel(f"{what} has no graph (not an ONNX model, or truncated)")
     opsets = _opsets(proto, what)
+    validate_model(proto, opsets, what)
     functions = {(canonical_domain(f.domain), f.name): _import_function(f, base_dir) for f in proto.functions}
     graph = import_graph(proto.graph, base_dir, raw_data)
     if functions:
@@ -139,6 +156,10 @@ def _opsets(proto: ModelProto, what: str) -> dict[str, int]:
     ver = opsets.get("", 0)
     if ver > newest:
         raise UnsupportedModel(f"{what} uses ai.onnx opset {ver}; carrack supports opsets 1 to {newest}")
+    bad = {domain or "ai.onnx": v for domain, v in opsets.items()
+           if v < 1 and domain in ("", "ai.onnx.ml", "ai.onnx.preview.training")}
+    if bad:
+        raise InvalidModel(f"{what} imports opset versions {bad}; a version is at least 1")
     return opsets
 
 
@@ -189,7 +210,11 @@ def _sparse_to_dense(st: onnx.SparseTensorProto, base_dir: str | None):
 
 
 def _import_node(n: onnx.NodeProto, base_dir: str | None) -> Node:
-    attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    try:
+        attrs = {a.name: _attr_value(a, base_dir) for a in n.attribute}
+    except InvalidModel as e:  # an attribute's tensor has no name of its own: say whose it is
+        label = f"{n.op_type} node '{n.name}'" if n.name else f"{n.op_type} node -> {list(n.output[:1])}"
+        raise type(e)(f"{label}: {e}") from None
     if n.op_type == "Constant" and not canonical_domain(n.domain):
         attrs = _constant_as_tensor(attrs)
     return Node(op_type=n.op_type, inputs=list(n.input), outputs=list(n.output), attrs=attrs,

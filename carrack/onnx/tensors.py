@@ -12,7 +12,9 @@ intermediate bytes, and no mapped pages left behind in the process's resident se
 
 from __future__ import annotations
 
+import contextvars
 import os
+import stat
 import sys
 import threading
 import weakref
@@ -85,8 +87,16 @@ def _sealed(value: np.ndarray) -> np.ndarray:
     return aligned
 
 
+#: a folder that external data may also resolve into (symbolic links followed), besides the model's own folder;
+#: set while a model loads from SessionOptions' "session.external_data_root" (see carrack.onnx.importer.load_model)
+EXTERNAL_DATA_ROOT: contextvars.ContextVar[str | None] = contextvars.ContextVar("carrack_external_root", default=None)
+
+
 def external_path(base_dir: str | None, location: str, tensor_name: str) -> str:
-    """Resolve an external-data location, refusing anything that leaves the model's folder."""
+    """Resolve an external-data location inside the model's folder. Symbolic links are followed when their target
+    stays inside the model's folder, the root named by EXTERNAL_DATA_ROOT, or (a Hugging Face cache snapshot,
+    .../snapshots/<revision>/) the snapshot's blobs folder; anything else, and anything that is not a regular file
+    (a FIFO, a device), is refused without being opened."""
     where = f"external data of tensor '{tensor_name}'"
     if base_dir is None:
         raise InvalidModel(f"{where} is in file '{location}', but the model was not loaded from a path; "
@@ -96,16 +106,48 @@ def external_path(base_dir: str | None, location: str, tensor_name: str) -> str:
     parts = location.replace("\\", "/").split("/")
     if ".." in parts:
         raise InvalidModel(f"{where}: location '{location}' leaves the model's folder ('..' is not allowed)")
+    path = os.path.join(os.path.abspath(base_dir), *parts)
+    resolved = os.path.realpath(path)
+    roots = _allowed_roots(base_dir)
+    if not any(_inside(resolved, root) for root in roots):
+        raise InvalidModel(f"{where}: location '{location}' is a symbolic link to '{resolved}', outside the model's "
+                           f"folder; allowed: {', '.join(repr(r) for r in roots)} (name another root with the "
+                           f"SessionOptions config entry '{EXTERNAL_DATA_ROOT_KEY}')")
+    try:
+        mode = os.stat(resolved).st_mode
+    except OSError:
+        raise InvalidModel(f"{where}: file '{location}' not found next to the model") from None
+    if not stat.S_ISREG(mode):
+        raise InvalidModel(f"{where}: '{location}' is not a regular file ({file_kind(mode)}); external data must be "
+                           "a regular file")
+    return resolved
+
+
+EXTERNAL_DATA_ROOT_KEY = "session.external_data_root"
+
+
+def _allowed_roots(base_dir: str) -> list[str]:
     base = os.path.realpath(base_dir)
-    path = os.path.join(base, *parts)
-    probe = base
-    for part in parts:
-        probe = os.path.join(probe, part)
-        if os.path.islink(probe):
-            raise InvalidModel(f"{where}: location '{location}' is a symbolic link, which is not allowed")
-    if not os.path.isfile(path):
-        raise InvalidModel(f"{where}: file '{location}' not found next to the model")
-    return path
+    roots = [base]
+    named = EXTERNAL_DATA_ROOT.get()
+    if named:
+        roots.append(os.path.realpath(named))
+    snapshots = os.path.dirname(os.path.abspath(base_dir))
+    if os.path.basename(snapshots) == "snapshots":  # Hugging Face cache: snapshots/<rev>/* link into ../../blobs
+        roots.append(os.path.realpath(os.path.join(os.path.dirname(snapshots), "blobs")))
+    return roots
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def _external_bytes(t: TensorProto, base_dir: str | None) -> bytes | np.ndarray:

@@ -84,6 +84,8 @@ class ContribLayerNormalization(Kernel):
         self.epsilon = float(self.attr("epsilon", 1e-5))
         self.rows = rowops.library()
         self.wants_stats = any(self.node.outputs[1:])
+        if len(self.node.inputs) < 2 or not self.node.inputs[1]:
+            self.fail("input 1 (Scale) is required")
         offer_run_into(self)
 
     def run(self, x, scale, bias=None):

@@ -16,6 +16,7 @@ from carrack.ir.dtypes import to_numpy
 from carrack.ir.graph import Graph, ValueInfo
 from carrack.ir.types import TensorType
 from carrack.ops.registry import Kernel, register
+from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
 
 
 def _scalar_bool(value: Any, what: str) -> bool:
@@ -77,13 +78,16 @@ class Loop(Kernel):
         keep_going = True if cond is None else _scalar_bool(cond, "Loop condition")
         cond_value = np.array(keep_going)
         scans: list[list[np.ndarray]] = [[] for _ in self.scan_infos]
-        i = 0
+        i = scanned = 0
         while keep_going and (limit is None or i < limit):
             outs = self.body.run([np.array(i, dtype=np.int64), cond_value, *carried], scope)
             cond_value = outs[0]
             carried = outs[1:1 + self.n_carried]
             for acc, value in zip(scans, outs[1 + self.n_carried:]):
                 acc.append(value)
+                scanned += np.asarray(value).nbytes
+            if scanned >= CHECK_THRESHOLD:  # the stacked outputs will need as much again
+                check_allocation(2 * scanned, f"{self.node.label()} scan outputs after {i + 1} iterations")
             keep_going = _scalar_bool(cond_value, "Loop body condition output")
             i += 1
         stacked = [_stack(acc, 0, info, f"Loop scan output '{info.name}'") for acc, info in zip(scans, self.scan_infos)]
@@ -132,6 +136,9 @@ class Scan(Kernel):
             states = outs[:self.n_states]
             for acc, value in zip(scans, outs[self.n_states:]):
                 acc.append(value)
+            scanned = sum(np.asarray(acc[-1]).nbytes for acc in scans if acc) * (t + 1)
+            if scanned >= CHECK_THRESHOLD:  # the stacked outputs will need as much again
+                check_allocation(2 * scanned, f"{self.node.label()} scan outputs after {t + 1} iterations")
         stacked = []
         for acc, axis, rev, info in zip(scans, self.out_axes, self.out_reverse, self.scan_infos):
             parts = acc[::-1] if rev else acc

@@ -537,6 +537,17 @@ class Conv(_ConvBase):
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
 
+    def _check_output_size(self, x: np.ndarray, w: np.ndarray) -> None:
+        """Padding and input sizes can ask for an output beyond the memory limit or the machine: refuse it first."""
+        strides, dilations = self.geometry(x.ndim - 2)
+        pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
+        nd = x.ndim - 2
+        if len(pads) != 2 * nd or len(strides) != nd or len(dilations) != nd:
+            return  # the kernel reports the mismatch
+        spatial = [_output_size(x.shape[2 + i], w.shape[2 + i], strides[i], dilations[i], pads[i], pads[nd + i])
+                   for i in range(nd)]
+        self.check_output([x.shape[0], w.shape[0], *spatial], x.dtype)
+
     def _bind(self, key: tuple, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: Epilogue | None,
               residual: np.ndarray | None) -> native_conv.BoundConvolution | None:
         """The native call this convolution makes for inputs like these, bound once (see BoundConvolution), for
@@ -558,6 +569,8 @@ class Conv(_ConvBase):
     def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
         """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
         the result (else allocated)."""
+        if out is None and x.ndim >= 3 and np.ndim(w) == x.ndim:
+            self._check_output_size(x, w)
         if self.native is not None and half.is_half(x, w, b, residual):
             y = self.run_into(None, half.widen(x), self.widened(w), self.widened(b), activation,
                               half.widen(residual))

@@ -186,6 +186,7 @@ class OneHot(Kernel):
             raise ValueError(f"OneHot depth must be positive, got {depth}")
         off, on = np.asarray(values).reshape(-1)[:2]
         axis = normalize_axis(self.axis, indices.ndim + 1)
+        self.check_output([*indices.shape[:axis], depth, *indices.shape[axis:]], values.dtype)
         idx = np.asarray(indices).astype(np.int64)
         idx = np.where(idx < 0, idx + depth, idx)
         classes = np.arange(depth).reshape([depth] + [1] * (indices.ndim - axis))
@@ -198,6 +199,7 @@ class NonZero(Kernel):
     def run(self, x):
         if x.ndim == 0:  # onnxruntime treats a scalar as a 1-element vector
             return np.zeros((1, int(bool(x))), dtype=np.int64)
+        self.check_output([x.ndim, np.count_nonzero(x)], np.int64)
         return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
 
 
@@ -228,6 +230,7 @@ class TopK(Kernel):
         axis = normalize_axis(self.axis, x.ndim)
         if not 0 <= k <= x.shape[axis]:
             raise ValueError(f"TopK k={k} is outside [0, {x.shape[axis]}] for axis {axis} of {list(x.shape)}")
+        self.check_output([k if a == axis else d for a, d in enumerate(x.shape)], x.dtype)
         order = top_k_order(x, k, axis, self.largest)
         return np.take_along_axis(x, order, axis=axis), order.astype(np.int64, copy=False)
 

@@ -16,6 +16,7 @@ import onnx
 
 from carrack.errors import InvalidModel
 from carrack.ir.graph import Node, canonical_domain
+from carrack.runtime.allocator import check_shape
 
 if TYPE_CHECKING:
     from carrack.runtime.program import BuildContext
@@ -67,6 +68,12 @@ class Kernel:
 
     def fail(self, message: str) -> None:
         raise InvalidModel(f"{self.node.label()}: {message}")
+
+    def check_output(self, shape: Sequence[int], dtype: Any, index: int = 0) -> None:
+        """Before allocating output `index` of `shape`: refuse it when it is beyond the session's memory limit or
+        the machine's memory (see carrack.runtime.allocator.check_shape), naming this node and the value."""
+        name = self.node.outputs[index] if index < len(self.node.outputs) else f"#{index}"
+        check_shape(shape, dtype, f"{self.node.label()} output {name!r}")
 
     def run(self, *inputs: Any) -> Any:
         raise NotImplementedError

@@ -175,7 +175,14 @@ class Resize(Kernel):
             roi, scales, sizes = (list(rest) + [None] * 3)[:3]
         rank = x.ndim
         axes = [a % rank for a in self.axes] if self.axes else list(range(rank))
-        plans = self._plan(x.shape, axes, _present(roi), _present(scales), _present(sizes))
+        scales = _present(scales)
+        if scales is not None and not np.all(np.isfinite(np.asarray(scales, dtype=np.float64))):
+            raise ValueError(f"Resize scales {np.asarray(scales).tolist()} must be finite")
+        plans = self._plan(x.shape, axes, _present(roi), scales, _present(sizes))
+        out_shape = list(x.shape)
+        for a, plan in plans:
+            out_shape[a] = plan.out_len
+        self.check_output(out_shape, x.dtype)
         return resample(x, plans, self, self.extrapolation_value)
 
     def _plan(self, shape, axes, roi, scales, sizes) -> list[tuple[int, ResizeAxis]]:

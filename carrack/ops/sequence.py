@@ -111,6 +111,7 @@ class ConcatFromSequence(Kernel):
         if not -rank <= self.axis < rank:
             raise RunFailure(f"axis {self.axis} is out of range for rank {rank}")
         axis = self.axis % rank
+        self.check_output([sum(np.asarray(v).nbytes for v in seq)], np.uint8)
         return np.stack(seq, axis=axis) if self.new_axis else np.concatenate(seq, axis=axis)
 
 

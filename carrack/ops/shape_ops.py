@@ -264,6 +264,7 @@ class Flatten(Kernel):
 class Expand(Kernel):
     def run(self, x, shape):
         target = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
+        self.check_output(target, x.dtype)
         # a real copy: a stride-0 view handed out as an output would surprise anyone who writes into it
         return np.array(np.broadcast_to(x, target))
 
@@ -278,6 +279,7 @@ class Tile(Kernel):
             reps = int_list(repeats)
         if len(reps) != x.ndim or min(reps, default=0) < 0:
             raise ValueError(f"Tile repeats {reps} must be {x.ndim} non-negative counts")
+        self.check_output([d * r for d, r in zip(x.shape, reps)], x.dtype)
         return np.tile(x, reps)
 
 
@@ -309,6 +311,7 @@ class Pad(Kernel):
         begin, end = [0] * data.ndim, [0] * data.ndim
         for i, a in enumerate(axes):
             begin[a], end[a] = pads[i], pads[i + len(axes)]
+        self.check_output([max(d + b + e, 0) for d, b, e in zip(data.shape, begin, end)], data.dtype)
         return pad_array(data, begin, end, self.mode, value)
 
 
@@ -368,6 +371,7 @@ class ConstantOfShape(Kernel):
         dims = int_list(shape)
         if min(dims, default=0) < 0:
             raise ValueError(f"ConstantOfShape got a negative dimension in {dims}")
+        self.check_output(dims, self.value.dtype)
         return np.full(dims, self.value[0], dtype=self.value.dtype)
 
 
@@ -408,8 +412,13 @@ class Range(Kernel):
         if dtype.kind in "iu":
             start, limit, delta = int(start), int(limit), int(delta)
             count = max(-(-(limit - start) // delta), 0)
+            self.check_output([count], dtype)
             return (start + np.arange(count, dtype=np.int64) * delta).astype(dtype)
-        count = max(int(np.ceil((float(limit) - float(start)) / float(delta))), 0)
+        span = (float(limit) - float(start)) / float(delta)
+        if not np.isfinite(span):
+            raise ValueError(f"Range from {start} to {limit} by {delta} has no finite length")
+        count = max(int(np.ceil(span)), 0)
+        self.check_output([count], dtype)
         compute = np.dtype(np.float32) if self.stash and dtype.itemsize == 2 else dtype
         steps = np.arange(count, dtype=compute) * compute.type(delta)
         return (compute.type(start) + steps).astype(dtype)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
+from carrack.errors import InvalidModel
 from carrack.ir.graph import Graph, Node
+from carrack.onnx.validate import check_static_shape
 from carrack.ops import registry
 from carrack.passes.graph_view import GraphView
 from carrack.passes.rewrite import BASIC, Context, RuleSet
+from carrack.runtime.allocator import physical_memory_bytes
 
 #: tract's cap: constant folding never creates a constant larger than this
 FOLD_LIMIT_BYTES = 4 * 2**20
@@ -111,6 +115,11 @@ def _fold_uniform(node: Node, view: GraphView, shape: np.ndarray) -> bool:
     dims = tuple(int(d) for d in np.asarray(shape).reshape(-1))
     if any(d < 0 for d in dims) or scalar.size != 1:
         return False
+    where = f"{node.label()} output '{node.outputs[0]}'"
+    check_static_shape(list(dims), scalar.itemsize, where)
+    nbytes = math.prod(dims) * scalar.itemsize
+    if nbytes > physical_memory_bytes():  # free as a broadcast view, but no kernel could ever materialize it
+        raise InvalidModel(f"{where} has shape {list(dims)}: {nbytes:,} bytes, more than this machine's memory")
     view.graph.initializers[node.outputs[0]] = np.broadcast_to(scalar.reshape(()), dims)
     view.remove([node])
     return True
@@ -130,7 +139,7 @@ def _estimated_bytes(node: Node, values: list) -> int:
         if node.op_type == "Range":
             try:
                 n = abs((float(values[1]) - float(values[0])) / float(values[2]))
-            except (TypeError, ValueError, ZeroDivisionError):
+            except (TypeError, ValueError, ZeroDivisionError, IndexError):
                 return FOLD_LIMIT_BYTES + 1
             return int(n * 8)
     return max(sizes, default=0)

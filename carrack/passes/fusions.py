@@ -10,6 +10,8 @@ from carrack.passes.rewrite import EXTENDED, Context, RuleSet
 
 MS = "com.microsoft"
 RULES = RuleSet("fusions")
+#: a normalization with more channels than this is left to its kernel (its parameters are not real)
+MAX_FOLDED_CHANNELS = 1 << 24
 
 
 def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] | None:
@@ -21,6 +23,8 @@ def _bn_scale_shift(bn: Node, view: GraphView) -> tuple[np.ndarray, np.ndarray] 
     params = [view.const(i) for i in bn.inputs[1:5]]
     if any(p is None for p in params) or len(params) != 4:
         return None
+    if len({p.size for p in params}) != 1 or any(p.ndim != 1 or p.size > MAX_FOLDED_CHANNELS for p in params):
+        return None  # inconsistent parameters: not folded, the kernel reports them
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
     scale = gamma / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
     return scale, beta - mean * scale
@@ -126,6 +130,17 @@ def _rank(view: GraphView, name: str, depth: int = 64) -> int | None:
     return None
 
 
+def _channels_match(conv: Node, w: np.ndarray, scale: np.ndarray, bias: np.ndarray | None) -> bool:
+    """Whether a convolution's weight (and bias) has as many output channels as the normalization after it."""
+    if w.ndim < 2:
+        return False
+    group = conv.attrs.get("group", 1)
+    channels = w.shape[0] if conv.op_type == "Conv" else w.shape[1] * group
+    if conv.op_type == "ConvTranspose" and (group < 1 or w.shape[0] % group):
+        return False
+    return scale.size == channels and (bias is None or bias.size == channels)
+
+
 @RULES.rewrite("batchnorm_folding", "BatchNormalization", level=EXTENDED)
 def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     """Conv/ConvTranspose/Gemm/MatMul -> BatchNormalization becomes one layer with adjusted weights and bias."""
@@ -144,6 +159,8 @@ def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     bias = view.const(prev.inputs[2]) if len(prev.inputs) > 2 and prev.inputs[2] else None
     if len(prev.inputs) > 2 and prev.inputs[2] and bias is None:
         return False
+    if prev.op_type in ("Conv", "ConvTranspose") and not _channels_match(prev, w, scale, bias):
+        return False  # inconsistent: left to the kernels, which name the node
     if prev.op_type == "Conv":
         new_w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
     elif prev.op_type == "ConvTranspose":

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from carrack.errors import InvalidModel
+from carrack.errors import CarrackError, InvalidModel
 from carrack.ir.graph import Graph, Model
 from carrack.passes import basic, fusions, quant_lowering, transformer_fusions
 from carrack.passes.basic import FOLD_LIMIT_BYTES, fold_known_values
@@ -87,7 +87,7 @@ def optimize_graph(graph: Graph, ctx: Context, level: int, fired: dict[str, int]
             for node in view.nodes():
                 if not view.alive(node) or (r.ops is not None and node.op_type not in r.ops):
                     continue
-                if r.fn(node, view, ctx):
+                if _apply(r, node, view, ctx):
                     fired[r.name] = fired.get(r.name, 0) + 1
                     changed = True
                     if checking:
@@ -143,3 +143,16 @@ def check_invariants(view: GraphView, after: str) -> None:
     from carrack.ir.order import topological_order
 
     topological_order(graph, view.nodes())
+
+
+def _apply(rule: Rewrite, node, view: GraphView, ctx: Context) -> bool:
+    """`rule` on `node`. Validation at load checks each node against its schema, but not everything a rule may
+    read (constant parameters of matching sizes, nodes of ops unknown at the model's opset): a rule that fails on
+    such a node is reported naming it, not as a bare IndexError or ValueError from inside the optimizer."""
+    try:
+        return rule.fn(node, view, ctx)
+    except (IndexError, ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError) as e:
+        if isinstance(e, CarrackError):
+            raise
+        raise InvalidModel(f"{node.label()}: optimizer rule '{rule.name}' failed on it ({type(e).__name__}: {e}); "
+                           "the node or its inputs are inconsistent (or this is a carrack bug)") from e

@@ -42,6 +42,7 @@ from carrack.passes.optimizer import (
 from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
 from carrack.plan.exprs import compile_function, function_source
+from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
 
 #: how many distinct input-size combinations a plan keeps evaluated
 BOUND_CACHE_SIZE = 256
@@ -148,6 +149,7 @@ class Plan:
             shape = tuple(flat[p.first:p.first + p.rank])
             dtype = np.dtype(p.dtype)
             places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
+        check_placed(self.placed, places, arena_bytes)
         return Bound(derived, arena_bytes, places)
 
     def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
@@ -317,7 +319,7 @@ def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opset
         fact = facts.get(name, Fact())
         dtype = numpy_dtype(fact.elem_type)
         if (name in outputs or name in view_of or fact.shape is None or dtype is None or dtype.kind == "O"
-                or not all(_bindable(d, syms) for d in fact.shape)):
+                or not _named_by_str(dtype) or not all(_bindable(d, syms) for d in fact.shape)):
             continue
         shape = [_dim(d) for d in fact.shape]
         size: DimLike = dtype.itemsize
@@ -335,3 +337,24 @@ def _arena_blocks(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opset
         placed.append(Placed(name, block, first_dim + len(shapes), len(fact.shape), dtype.str))
         shapes.extend(shape)
     return blocks, placed, shapes
+
+
+def check_placed(placed: list[Placed], places: list[tuple | None], arena_bytes: int) -> None:
+    """Refuse input sizes that make a placed value or the arena larger than the memory limit or the machine
+    (InvalidArgument / MemoryLimitExceeded naming the largest value), before any run allocates them."""
+    if arena_bytes < CHECK_THRESHOLD:
+        return
+    sizes = [(place[1], p.name, place[2]) for p, place in zip(placed, places) if place is not None]
+    nbytes, name, shape = max(sizes, default=(0, "", ()))
+    if nbytes >= CHECK_THRESHOLD:
+        check_allocation(nbytes, f"value '{name}' (shape {list(shape)})")
+    check_allocation(arena_bytes, f"the run's arena (largest value '{name}', shape {list(shape)})")
+
+
+def _named_by_str(dtype: np.dtype) -> bool:
+    """Whether numpy reads `dtype.str` back (Placed keeps that string): not ml_dtypes' float8 types ('<f1')."""
+    try:
+        np.dtype(dtype.str)
+    except TypeError:
+        return False
+    return True

@@ -10,9 +10,17 @@ the C library is glibc.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
+import functools
+import math
+import os
 import platform
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -42,3 +50,81 @@ def _mallopt(param: int, value: int) -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt(param, value) == 1
+
+
+# --- bounded allocations -------------------------------------------------------------------------------------------
+# Every large allocation a run makes (its arena, and kernel outputs whose size comes from run-time data or from
+# attributes: ConstantOfShape, Expand, Tile, Range, Pad, Resize, OneHot, ...) is first checked here against the
+# session's SessionOptions.memory_limit_bytes and against the machine's physical memory, so that a hostile or
+# malformed model gets an error naming the node, the value and the size instead of a MemoryError or a swapping
+# machine.
+
+#: the memory limit of the session whose run is executing in this thread (0: none); see with_memory_limit
+MEMORY_LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar("carrack_memory_limit", default=0)
+#: kernel results below this many bytes are not checked (checking costs more than they can do harm)
+CHECK_THRESHOLD = 1 << 20
+
+
+def with_memory_limit(limit_of: Callable[[Any], int]) -> Callable:
+    """Decorates a session's run method: while it runs, allocations in this thread (and the pool threads it hands
+    nodes to) are checked against `limit_of(session)`; afterwards the previous limit is back."""
+    def decorate(run: Callable) -> Callable:
+        @functools.wraps(run)
+        def limited(self: Any, *args: Any, **kwargs: Any) -> Any:
+            token = MEMORY_LIMIT.set(int(limit_of(self) or 0))
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                MEMORY_LIMIT.reset(token)
+        return limited
+    return decorate
+
+
+@functools.lru_cache(maxsize=1)
+def physical_memory_bytes() -> int:
+    """The machine's physical memory (the sanity bound of any one allocation); 2**47 where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 47
+
+
+def check_allocation(nbytes: int, what: str, limit: int | None = None) -> None:
+    """Refuse to allocate `nbytes` for `what` (a description naming the node and the value) when that is more than
+    the memory limit (MemoryLimitExceeded; `limit`, or the running session's) or more than the machine's physical
+    memory (InvalidArgument): called before the allocation."""
+    from carrack.errors import InvalidArgument, MemoryLimitExceeded
+
+    nbytes = int(nbytes)
+    limit = MEMORY_LIMIT.get() if limit is None else limit
+    if limit and nbytes > limit:
+        raise MemoryLimitExceeded(f"{what} needs {nbytes:,} bytes ({_human(nbytes)}), more than "
+                                  f"SessionOptions.memory_limit_bytes = {limit:,}")
+    physical = physical_memory_bytes()
+    if nbytes > physical:
+        raise InvalidArgument(f"{what} needs {nbytes:,} bytes ({_human(nbytes)}), more than this machine's "
+                              f"physical memory ({_human(physical)})")
+
+
+def check_shape(shape: Sequence[int], dtype: Any, what: str) -> None:
+    """check_allocation for an array of `shape` and `dtype`, in exact integers (no numpy overflow); shapes with a
+    negative dim are refused too, and small arrays pass without a look at the limit."""
+    from carrack.errors import InvalidArgument
+
+    dims = [int(d) for d in shape]
+    if len(dims) > 64:
+        raise InvalidArgument(f"{what} would have rank {len(dims)}; arrays have at most 64 dims")
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what} would have a negative dim: shape {dims}")
+    nbytes = math.prod(dims) * np.dtype(dtype).itemsize
+    if nbytes >= CHECK_THRESHOLD:
+        check_allocation(nbytes, f"{what} (shape {dims}, {np.dtype(dtype).name})")
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{nbytes} bytes"

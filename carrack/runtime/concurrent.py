@@ -12,6 +12,7 @@ that ran on. Its peak is therefore bounded by the sum of the intermediates, not 
 
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import threading
@@ -124,7 +125,7 @@ def run_concurrently(program: Program, env: list[Any], limit: int, execute_step)
             finally:
                 free_workers.release()
 
-        pool.submit(task)
+        pool.submit(contextvars.copy_context().run, task)  # the run's memory limit (allocator) goes along
 
     roots = [i for i, n in enumerate(waiting) if n == 0]
     if not roots:

@@ -21,6 +21,7 @@ from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
+from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
 
 if TYPE_CHECKING:
     from carrack.plan.plan import Bound, Plan
@@ -153,6 +154,8 @@ class Program:
             return [env[s] for s in self.output_slots]
         # this run's working memory: planned intermediates are written into it (one buffer, 64-byte aligned)
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
+        if bound is not None and bound.arena_bytes >= CHECK_THRESHOLD:
+            check_allocation(bound.arena_bytes, "this run's arena (the intermediates the plan places in it)")
         arena = None if bound is None or profiler is not None or not self._placed else aligned_empty(
             (max(bound.arena_bytes, 64),), np.uint8)
         places = bound.places if arena is not None else ()
@@ -195,7 +198,8 @@ class Program:
                     _store(step.outs, result, env)
                     for s in step.release:
                         env[s] = None
-        except CarrackError:
+        except CarrackError as e:
+            _name_node(e, step)
             raise
         except Exception as e:  # noqa: BLE001 - name the node that failed
             if step is None:
@@ -324,3 +328,12 @@ def _stoppable(execute_step, should_stop):
             raise RunTerminated(f"before {step.node.label()}")
         execute_step(step, env)
     return checked
+
+
+def _name_node(error: CarrackError, step: Step | None) -> None:
+    """Put the node that raised a kernel's carrack error in front of its message, unless the message names it."""
+    if step is not None and len(error.args) == 1 and isinstance(error.args[0], str):
+        label = step.node.label()
+        named = label in error.args[0] or (step.node.name and f"'{step.node.name}'" in error.args[0])
+        if not named and not isinstance(error, RunTerminated):
+            error.args = (f"{label}: {error.args[0]}",)

@@ -18,11 +18,11 @@ from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.native.intra_op import intra_op_threads
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
-from carrack.onnx.tensors import seal_constants
+from carrack.onnx.tensors import EXTERNAL_DATA_ROOT_KEY, seal_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
 from carrack.plan import Plan, build_plan
-from carrack.runtime.allocator import retain_freed_memory
+from carrack.runtime.allocator import retain_freed_memory, with_memory_limit
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
 from carrack.runtime.ort_session import OrtSessionApi, apply_session_options, terminate_check
@@ -75,7 +75,7 @@ class InferenceSession(OrtSessionApi):
                  **kwargs: Any):
         options = sess_options or SessionOptions()
         self._record_source(path_or_bytes, providers, provider_options)
-        source_model = apply_session_options(load_model(path_or_bytes), options)
+        source_model = apply_session_options(load_model(path_or_bytes, external_data_root(options)), options)
         source = source_model.graph
         initialized = set(source.initializers)
         # initializers that are also graph inputs are optimized as constants; a run that overrides one uses
@@ -110,6 +110,8 @@ class InferenceSession(OrtSessionApi):
         self._model = plan.model
         self.optimizer_stats = plan.optimizer_stats
         self._program = self._compile(plan.graph)
+        if not plan.symbols:  # static sizes: a value or arena too large for this machine is refused at load
+            plan.bind(())
         if options.enable_mem_pattern:
             self._program.attach(plan)
         self._symbol_axes = _symbol_axes(self._inputs, plan.symbols)
@@ -150,6 +152,7 @@ class InferenceSession(OrtSessionApi):
         return ModelMetadata(m.producer, m.graph.name, m.domain, m.doc_string, m.graph_doc_string, m.model_version,
                              dict(m.metadata))
 
+    @with_memory_limit(lambda session: session._options.memory_limit_bytes)  # for the allocation checks
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
@@ -318,3 +321,9 @@ def _inter_op_threads(options: SessionOptions) -> int:
     if options.execution_mode != ExecutionMode.ORT_PARALLEL:
         return 1
     return options.inter_op_num_threads or os.cpu_count() or 1
+
+
+def external_data_root(options: SessionOptions) -> str | None:
+    """The folder external data may also resolve into: the SessionOptions config entry
+    "session.external_data_root" (carrack's own; onnxruntime has none)."""
+    return options._configs.get(EXTERNAL_DATA_ROOT_KEY) or None
