@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from carrack.ir.graph import Node
+from carrack.onnx.tensors import aligned_empty
 from carrack.passes.graph_view import GraphView
 from carrack.passes.rewrite import EXTENDED, Context, RuleSet
 
@@ -162,7 +163,9 @@ def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
     if prev.op_type in ("Conv", "ConvTranspose") and not _channels_match(prev, w, scale, bias):
         return False  # inconsistent: left to the kernels, which name the node
     if prev.op_type == "Conv":
-        new_w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+        # straight into an aligned array of w's type: no float64 copy of the weights (float64 products per element)
+        new_w = aligned_empty(w.shape, w.dtype)
+        np.multiply(w, scale.reshape((-1,) + (1,) * (w.ndim - 1)), out=new_w, casting="unsafe")
     elif prev.op_type == "ConvTranspose":
         group = prev.attrs.get("group", 1)
         per_group = w.shape[1]
@@ -185,7 +188,7 @@ def fold_batchnorm(bn: Node, view: GraphView, ctx: Context) -> bool:
         if b.size != scale.size:
             return False
         new_b = b * scale + shift
-    w_name = view.add_initializer(prev.inputs[1], new_w.astype(w.dtype))
+    w_name = view.add_initializer(prev.inputs[1], new_w.astype(w.dtype, copy=False))
     b_name = view.add_initializer((prev.inputs[2] if bias is not None else prev.outputs[0]) + "_bias",
                                   new_b.astype(w.dtype).reshape(-1))
     if prev.op_type == "MatMul":

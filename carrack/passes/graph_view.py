@@ -116,10 +116,13 @@ class GraphView:
                 return name
 
     def add_initializer(self, base: str, value: np.ndarray) -> str:
-        from carrack.onnx.tensors import aligned_copy
+        """A new constant under a fresh name, stored 64-byte aligned (copied only when it is not already)."""
+        from carrack.onnx.tensors import aligned_copy, is_aligned
 
+        value = np.asarray(value)
+        keep = value.dtype != object and value.dtype.isnative and value.flags.c_contiguous and is_aligned(value)
         name = self.fresh_name(base)
-        self.graph.initializers[name] = aligned_copy(np.asarray(value))
+        self.graph.initializers[name] = value if keep else aligned_copy(value)
         return name
 
     def replace_uses(self, old: str, new: str) -> None:
