@@ -9,6 +9,7 @@ from carrack import native
 from carrack.gguf.dequant import dequantize
 from carrack.gguf.types import GGML_BLOCK_SIZES, GGMLType
 from carrack.native import qmatvec
+from tests.native.portable import portable_build
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K]
 # byte offsets of the fp16 scales in each block (the rest of a block is any byte pattern)
@@ -30,22 +31,7 @@ def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0, scale: flo
 
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory):
-    """qmatvec.c built without intrinsics (CARRACK_PORTABLE): the plain C that other targets compile."""
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    directory = tmp_path_factory.mktemp("portable")
-    source = (native.SOURCE_DIR / "qmatvec.c").read_text()
-    (directory / "qmatvec.c").write_text("// carrack-cflags: -DCARRACK_PORTABLE\n" + source)
-    for header in native.SOURCE_DIR.glob("*.h"):  # threadpool.h
-        (directory / header.name).write_text(header.read_text())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "SOURCE_DIR", directory)
-        patch.setenv("CARRACK_CACHE_DIR", str(directory / "cache"))
-        patch.setattr(native, "_loaded", {})
-        patch.setattr(native, "_reasons", {})
-        lib = native.library("qmatvec")
-    assert lib is not None, native._reasons
-    return lib
+    return portable_build("qmatvec", tmp_path_factory.mktemp("portable"))
 
 
 @pytest.fixture(params=["native", "portable"])

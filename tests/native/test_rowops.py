@@ -17,6 +17,7 @@ import carrack
 from carrack import native
 from carrack.native import rowops
 from carrack.ops.elementwise import erfc
+from tests.native.portable import portable_build
 
 needs_native = pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
 LENGTHS = [1, 3, 17, 768, 1000]
@@ -58,22 +59,7 @@ def _tanh_gelu64(x: np.ndarray) -> np.ndarray:
 # -- the wrapper functions -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory):
-    """rowops.c built without intrinsics (CARRACK_PORTABLE): the plain C that other targets compile."""
-    if native.compiler() is None:
-        pytest.skip("no C compiler")
-    directory = tmp_path_factory.mktemp("portable")
-    source = (native.SOURCE_DIR / "rowops.c").read_text()
-    (directory / "rowops.c").write_text("// carrack-cflags: -DCARRACK_PORTABLE\n" + source)
-    for header in native.SOURCE_DIR.glob("*.h"):  # threadpool.h
-        (directory / header.name).write_text(header.read_text())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "SOURCE_DIR", directory)
-        patch.setenv("CARRACK_CACHE_DIR", str(directory / "cache"))
-        patch.setattr(native, "_loaded", {})
-        patch.setattr(native, "_reasons", {})
-        lib = native.library("rowops")
-    assert lib is not None, native._reasons
-    return lib
+    return portable_build("rowops", tmp_path_factory.mktemp("portable"))
 
 
 @pytest.fixture(params=["native", "portable"])
