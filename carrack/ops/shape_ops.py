@@ -166,8 +166,13 @@ class Split(Kernel):
         # an empty `split` input means "not given", as in onnxruntime
         lengths = self.split_attr if split is None or split.size == 0 else int_list(split)
         sizes = split_sizes(x.shape[axis], len(self.node.outputs), lengths, self.num_outputs)
-        bounds = np.cumsum(sizes)[:-1]
-        return tuple(np.split(x, bounds, axis=axis))
+        index = [slice(None)] * x.ndim
+        parts, start = [], 0
+        for size in sizes:  # views, as np.split makes them, without its per-call overhead (~10 us)
+            index[axis] = slice(start, start + size)
+            parts.append(x[tuple(index)])
+            start += size
+        return tuple(parts)
 
 
 def slice_bounds(start: int, end: int, step: int, dim: int) -> slice:
