@@ -25,7 +25,7 @@ import numpy as np
 from carrack.ir import symbolic
 from carrack.ir.dims import Sym
 from carrack.ir.graph import Graph, Model, Node, ValueInfo
-from carrack.ir.order import node_reads, topological_order
+from carrack.ir.order import node_reads
 from carrack.ir.symbolic import DimLike, Expr, symbols
 from carrack.ir.types import TensorType
 from carrack.ops import registry
@@ -203,7 +203,6 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
     derived: list[Derived] = []
     if level > 0 and not reads_by_name(graph):
         derived = _extract_derived(graph, facts, set(syms), derived_dims, stats)
-    graph.nodes = topological_order(graph)
     placed: list[Placed] = []
     order = None
     dims = list(derived_dims)

@@ -86,10 +86,9 @@ class InferenceSession(OrtSessionApi):
         if options.optimized_model_filepath:
             save_model(optimize(frozen, level)[0], options.optimized_model_filepath)
         overridable = any(v.name in initialized for v in source.inputs)
-        inputs, outputs = list(source.inputs), list(source.outputs)
-        # the source graph is consumed by the plan unless runs may override its initializers (then they run it)
+        # the graph's nodes are consumed by the plan unless runs may override its initializers (then they run the
+        # source graph); its inputs and outputs, which the session reports, are lists the plan does not touch
         plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable)
-        source = replace(source, inputs=inputs, outputs=outputs) if not overridable else source
         self._start(plan, options, source_model if overridable else None, source)
 
     def _start(self, plan: Plan, options: SessionOptions, source_model: Model | None, source: Graph) -> None:
@@ -162,7 +161,7 @@ class InferenceSession(OrtSessionApi):
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
         if any(v.name in feed for v in self._overridable):
-            program, inputs, bound = self._override(), None, None
+            program, bound = self._override(), None
             inputs = [feed.get(name) for name in program.input_names]
         else:
             program = self._program
@@ -236,15 +235,9 @@ class InferenceSession(OrtSessionApi):
 
     def _dim_bindings(self, feed: dict[str, Any]) -> dict[str, int]:
         """Symbol name -> size from this run's inputs (anonymous and unk__N dims are named 'input:axis')."""
-        bindings: dict[str, int] = {}
-        for info in self._inputs:
-            value = feed.get(info.name)
-            if not isinstance(info.type, TensorType) or info.type.shape is None or not isinstance(value, np.ndarray):
-                continue
-            for axis, (d, size) in enumerate(zip(info.type.shape, value.shape)):
-                if not isinstance(d, int):
-                    bindings[binding_name(d, info.name, axis)] = int(size)
-        return bindings
+        return {symbol: int(feed[name].shape[axis]) for symbol, (name, axis) in zip(self._plan.symbols,
+                                                                                    self._symbol_axes)
+                if isinstance(feed.get(name), np.ndarray)}
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _output_positions(self, output_names: Sequence[str] | None) -> list[int]:
@@ -270,7 +263,6 @@ class InferenceSession(OrtSessionApi):
             raise InvalidArgument(f"missing input(s) {missing}: every model input needs a value")
         symbols: dict[Sym, tuple[int, str]] = {}
         return {name: check_feed(self._input_info[name], value, symbols) for name, value in feed.items()}
-
 
 
 def _owned(value: Any, feed: dict[str, Any]) -> Any:
