@@ -44,10 +44,11 @@ class Node:
     def subgraphs(self) -> list[Graph]:
         found = []
         for v in self.attrs.values():
-            if isinstance(v, Graph):
+            kind = type(v)
+            if kind is Graph:
                 found.append(v)
-            elif isinstance(v, list):
-                found.extend(g for g in v if isinstance(g, Graph))
+            elif kind is list and v and type(v[0]) is Graph:
+                found.extend(v)
         return found
 
 

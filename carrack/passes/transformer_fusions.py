@@ -51,21 +51,30 @@ _SCALAR_OPS = frozenset({"Cast", "Sqrt", "Pow", "Reciprocal", "Mul", "Div", "Add
                          "Gather", "Slice", "Identity", "Neg", "Reshape"})
 
 
+#: ops whose output value shape inference may know although no input is a constant (sizes of activations)
+_SIZE_OPS = frozenset({"Shape", "Size", "ConstantOfShape", "Range", "Concat", "Expand", "Where", "Equal", "Max",
+                       "Min", "Floor", "Ceil", "ReduceProd", "Tile"})
+
+
 def _value(view: GraphView, ctx: Context, name: str, depth: int = 8) -> np.ndarray | None:
-    """The value of a small tensor fixed for the session: a constant, a concrete shape fact, or computed from those."""
+    """The value of a small tensor fixed for the session: a constant, a concrete shape fact, or computed from those.
+    Facts are asked only of values made from constants and sizes: asking them of an activation would infer every
+    value upstream of it for nothing."""
     if not name:
         return None
     c = view.const(name)
     if c is not None:
         return c
+    if not _fixed_chain(view, name, depth):
+        return None
     f = _fact(view, ctx, name)
     if f.value is not None:
         if f.is_concrete():
             return f.value
         if all(isinstance(v, (int, np.integer)) for v in f.value.reshape(-1)):
             return f.value.astype(np.int64)
-    node = view.producer.get(name)
-    if node is None or node.domain or node.op_type not in _SCALAR_OPS or depth == 0:
+    node = view.producer[name]
+    if node.op_type not in _SCALAR_OPS:
         return None
     values = [_value(view, ctx, i, depth - 1) if i else None for i in node.inputs]
     if any(v is None for v, i in zip(values, node.inputs) if i) or any(v.size > 64 for v in values if v is not None):
@@ -80,6 +89,22 @@ def _value(view: GraphView, ctx: Context, name: str, depth: int = 8) -> np.ndarr
         return None
     out = out[node.outputs.index(name)] if type(out) is tuple else out
     return np.asarray(out)
+
+
+#: ops whose output value shape inference may know although no input is a constant (sizes of activations)
+_SIZE_OPS = frozenset({"Shape", "Size", "ConstantOfShape", "Range"})
+
+
+def _fixed_chain(view: GraphView, name: str, depth: int) -> bool:
+    """Whether `name` is made only of constants and sizes through small ops (so its value may be fixed)."""
+    if view.const(name) is not None:
+        return True
+    node = view.producer.get(name)
+    if node is None or node.domain or depth == 0:
+        return False
+    if node.op_type in _SIZE_OPS:
+        return True
+    return node.op_type in _SCALAR_OPS and all(_fixed_chain(view, i, depth - 1) for i in node.inputs if i)
 
 
 def _scalar(view: GraphView, ctx: Context, name: str) -> float | None:
