@@ -134,6 +134,7 @@ def write_hparams(writer: Any, arch: str, config: Any) -> None:
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     if arch != "gemma2":
         writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    _write_rope_scaling(writer, arch, rope)
     if arch in ("llama", "phi3"):
         partial = float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0))
         writer.add_rope_dimension_count(int(head_dim * partial))
@@ -148,6 +149,19 @@ def write_hparams(writer: Any, arch: str, config: Any) -> None:
         writer.add_sliding_window(int(config.sliding_window))
     if arch == "phi3" and getattr(config, "sliding_window", None):
         writer.add_sliding_window(int(config.sliding_window))
+
+
+def _write_rope_scaling(writer: Any, arch: str, rope: dict[str, Any]) -> None:
+    """Linear scaling as llama.cpp's converter writes it; llama3-style goes in the rope_freqs tensor."""
+    kind = str(rope.get("rope_type", rope.get("type", "default"))).lower()
+    if kind in ("default", "none", "llama3"):
+        return
+    if kind != "linear":
+        raise UnsupportedModel(f"rope scaling '{kind}' of this {arch} model is not supported by carrack.llm")
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
 
 
 def gguf_tensors(model: Any, arch: str) -> Iterator[tuple[str, np.ndarray]]:

@@ -55,6 +55,7 @@ class HParams:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     sliding_window: int = 0
+    rope_freq_scale: float = 1.0  # linear rope scaling: positions are multiplied by this (1 / scaling factor)
 
     def uses_sliding_window(self, layer: int) -> bool:
         return self.arch.alternating_sliding_window and self.sliding_window > 0 and layer % 2 == 0
@@ -102,7 +103,24 @@ def read_hparams(metadata: dict[str, Any], n_vocab: int, where: str) -> HParams:
         attn_softcap=float(key("attn_logit_softcapping", 0.0)),
         final_softcap=float(key("final_logit_softcapping", 0.0)),
         sliding_window=int(key("attention.sliding_window", 0)),
+        rope_freq_scale=_rope_freq_scale(key, where),
     )
+
+
+def _rope_freq_scale(key: Any, where: str) -> float:
+    """llama.cpp's rope scaling keys: none, or linear (positions divided by the factor; older files write
+    rope.scale_linear). llama3-style scaling arrives as the rope_freqs tensor instead. YaRN and LongRoPE change the
+    attention as well as the angles: refused by name rather than run with plain rope."""
+    kind = str(key("rope.scaling.type", "none")).lower()
+    factor = float(key("rope.scaling.factor", 0.0) or key("rope.scale_linear", 0.0) or 1.0)
+    if kind == "none" and factor == 1.0:
+        return 1.0
+    if kind in ("linear", "none"):
+        if not factor > 0:
+            raise InvalidModel(f"{where}: rope scaling factor {factor} must be positive")
+        return 1.0 / factor
+    raise UnsupportedModel(f"{where}: rope scaling type '{kind}' is not supported by carrack.llm "
+                           "(supported: none, linear, and llama3-style rope_freqs)")
 
 
 def _scalar(value: Any) -> Any:

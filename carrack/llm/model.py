@@ -304,12 +304,14 @@ def _attention_mask(start: int, n: int, window: int) -> np.ndarray:
 
 
 def _rope_tables(hp: HParams, n_ctx: int, factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of position * frequency, (n_ctx, rope_dim / 2), frequencies divided by rope_freqs if given."""
+    """cos and sin of position * frequency, (n_ctx, rope_dim / 2): positions scaled by linear rope scaling,
+    frequencies divided by rope_freqs if given."""
     inv_freq = 1.0 / (hp.rope_base ** (np.arange(0, hp.rope_dim, 2, dtype=np.float32) / np.float32(hp.rope_dim)))
     inv_freq = inv_freq.astype(np.float32)
     if factors is not None:
         inv_freq = inv_freq / factors
-    angles = np.arange(n_ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    positions = np.arange(n_ctx, dtype=np.float32) * np.float32(hp.rope_freq_scale)
+    angles = positions[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

@@ -89,7 +89,8 @@ def test_memory_plan_counts_weights_and_cache(tmp_path):
     assert "KV cache" in plan.summary()
 
 
-def _rewrite(src: str, dst: str, drop_tensor: str | None = None, arch: str | None = None) -> str:
+def _rewrite(src: str, dst: str, drop_tensor: str | None = None, arch: str | None = None,
+             extra: dict | None = None) -> str:
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -101,6 +102,8 @@ def _rewrite(src: str, dst: str, drop_tensor: str | None = None, arch: str | Non
         name = field.name.replace(f"{old_arch}.", f"{arch}.", 1) if arch else field.name
         writer.add_key_value(name, field.contents(), field.types[0],
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for name, value in (extra or {}).items():
+        writer.add_string(name, value) if isinstance(value, str) else writer.add_float32(name, value)
     for tensor in reader.tensors:
         if tensor.name != drop_tensor:
             writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
@@ -122,6 +125,36 @@ def test_unknown_architecture_is_named(tmp_path):
     src = write_gguf(tiny_model("llama"), tmp_path)
     bad = _rewrite(src, str(tmp_path / "bad.gguf"), arch="mamba9")
     with pytest.raises(UnsupportedModel, match="mamba9"):
+        Decoder(bad)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    """rope.scaling.type = linear (positions divided by the factor), as llama.cpp's converter writes it."""
+    import transformers
+
+    from tests.llm.tiny_models import _COMMON
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                      **_COMMON)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.15)
+    decoder = Decoder(write_gguf(model, tmp_path), n_ctx=64)
+    assert decoder.hp.rope_freq_scale == 0.25
+    ids = prompt_ids()
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(decoder.forward(ids, 0), expected, atol=1e-3, rtol=0)
+    assert greedy(decoder, ids, 16) == transformers_greedy(model, ids, 16)
+
+
+def test_yarn_rope_scaling_is_refused_by_name(tmp_path):
+    src = write_gguf(tiny_model("qwen2"), tmp_path)
+    bad = _rewrite(src, str(tmp_path / "yarn.gguf"), extra={"qwen2.rope.scaling.type": "yarn",
+                                                            "qwen2.rope.scaling.factor": 4.0})
+    with pytest.raises(UnsupportedModel, match="rope scaling type 'yarn'"):
         Decoder(bad)
 
 
