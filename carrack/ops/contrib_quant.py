@@ -485,11 +485,12 @@ class QLinearConvExact(Kernel):
         self.native = self._native_conv()
         #: input shape -> the native run's plan (None: the numpy path), filled by the plan's per-size evaluation
         self.prepared = PreparedShapes()
+        weight = self.ctx.graph.initializers.get(self.node.inputs[1]) if self.native is not None else None
+        self.kernel_size = None if weight is None else list(weight.shape[2:])
 
     def prepare_shape(self, shape: tuple[int, ...]) -> None:
-        weight = self.ctx.graph.initializers.get(self.node.inputs[1]) if self.native is not None else None
-        if weight is not None and len(shape) == weight.ndim and shape not in self.prepared:
-            self.prepared.add(shape, self._native_plan(shape, list(weight.shape[2:])))
+        if self.kernel_size is not None and len(shape) == len(self.kernel_size) + 2 and shape not in self.prepared:
+            self.prepared.add(shape, self._native_plan(shape, self.kernel_size))
 
     def _native_conv(self):
         graph = self.ctx.graph if self.ctx is not None else None

@@ -546,6 +546,7 @@ class Conv(_ConvBase):
         self.native = self.if_native(native_conv.load)  # None: numpy (the plan chose it: CARRACK_NATIVE=0, ...)
         self.dense = self._dense_constants() if self.native is not None else {}
         self.widened = half.WidenedConstants()
+        self.operands = self._constant_operands() if self.native is not None else None
         #: input shape -> (BoundConvolution, activation, residual?): filled by the plan's per-size evaluation
         self.prepared = PreparedShapes()
 
@@ -584,10 +585,9 @@ class Conv(_ConvBase):
         by the plan's per-size evaluation (carrack.plan.plan.prepare_kernels), never by a run."""
         if self.native is None or len(x_shape) < 3 or x_shape in self.prepared:
             return
-        operands = self._constant_operands()
         bound = None
-        if operands is not None:
-            w, b = operands
+        if self.operands is not None:
+            w, b = self.operands
             strides, dilations = self.geometry(len(x_shape) - 2)
             pads = conv_pads(self.auto_pad, self.pads, x_shape[2:], w.shape[2:], strides, dilations)
             if len(w.shape) == len(x_shape) and len(pads) == 2 * (len(x_shape) - 2):

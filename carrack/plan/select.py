@@ -118,14 +118,24 @@ def library_loads(name: str) -> bool:
 
 
 # -- static predicates ----------------------------------------------------------------------------------------------
+_F32, _F16 = np.dtype(np.float32), np.dtype(np.float16)
+_8BIT = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+def _unknown_or(site: Site, index: int, dtypes: tuple[np.dtype, ...]) -> bool:
+    """Input `index` has one of `dtypes`, or its dtype is not known before the run (the kernel then checks it).
+    (Not `dtype in (None, ...)`: numpy compares None equal to float64.)"""
+    dtype = site.dtype(index)
+    return dtype is None or any(dtype == d for d in dtypes)
+
+
 def _float32_or_unknown(index: int = 0) -> Predicate:
-    """Input `index` is float32, or its dtype is not known before the run (the kernel then checks it)."""
-    return lambda site: site.dtype(index) in (None, np.dtype(np.float32))
+    return lambda site: _unknown_or(site, index, (_F32,))
 
 
 def _float_or_unknown(site: Site) -> bool:
     """float32, or float16 computed through the float32 kernels (carrack.ops.half)."""
-    return site.dtype(0) in (None, np.dtype(np.float32), np.dtype(np.float16))
+    return _unknown_or(site, 0, (_F32, _F16))
 
 
 def _constant(*indices: int) -> Predicate:
@@ -138,19 +148,17 @@ def _all(*predicates: Predicate) -> Predicate:
 
 def _two_d_pool(site: Site) -> bool:
     shape = site.attr("kernel_shape")
-    return shape is not None and len(shape) == 2 and site.dtype(0) in (None, np.dtype(np.float32),
-                                                                        np.dtype(np.float16))
+    return shape is not None and len(shape) == 2 and _float_or_unknown(site)
 
 
 def _eight_bit_max_pool(site: Site) -> bool:
-    return site.dtype(0) in (np.dtype(np.uint8), np.dtype(np.int8)) and not any(site.node.outputs[1:])
+    return _unknown_or(site, 0, _8BIT) and not any(site.node.outputs[1:])
 
 
 def _inference_batch_norm(site: Site) -> bool:
     return (len(site.node.inputs) >= 5 and all(site.constant(i) for i in range(1, 5))
-            and all(site.dtype(i) == np.dtype(np.float32) for i in range(1, 5))
-            and not any(site.node.outputs[1:]) and not site.attr("training_mode", 0)
-            and site.dtype(0) in (None, np.dtype(np.float32)))
+            and all(site.dtype(i) == _F32 for i in range(1, 5))
+            and not any(site.node.outputs[1:]) and not site.attr("training_mode", 0) and _unknown_or(site, 0, (_F32,)))
 
 
 def _float32_stash(site: Site) -> bool:
