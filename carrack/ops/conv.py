@@ -211,8 +211,9 @@ DIRECT_MIN_WIDTH = 24
 DIRECT_MAX_SMALL_CHANNELS = 128
 
 
-#: input shapes a convolution keeps prepared (a stream of new shapes starts over rather than grow)
-MAX_PREPARED_SHAPES = 64
+#: input shapes a kernel keeps prepared, the oldest dropped first: as many as the plan keeps evaluated size sets
+#: (carrack.plan.plan.BOUND_CACHE_SIZE, also first in first out), so a size set the plan still holds keeps its shapes
+MAX_PREPARED_SHAPES = 256
 
 
 class PreparedShapes:
@@ -234,8 +235,8 @@ class PreparedShapes:
 
     def add(self, shape: tuple[int, ...], value: object) -> None:
         with self._lock:
-            current = self._by_shape if len(self._by_shape) < MAX_PREPARED_SHAPES else {}
-            self._by_shape = {**current, shape: value}
+            kept = list(self._by_shape.items())[-(MAX_PREPARED_SHAPES - 1):]
+            self._by_shape = {**dict(kept), shape: value}
 
 
 def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],

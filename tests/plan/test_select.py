@@ -117,9 +117,11 @@ def test_kernels_are_built_with_their_choice(cnn):
         assert kernel.implementation == "native" and _conv(kernel).native is not None
     for kernel in _kernels(forced, "Conv", "FusedConv"):
         assert kernel.implementation == "numpy" and _conv(kernel).native is None and not _conv(kernel).prepared
-    for kernel in _kernels(forced, "Softmax", "MaxPool"):
-        assert kernel.implementation == "numpy" and kernel.native is None if hasattr(kernel, "native") \
-            else kernel.rows is None
+    softmax, max_pool = _kernels(forced, "Softmax")[0], _kernels(forced, "MaxPool")[0]
+    assert softmax.implementation == max_pool.implementation == "numpy"
+    assert softmax.rows is None and max_pool.native is None
+    softmax, max_pool = _kernels(native, "Softmax")[0], _kernels(native, "MaxPool")[0]
+    assert softmax.rows is not None and max_pool.native is not None
 
 
 def test_a_wrong_kernels_config_value_is_refused(cnn):
@@ -243,7 +245,7 @@ def test_threads_running_new_shapes_at_once_agree_with_one_thread(cnn):
     feeds = [{"x": np.random.default_rng(i).standard_normal((b, 3, h, w)).astype(np.float32)}
              for i, (b, h, w) in enumerate(sizes)]
     expected = [reference.run(None, feed)[0] for feed in feeds]
-    results: dict[tuple[int, int], np.ndarray] = {}
+    results: dict[tuple[int, int, int], np.ndarray] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(4)
 
@@ -264,3 +266,29 @@ def test_threads_running_new_shapes_at_once_agree_with_one_thread(cnn):
     assert not errors, errors
     for (_, i, _), got in results.items():
         np.testing.assert_array_equal(got, expected[i])
+
+
+def test_prepared_shapes_drop_the_oldest_as_the_plan_does():
+    from carrack.ops import conv
+    from carrack.plan import plan
+
+    assert conv.MAX_PREPARED_SHAPES == plan.BOUND_CACHE_SIZE
+    table = conv.PreparedShapes()
+    for n in range(conv.MAX_PREPARED_SHAPES + 3):
+        table.add((n,), n)
+    assert len(table) == conv.MAX_PREPARED_SHAPES
+    assert (2,) not in table and table.get((3,)) == 3 and table.get((conv.MAX_PREPARED_SHAPES + 2,)) is not None
+    assert table.get((0,), "missing") == "missing"
+
+
+@needs_native
+def test_carrack_info_lists_the_choices(cnn, capsys, monkeypatch):
+    from carrack.cli import main
+
+    assert main(["info", cnn, "--implementations"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {tuple(line.split()) for line in lines[lines.index("implementations (nodes with more than one):") + 1:]}
+    assert ("Softmax", "native", "1") in listed and ("MaxPool", "native", "1") in listed
+    monkeypatch.setenv("CARRACK_NATIVE", "0")
+    assert main(["info", cnn, "--implementations"]) == 0
+    assert "native" not in capsys.readouterr().out.split("implementations")[1]
