@@ -14,7 +14,7 @@ import numpy as np
 
 from carrack import native
 from carrack.ops import quant, registry
-from carrack.ops.conv import PreparedShapes
+from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -473,6 +473,10 @@ class QLinearConvExact(Kernel):
     depthwise kernel, bit-identical to the float path below, which serves the rest)."""
 
     prepares_shapes = True  # the plan hands it each input shape it evaluates
+
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts, integer=True)
 
     def setup(self):
         self.x_zero_point = np.float32(self.required_attr("x_zero_point"))

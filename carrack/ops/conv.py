@@ -7,13 +7,14 @@ convolutions reuse.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from carrack.ir.graph import Node
 from carrack.native import convolution as native_conv
 from carrack.ops import half
 from carrack.ops.registry import Kernel, register
@@ -509,6 +510,35 @@ def conv_pads(auto_pad: str, pads: Sequence[int] | None, in_shape: Sequence[int]
     return list(pads)
 
 
+def convolution_scratch_bytes(node: Node, facts: Mapping[str, Any], integer: bool = False) -> int:
+    """A convolution's working memory beyond its output (the `scratch_bytes` of the convolution kernels): its padded
+    input and im2col columns (1x1 and depthwise convolutions need no columns); `integer`: the quantized kernels,
+    whose numpy path also makes a float copy of the shifted input."""
+    from carrack.passes.facts import numpy_dtype
+
+    if len(node.inputs) < 2:
+        return 0
+    x, w = facts.get(node.inputs[0]), facts.get(node.inputs[1])
+    y = facts.get(node.outputs[0])
+    if x is None or w is None or y is None or not all(f.shape and all(isinstance(d, int) for d in f.shape)
+                                                      for f in (x, w, y)):
+        return 0
+    itemsize = max(numpy_dtype(x.elem_type).itemsize, 4)  # float16 and integer inputs are computed in float32/64
+    n, c, *spatial = x.shape
+    m, cg, *kernel = w.shape
+    group = node.attrs.get("group", 1)
+    pads = node.attrs.get("pads") or [0] * (2 * len(kernel))
+    needs_padding = any(pads) or node.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
+    padded = n * c * int(np.prod([d + 2 * (k // 2) for d, k in zip(spatial, kernel)])) * itemsize if needs_padding \
+        else 0
+    if integer:
+        padded += n * c * int(np.prod(spatial)) * 4  # the numpy path's float32 copy of the shifted input
+    if all(k == 1 for k in kernel) or (group == c == m):
+        return padded
+    columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize
+    return padded + min(columns, COLUMN_BYTES)  # columns are built in blocks of at most COLUMN_BYTES
+
+
 class _ConvBase(Kernel):
     """Attributes shared by the convolution family."""
 
@@ -541,6 +571,10 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 class Conv(_ConvBase):
     #: the plan hands it each input shape it evaluates (`prepare_shape`), before any run of that shape
     prepares_shapes = True
+
+    @classmethod
+    def scratch_bytes(cls, node: Node, facts: Mapping[str, Any]) -> int:
+        return convolution_scratch_bytes(node, facts)
 
     def setup(self):
         super().setup()

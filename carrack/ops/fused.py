@@ -9,7 +9,7 @@ import numpy as np
 
 from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import half, registry
-from carrack.ops.conv import Epilogue
+from carrack.ops.conv import Epilogue, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -121,6 +121,10 @@ class FusedConv(_FusedIntoBase):
 
     base_op = "Conv"
     prepares_shapes = True
+
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts)
 
     def setup(self) -> None:
         super().setup()

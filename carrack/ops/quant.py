@@ -21,7 +21,7 @@ import numpy as np
 
 from carrack import native
 from carrack.ops.cast import cast_array, is_ml_float, onnx_dtype
-from carrack.ops.conv import PreparedShapes
+from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -463,6 +463,10 @@ def _requantize(acc: np.ndarray, multiplier: np.ndarray, y_zero_point: np.ndarra
 
 # -- integer convolution ---------------------------------------------------------------------------------------------
 class _IntegerConv(Kernel):
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts, integer=True)
+
     def setup(self):
         self.group = int(self.attr("group", 1))
         self.auto_pad = _decoded(self.attr("auto_pad", "NOTSET"))

@@ -47,6 +47,12 @@ class Kernel:
     prepares_shapes: ClassVar[bool] = False
 
     @classmethod
+    def scratch_bytes(cls, node: Node, facts: Mapping[str, Any]) -> int:
+        """Working memory beyond its outputs while it runs, from what shape inference knows about `node`'s values
+        (`facts`; 0: none, or not known): the memory report counts it."""
+        return 0
+
+    @classmethod
     def writes_into(cls) -> bool:
         """Whether the kernel can compute its single output into a buffer it is given (`run_into`, or `_into`
         offered per node by `carrack.ops.contrib.offer_run_into`)."""

@@ -292,3 +292,18 @@ def test_carrack_info_lists_the_choices(cnn, capsys, monkeypatch):
     monkeypatch.setenv("CARRACK_NATIVE", "0")
     assert main(["info", cnn, "--implementations"]) == 0
     assert "native" not in capsys.readouterr().out.split("implementations")[1]
+
+
+def test_the_memory_report_takes_scratch_from_the_kernel_class(cnn, monkeypatch):
+    options = carrack.SessionOptions()
+    options.graph_optimization_level = carrack.GraphOptimizationLevel.ORT_DISABLE_ALL  # Conv nodes stay Conv
+    dims = {"batch": 1, "height": 16, "width": 16}
+
+    def scratch(session: carrack.InferenceSession) -> dict[str, int]:
+        return {n: b.nbytes for n, b in session.memory_plan(dims).blocks.items() if n.endswith(":scratch")}
+
+    session = carrack.InferenceSession(cnn, options)
+    convs = [n.name for n in session._model.graph.nodes if n.op_type == "Conv"]
+    assert scratch(session) and set(scratch(session)) <= {f"{n}:scratch" for n in convs}
+    monkeypatch.setattr(Conv, "scratch_bytes", classmethod(lambda cls, node, facts: 4096))
+    assert scratch(carrack.InferenceSession(cnn, options)) == {f"{n}:scratch": 4096 for n in convs}
