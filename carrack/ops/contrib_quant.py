@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from carrack import native
+from carrack.native import convolution as native_conv
 from carrack.ops import quant, registry
 from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
@@ -487,6 +488,7 @@ class QLinearConvExact(Kernel):
         self.auto_pad = self.auto_pad.decode() if isinstance(self.auto_pad, bytes) else self.auto_pad
         self.pads, self.strides, self.dilations = self.attr("pads"), self.attr("strides"), self.attr("dilations")
         self.native = self._native_conv()
+        self.float_kernels = self.if_native(native_conv.load)  # for the float path's exact products
         #: input shape -> the native run's plan (None: the numpy path), filled by the plan's per-size evaluation
         self.prepared = PreparedShapes()
         weight = self.ctx.graph.initializers.get(self.node.inputs[1]) if self.native is not None else None
@@ -546,7 +548,7 @@ class QLinearConvExact(Kernel):
         for end in self.ends:
             whole = start == 0 and end == weight.shape[1]
             part = convolve(shifted if whole else shifted[:, start:end], weight if whole else weight[:, start:end],
-                            **geometry)
+                            **geometry, kernels=self.float_kernels)
             if acc is None:
                 acc = part if self.float32_accumulator else part.astype(np.float64)
             else:

@@ -818,13 +818,15 @@ class CausalConvWithState(Kernel):
         self.activation = activation.decode() if isinstance(activation, bytes) else activation
         if self.activation not in ("none", "silu", "swish"):
             self.fail(f"activation must be 'silu', 'swish' or 'none', got {self.activation!r}")
+        self.native = self.if_native(native_conv.load)
 
     def run(self, x, w, b=None, past_state=None):
         k = w.shape[-1]
         if past_state is None:
             past_state = np.zeros(x.shape[:2] + (k - 1,), dtype=x.dtype)
         sequence = np.concatenate([past_state.astype(x.dtype, copy=False), x], axis=2)
-        y = convolve(sequence, w, strides=[1], pads=[0, 0], dilations=[1], group=x.shape[1]).astype(x.dtype)
+        y = convolve(sequence, w, strides=[1], pads=[0, 0], dilations=[1], group=x.shape[1],
+                     kernels=self.native).astype(x.dtype)
         y = _add_bias(y, b)
         if self.activation != "none":
             y = y / (1 + np.exp(-y))

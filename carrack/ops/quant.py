@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from carrack import native
+from carrack.native import convolution as native_conv
 from carrack.ops.cast import cast_array, is_ml_float, onnx_dtype
 from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
@@ -476,6 +477,8 @@ class _IntegerConv(Kernel):
         self.strides = self.attr("strides")
         self.dilations = self.attr("dilations")
         self.kernel_shape = self.attr("kernel_shape")
+        #: the float convolution kernels the exact integer products run on (None: numpy's)
+        self.float_kernels = self.if_native(native_conv.load)
 
     def accumulate(self, x, x_zero_point, w, w_zero_point) -> np.ndarray:
         """conv(x - x_zero_point, w - w_zero_point[m]) as exact integers held in a float array."""
@@ -492,7 +495,7 @@ class _IntegerConv(Kernel):
         shifted_w = _shifted(w, None if w_zero_point is None else _per_channel(w_zero_point, w.shape[0], w.ndim))
         bound = shifted_magnitude(x.dtype, x_zero_point) * shifted_magnitude(w.dtype, w_zero_point)
         return exact_convolve(shifted_x, shifted_w, bound, strides=strides, pads=pads, dilations=dilations,
-                              group=self.group)
+                              group=self.group, kernels=self.float_kernels)
 
 
 def exact_convolve(x: np.ndarray, w: np.ndarray, term_bound: int, **geometry) -> np.ndarray:

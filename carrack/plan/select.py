@@ -142,10 +142,6 @@ def _constant(*indices: int) -> Predicate:
     return lambda site: all(site.constant(i) for i in indices)
 
 
-def _all(*predicates: Predicate) -> Predicate:
-    return lambda site: all(p(site) for p in predicates)
-
-
 def _two_d_pool(site: Site) -> bool:
     shape = site.attr("kernel_shape")
     return shape is not None and len(shape) == 2 and _float_or_unknown(site)
@@ -223,8 +219,11 @@ TABLE: dict[tuple[str, str], tuple[Candidate, ...]] = {
     (MS, "DynamicQuantizeMatMul"): _native_first(("qgemm",), _constant(1), _INT8_WEIGHT),
     (CARRACK, "QLinearMatMulExact"): _native_first(("qgemm",), _constant(1), _INT8_WEIGHT),
     (CARRACK, "DynamicQuantizedMatMul"): _native_first(("qgemm",), _constant(1), _INT8_WEIGHT),
-    ("", "QLinearConv"): _native_first(("qconv",), _all(_constant(1, 3, 4, 6)),
-                                       "8-bit input of the weight's rank; geometry planned per input shape"),
+    ("", "QLinearConv"): _native_first(("qconv",), _constant(1, 3, 4, 6),
+                                       "8-bit input of the weight's rank, geometry planned per input shape; the "
+                                       "rest as exact float products on the native float convolution"),
+    ("", "ConvInteger"): _native_first(("convolution",), None, "exact float products on the native convolution"),
+    ("", "CausalConvWithState"): _native_first(("convolution",), _float_or_unknown),
     (CARRACK, "QLinearConvExact"): _native_first(("qconv",), _constant(1, 2, 3),
                                                  "8-bit input of the weight's rank"),
     (MS, "QLinearAdd"): _native_first(("qconv",), None, "operands of one shape with at least 4096 elements"),

@@ -307,3 +307,23 @@ def test_the_memory_report_takes_scratch_from_the_kernel_class(cnn, monkeypatch)
     assert scratch(session) and set(scratch(session)) <= {f"{n}:scratch" for n in convs}
     monkeypatch.setattr(Conv, "scratch_bytes", classmethod(lambda cls, node, facts: 4096))
     assert scratch(carrack.InferenceSession(cnn, options)) == {f"{n}:scratch": 4096 for n in convs}
+
+
+@needs_native
+def test_a_numpy_session_never_touches_native_code(cnn, bert, monkeypatch):
+    """Forced to numpy, no kernel asks for a native library while running (the native session does)."""
+    from carrack import native
+
+    bert_path, feed = bert
+    x = np.random.default_rng(0).standard_normal((2, 3, 12, 10)).astype(np.float32)
+    for forced in (True, False):
+        options = _numpy_options() if forced else None
+        sessions = [(carrack.InferenceSession(cnn, options), {"x": x}),
+                    (carrack.InferenceSession(bert_path, options), feed)]
+        asked: list[str] = []
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "library", lambda name, load=native.library, seen=asked: seen.append(name) or
+                          load(name))
+            for session, session_feed in sessions:
+                session.run(None, session_feed)
+        assert (asked == []) == forced, sorted(set(asked))
