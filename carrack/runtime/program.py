@@ -43,6 +43,8 @@ class BuildContext:
         from carrack.plan import select
 
         chosen = self.implementations.get(select.node_key(node))
+        if chosen is None and len(select.candidates(node.domain, node.op_type)) == 1:
+            return select.NUMPY
         if chosen is None:
             constants = self.graph.initializers if self.graph is not None else None
             chosen = select.choose(node, constants=constants, numpy_only=select.force_numpy(self.options))
