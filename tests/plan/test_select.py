@@ -327,3 +327,36 @@ def test_a_numpy_session_never_touches_native_code(cnn, bert, monkeypatch):
             for session, session_feed in sessions:
                 session.run(None, session_feed)
         assert (asked == []) == forced, sorted(set(asked))
+
+
+def _conv_in_a_branch() -> bytes:
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    branch = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y_then"], pads=[1, 1, 1, 1])], "then", [],
+                               [helper.make_tensor_value_info("y_then", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["y_else"])], "else", [],
+                              [helper.make_tensor_value_info("y_else", TensorProto.FLOAT, None)])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=other)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 5, 5]),
+                               helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@needs_native
+def test_subgraph_nodes_are_chosen_by_the_same_table(monkeypatch):
+    """Nodes the plan does not list (an If branch's) are chosen by the table when they are built, honouring the
+    session's numpy setting."""
+    model = _conv_in_a_branch()
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 3, 5, 5)).astype(np.float32), "c": np.array(True)}
+
+    def branch_conv(session: carrack.InferenceSession) -> Conv:
+        if_kernel = _kernels(session, "If")[0]
+        programs = [v for v in vars(if_kernel).values() if hasattr(v, "steps")]
+        return next(s.kernel for p in programs for s in p.steps if s.node.op_type == "Conv")
+
+    native, forced = carrack.InferenceSession(model), carrack.InferenceSession(model, _numpy_options())
+    assert branch_conv(native).implementation == "native" and branch_conv(native).native is not None
+    assert branch_conv(forced).implementation == "numpy" and branch_conv(forced).native is None
+    np.testing.assert_allclose(native.run(None, feed)[0], forced.run(None, feed)[0], rtol=1e-5, atol=1e-5)
