@@ -2,7 +2,7 @@
 
 Operators with more than one implementation (a native C kernel and its numpy twin) list their candidates here in
 order of preference. Each candidate has a static predicate, evaluated at plan time from what the plan knows about
-the node (input dtypes and ranks from shape inference, which inputs are constants, attributes) and from the machine
+the node (input dtypes from shape inference, which inputs are constants, attributes) and from the machine
 (whether the native library it needs loads here: CPU variant, CARRACK_NATIVE, compiler). The first candidate whose
 predicate holds is the node's implementation; the plan records it as a name (plain data, picklable) and the
 executor builds the kernel with it (`Kernel.implementation`), so kernels no longer ask at run time whether native
@@ -268,10 +268,3 @@ def choose_all(graph: Graph, facts: Mapping[str, Fact], numpy_only: bool = False
     return {node_key(node): choose(node, facts, graph.initializers, numpy_only) for node in graph.nodes
             if len(candidates(node.domain, node.op_type)) > 1}
 
-
-def available_candidates(node: Node, facts: Mapping[str, Fact] | None = None,
-                         constants: Mapping[str, Any] | None = None) -> list[str]:
-    """Names of every candidate of the node's operator whose predicate holds here (for `carrack doctor` and
-    tests)."""
-    site = Site(node, facts or {}, constants or {})
-    return [c.name for c in candidates(node.domain, node.op_type) if c.available(site)]
