@@ -201,12 +201,23 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"nodes: {len(g.nodes)}")
         for op, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
             print(f"  {op:32s} {c}")
+    if args.implementations:
+        _print_implementations(sess)
     if args.memory:
         dims = _parse_dims(args.dim)
         print(f"memory plan ({', '.join(f'{k}={v}' for k, v in dims.items()) or 'declared dims'}):")
         for line in sess.memory_plan(dims).summary().splitlines():
             print(f"  {line}")
     return 0
+
+
+def _print_implementations(sess: carrack.InferenceSession) -> None:
+    """The selection table's choices (carrack.plan.select), counted by op type, of the optimized graph."""
+    op_of = {n.name or next((o for o in n.outputs if o), ""): n.op_type for n in sess._model.graph.nodes}
+    chosen = Counter((op_of.get(name, "?"), impl) for name, impl in sess.implementations().items())
+    print("implementations (nodes with more than one):" if chosen else "implementations: numpy only")
+    for (op, impl), count in sorted(chosen.items()):
+        print(f"  {op:32s} {impl:8s} {count}")
 
 
 _LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}
@@ -243,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--memory", action="store_true", help="show the static memory plan")
     i.add_argument("--optimized", action="store_true", help="node counts by op type before and after optimization")
     i.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="size for a symbolic dim")
+    i.add_argument("--implementations", action="store_true",
+                   help="native or numpy per op type, as the plan chose them")
     i.set_defaults(func=cmd_info)
     o = sub.add_parser("optimize", help="write the optimized graph as an ONNX file")
     o.add_argument("model")

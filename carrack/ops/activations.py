@@ -105,7 +105,7 @@ class Gelu(_FloatActivation):
         self.approximate = self.attr("approximate", "none")
         if self.approximate not in ("none", "tanh"):
             self.fail(f"approximate must be 'none' or 'tanh', got {self.approximate!r}")
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
 
     def compute(self, x):
         return tanh_gelu(x) if self.approximate == "tanh" else gelu(x)
@@ -265,7 +265,7 @@ class _AxisNormalizer(Kernel):
 class Softmax(_AxisNormalizer):
     def setup(self) -> None:
         super().setup()
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
 
     def run(self, x):
         return self.run_into(None, x)

@@ -82,7 +82,7 @@ class ContribLayerNormalization(Kernel):
     def setup(self) -> None:
         self.axis = int(self.attr("axis", -1))
         self.epsilon = float(self.attr("epsilon", 1e-5))
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
         self.wants_stats = any(self.node.outputs[1:])
         if len(self.node.inputs) < 2 or not self.node.inputs[1]:
             self.fail("input 1 (Scale) is required")
@@ -114,7 +114,7 @@ class SkipLayerNormalization(Kernel):
 
     def setup(self) -> None:
         self.epsilon = float(self.attr("epsilon", 1e-12))
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
         outs = self.node.outputs
         self.wants_stats = any(outs[1:3])
         self.wants_sum = len(outs) > 3 and bool(outs[3])
@@ -160,7 +160,7 @@ class _GeluBase(Kernel):
     approximate = False
 
     def setup(self) -> None:
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
 
     def run_into(self, out, x, bias=None):
         if self._native(x, bias):
@@ -262,7 +262,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.
             or not out.flags.writeable or np.may_share_memory(out, v)):
         out = np.empty(shape, dtype)
     heads_view = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
-    if not native_matmul.batched_into(probs, v, heads_view):  # on the run's threads, not BLAS's
+    if not (native and native_matmul.batched_into(probs, v, heads_view)):  # on the run's threads, not BLAS's
         np.matmul(probs, v, out=heads_view)
     return out
 
@@ -295,7 +295,7 @@ class _AttentionBase(Kernel):
         self.scale = float(self.attr("scale", 0.0))
         self.fill = float(self.attr("mask_filter_value", -10000.0))
         self.causal = bool(self.attr("unidirectional", 0))
-        self.rows = rowops.library()
+        self.rows = self.if_native(rowops.library)
         offer_run_into(self)
         if self.heads <= 0:
             self.fail(f"num_heads must be positive, got {self.heads}")

@@ -13,7 +13,9 @@ from dataclasses import replace
 import numpy as np
 
 from carrack import native
+from carrack.native import convolution as native_conv
 from carrack.ops import quant, registry
+from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -74,7 +76,7 @@ class QLinearAdd(Kernel):
         ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
         offset = _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
         dtype = _out_dtype(a, c_zero_point)
-        if a.shape == b.shape and a.size >= _NATIVE_ADD_MIN and native.enabled():
+        if a.shape == b.shape and a.size >= _NATIVE_ADD_MIN and self.implementation == "native":
             from carrack.native import qconv
 
             y = qconv.qlinear_add(a, b, ka, kb, offset, dtype, out)
@@ -462,7 +464,6 @@ class QLinearMatMulExact(Kernel):
 
 
 #: input shapes per convolution whose native plans are kept
-_PLANS_KEPT = 16
 
 
 @register("QLinearConvExact", domain=CARRACK)
@@ -471,6 +472,12 @@ class QLinearConvExact(Kernel):
 
     With a constant weight, 1-D/2-D convolutions run natively (carrack/native/qconv.py: int8 GEMM or the direct
     depthwise kernel, bit-identical to the float path below, which serves the rest)."""
+
+    prepares_shapes = True  # the plan hands it each input shape it evaluates
+
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts, integer=True)
 
     def setup(self):
         self.x_zero_point = np.float32(self.required_attr("x_zero_point"))
@@ -481,11 +488,19 @@ class QLinearConvExact(Kernel):
         self.auto_pad = self.auto_pad.decode() if isinstance(self.auto_pad, bytes) else self.auto_pad
         self.pads, self.strides, self.dilations = self.attr("pads"), self.attr("strides"), self.attr("dilations")
         self.native = self._native_conv()
-        self._plans: dict = {}  # input shape -> the native run's plan (None: the numpy path)
+        self.float_kernels = self.if_native(native_conv.load)  # for the float path's exact products
+        #: input shape -> the native run's plan (None: the numpy path), filled by the plan's per-size evaluation
+        self.prepared = PreparedShapes()
+        weight = self.ctx.graph.initializers.get(self.node.inputs[1]) if self.native is not None else None
+        self.kernel_size = None if weight is None else list(weight.shape[2:])
+
+    def prepare_shape(self, shape: tuple[int, ...]) -> None:
+        if self.kernel_size is not None and len(shape) == len(self.kernel_size) + 2 and shape not in self.prepared:
+            self.prepared.add(shape, self._native_plan(shape, self.kernel_size))
 
     def _native_conv(self):
         graph = self.ctx.graph if self.ctx is not None else None
-        if graph is None or not native.enabled():
+        if graph is None or self.implementation != "native":
             return None
         constants = [graph.initializers.get(name) for name in self.node.inputs[1:4]]
         if any(c is None for c in constants):
@@ -511,8 +526,8 @@ class QLinearConvExact(Kernel):
 
     def run_into(self, out, x, weight, bias, multiplier, y_zero_point):
         if self.native is not None and x.dtype in (np.uint8, np.int8) and x.ndim == weight.ndim:
-            plan = self._plans.get(x.shape, False)
-            if plan is False:
+            plan = self.prepared.get(x.shape, False)
+            if plan is False:  # a shape the plan did not prepare (a subgraph, an unknown shape): planned per run
                 plan = self._native_plan(x.shape, list(weight.shape[2:]))
             if plan is not None:
                 return self.native.run(x, y_zero_point, plan, out)
@@ -521,11 +536,7 @@ class QLinearConvExact(Kernel):
 
     def _native_plan(self, shape: tuple[int, ...], kernel: list[int]):
         geometry = self.geometry(shape[2:], kernel)
-        plan = self.native.plan(shape, geometry["strides"], geometry["pads"], geometry["dilations"])
-        if len(self._plans) >= _PLANS_KEPT:  # inputs of ever new shapes: keep a bounded few
-            self._plans.clear()
-        self._plans[shape] = plan
-        return plan
+        return self.native.plan(shape, geometry["strides"], geometry["pads"], geometry["dilations"])
 
     def _run_numpy(self, x, weight, bias, multiplier, y_zero_point, geometry):
         from carrack.ops.conv import convolve
@@ -537,7 +548,7 @@ class QLinearConvExact(Kernel):
         for end in self.ends:
             whole = start == 0 and end == weight.shape[1]
             part = convolve(shifted if whole else shifted[:, start:end], weight if whole else weight[:, start:end],
-                            **geometry)
+                            **geometry, kernels=self.float_kernels)
             if acc is None:
                 acc = part if self.float32_accumulator else part.astype(np.float64)
             else:

@@ -6,13 +6,15 @@ convolutions reuse.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from carrack.ir.graph import Node
 from carrack.native import convolution as native_conv
 from carrack.ops import half
 from carrack.ops.registry import Kernel, register
@@ -210,8 +212,32 @@ DIRECT_MIN_WIDTH = 24
 DIRECT_MAX_SMALL_CHANNELS = 128
 
 
-_UNBOUND = object()
-_MAX_BOUND = 16
+#: input shapes a kernel keeps prepared, the oldest dropped first: as many as the plan keeps evaluated size sets
+#: (carrack.plan.plan.BOUND_CACHE_SIZE, also first in first out), so a size set the plan still holds keeps its shapes
+MAX_PREPARED_SHAPES = 256
+
+
+class PreparedShapes:
+    """A kernel's per-input-shape state, written only by the plan's per-size evaluation (`prepare_shape`), read
+    by runs. Writers replace the whole mapping (copy on write), so a run reading it never sees a partial update."""
+
+    def __init__(self) -> None:
+        self._by_shape: dict[tuple[int, ...], object] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, shape: tuple[int, ...]) -> bool:
+        return shape in self._by_shape
+
+    def __len__(self) -> int:
+        return len(self._by_shape)
+
+    def get(self, shape: tuple[int, ...], default: object = None):
+        return self._by_shape.get(shape, default)
+
+    def add(self, shape: tuple[int, ...], value: object) -> None:
+        with self._lock:
+            kept = list(self._by_shape.items())[-(MAX_PREPARED_SHAPES - 1):]
+            self._by_shape = {**dict(kept), shape: value}
 
 
 def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
@@ -484,6 +510,35 @@ def conv_pads(auto_pad: str, pads: Sequence[int] | None, in_shape: Sequence[int]
     return list(pads)
 
 
+def convolution_scratch_bytes(node: Node, facts: Mapping[str, Any], integer: bool = False) -> int:
+    """A convolution's working memory beyond its output (the `scratch_bytes` of the convolution kernels): its padded
+    input and im2col columns (1x1 and depthwise convolutions need no columns); `integer`: the quantized kernels,
+    whose numpy path also makes a float copy of the shifted input."""
+    from carrack.passes.facts import numpy_dtype
+
+    if len(node.inputs) < 2:
+        return 0
+    x, w = facts.get(node.inputs[0]), facts.get(node.inputs[1])
+    y = facts.get(node.outputs[0])
+    if x is None or w is None or y is None or not all(f.shape and all(isinstance(d, int) for d in f.shape)
+                                                      for f in (x, w, y)):
+        return 0
+    itemsize = max(numpy_dtype(x.elem_type).itemsize, 4)  # float16 and integer inputs are computed in float32/64
+    n, c, *spatial = x.shape
+    m, cg, *kernel = w.shape
+    group = node.attrs.get("group", 1)
+    pads = node.attrs.get("pads") or [0] * (2 * len(kernel))
+    needs_padding = any(pads) or node.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
+    padded = n * c * int(np.prod([d + 2 * (k // 2) for d, k in zip(spatial, kernel)])) * itemsize if needs_padding \
+        else 0
+    if integer:
+        padded += n * c * int(np.prod(spatial)) * 4  # the numpy path's float32 copy of the shifted input
+    if all(k == 1 for k in kernel) or (group == c == m):
+        return padded
+    columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize
+    return padded + min(columns, COLUMN_BYTES)  # columns are built in blocks of at most COLUMN_BYTES
+
+
 class _ConvBase(Kernel):
     """Attributes shared by the convolution family."""
 
@@ -514,12 +569,21 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 
 @register("Conv", since=1)
 class Conv(_ConvBase):
+    #: the plan hands it each input shape it evaluates (`prepare_shape`), before any run of that shape
+    prepares_shapes = True
+
+    @classmethod
+    def scratch_bytes(cls, node: Node, facts: Mapping[str, Any]) -> int:
+        return convolution_scratch_bytes(node, facts)
+
     def setup(self):
         super().setup()
-        self.native = native_conv.load()  # None: numpy only (CARRACK_NATIVE=0, no compiler)
+        self.native = self.if_native(native_conv.load)  # None: numpy (the plan chose it: CARRACK_NATIVE=0, ...)
         self.dense = self._dense_constants() if self.native is not None else {}
-        self.bound: dict[tuple, native_conv.BoundConvolution | None] = {}  # by input shape and operands
         self.widened = half.WidenedConstants()
+        self.operands = self._constant_operands() if self.native is not None else None
+        #: input shape -> (BoundConvolution, activation, residual?): filled by the plan's per-size evaluation
+        self.prepared = PreparedShapes()
 
     def _dense_constants(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """{input index: (constant, its C-contiguous aligned read-only copy)} for a weight or bias initializer the
@@ -533,6 +597,40 @@ class Conv(_ConvBase):
                 copy.flags.writeable = False
                 dense[i] = (a, copy)
         return dense
+
+    def _constant_operands(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The weight and bias as a run hands them to the native kernels (dense copies, float16 widened), when both
+        are read-only constants of the graph; None otherwise."""
+        graph = self.ctx.graph if self.ctx is not None else None
+        names = list(self.node.inputs) + ["", ""]
+        if graph is None or not names[1]:
+            return None
+        w, b = graph.initializers.get(names[1]), graph.initializers.get(names[2]) if names[2] else None
+        if not isinstance(w, np.ndarray) or w.flags.writeable or (names[2] and not isinstance(b, np.ndarray)):
+            return None
+        if b is not None and b.flags.writeable:
+            return None
+        w = self.dense[1][1] if 1 in self.dense else w
+        b = self.dense[2][1] if 2 in self.dense else b
+        return self.widened(w), self.widened(b)
+
+    def prepare_shape(self, x_shape: tuple[int, ...], activation: Epilogue | None = None,
+                      residual: bool = False) -> None:
+        """Bind the native call for inputs of `x_shape` (see BoundConvolution), for constant weights only. Called
+        by the plan's per-size evaluation (carrack.plan.plan.prepare_kernels), never by a run."""
+        if self.native is None or len(x_shape) < 3 or x_shape in self.prepared:
+            return
+        bound = None
+        if self.operands is not None:
+            w, b = self.operands
+            strides, dilations = self.geometry(len(x_shape) - 2)
+            pads = conv_pads(self.auto_pad, self.pads, x_shape[2:], w.shape[2:], strides, dilations)
+            if len(w.shape) == len(x_shape) and len(pads) == 2 * (len(x_shape) - 2):
+                kind = _native_kind(x_shape, w.shape, strides, pads, dilations, self.group, residual)
+                act = native_conv.NO_ACTIVATION if activation is None else activation.native()
+                if kind is not None:
+                    bound = self.native.bind(kind, x_shape, w, b, strides, pads, dilations, self.group, act)
+        self.prepared.add(x_shape, None if bound is None else (bound, activation, residual))
 
     def run(self, x, w, b=None):
         return self.run_into(None, x, w, b)
@@ -548,24 +646,6 @@ class Conv(_ConvBase):
                    for i in range(nd)]
         self.check_output([x.shape[0], w.shape[0], *spatial], x.dtype)
 
-    def _bind(self, key: tuple, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: Epilogue | None,
-              residual: np.ndarray | None) -> native_conv.BoundConvolution | None:
-        """The native call this convolution makes for inputs like these, bound once (see BoundConvolution), for
-        constant weights only (a weight fed per run is a new array each time); None: the general path."""
-        bound = None
-        if (isinstance(w, np.ndarray) and not w.flags.writeable and x.dtype == np.float32 and x.ndim >= 3
-                and (b is None or isinstance(b, np.ndarray) and not b.flags.writeable)):
-            strides, dilations = self.geometry(x.ndim - 2)
-            pads = conv_pads(self.auto_pad, self.pads, x.shape[2:], w.shape[2:], strides, dilations)
-            kind = _native_kind(x.shape, w.shape, strides, pads, dilations, self.group, residual is not None)
-            act = native_conv.NO_ACTIVATION if activation is None else activation.native()
-            if kind is not None:
-                bound = self.native.bind(kind, x.shape, w, b, strides, pads, dilations, self.group, act)
-        if len(self.bound) >= _MAX_BOUND:  # shapes keep changing: start over rather than grow
-            self.bound.clear()
-        self.bound[key] = bound
-        return bound
-
     def run_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
         """The convolution (plus `residual`, then `activation`), written into `out` when it is a usable buffer for
         the result (else allocated)."""
@@ -579,12 +659,10 @@ class Conv(_ConvBase):
             w = self.dense[1][1] if 1 in self.dense and w is self.dense[1][0] else w
             b = self.dense[2][1] if 2 in self.dense and b is self.dense[2][0] else b
         if self.native is not None:
-            key = (x.shape, id(w), id(b), id(activation), residual is None)
-            bound = self.bound.get(key, _UNBOUND)
-            if bound is _UNBOUND:
-                bound = self._bind(key, x, w, b, activation, residual)
-            if bound is not None and bound.w is w and bound.bias is b:
-                y = bound(x, out, residual)
+            prepared = self.prepared.get(x.shape)
+            if (prepared is not None and prepared[0].w is w and prepared[0].bias is b and prepared[1] is activation
+                    and prepared[2] == (residual is not None)):
+                y = prepared[0](x, out, residual)
                 if y is not None:
                     return y if activation is None or activation.code >= 0 else activation.apply(y)
         nd = x.ndim - 2
@@ -740,13 +818,15 @@ class CausalConvWithState(Kernel):
         self.activation = activation.decode() if isinstance(activation, bytes) else activation
         if self.activation not in ("none", "silu", "swish"):
             self.fail(f"activation must be 'silu', 'swish' or 'none', got {self.activation!r}")
+        self.native = self.if_native(native_conv.load)
 
     def run(self, x, w, b=None, past_state=None):
         k = w.shape[-1]
         if past_state is None:
             past_state = np.zeros(x.shape[:2] + (k - 1,), dtype=x.dtype)
         sequence = np.concatenate([past_state.astype(x.dtype, copy=False), x], axis=2)
-        y = convolve(sequence, w, strides=[1], pads=[0, 0], dilations=[1], group=x.shape[1]).astype(x.dtype)
+        y = convolve(sequence, w, strides=[1], pads=[0, 0], dilations=[1], group=x.shape[1],
+                     kernels=self.native).astype(x.dtype)
         y = _add_bias(y, b)
         if self.activation != "none":
             y = y / (1 + np.exp(-y))

@@ -9,7 +9,7 @@ import numpy as np
 
 from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import half, registry
-from carrack.ops.conv import Epilogue
+from carrack.ops.conv import Epilogue, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -120,10 +120,19 @@ class FusedConv(_FusedIntoBase):
     applies the activation as it finishes its output (natively, before the one store, where it can)."""
 
     base_op = "Conv"
+    prepares_shapes = True
+
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts)
 
     def setup(self) -> None:
         super().setup()
         self.epilogue = _epilogue(self.attr("activation", ""), self.activation_params(), self.act)
+
+    def prepare_shape(self, shape: tuple[int, ...]) -> None:
+        residual = len(self.node.inputs) > 3 and bool(self.node.inputs[3])
+        self.inner.prepare_shape(shape, self.epilogue, residual)
 
     def run(self, x, w, b=None, z=None):
         return self.inner.run_into(None, x, w, b, activation=self.epilogue, residual=z)

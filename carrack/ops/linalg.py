@@ -40,11 +40,13 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
 class MatMul(Kernel):
     def setup(self):
         self.widened = half.WidenedConstants()
+        #: the plan chose the native tile (it then still takes only the sizes where it pays: native_matmul.chosen)
+        self.native = self.implementation == "native"
 
     def run(self, a, b):
         if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b))
-        y = _native_product(a, b, None)
+        y = _native_product(a, b, None) if self.native else None
         if y is not None:
             return y
         flat = _flat_rows(a, b) if a.dtype == b.dtype and a.dtype in (np.float32, np.float64) else None
@@ -63,7 +65,7 @@ class MatMul(Kernel):
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
                 and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
                 and a.shape[-1] == b.shape[-2]):
-            if out.flags.c_contiguous and _native_product(a, b, out) is not None:
+            if self.native and out.flags.c_contiguous and _native_product(a, b, out) is not None:
                 return out
             flat = _flat_rows(a, b)
             if flat is not None and out.flags.c_contiguous:
@@ -84,6 +86,7 @@ class Gemm(Kernel):
         self.trans_b = bool(self.attr("transB", 0))
         self.widened = half.WidenedConstants()
         self.widened_b = half.WidenedConstants(transposed=self.trans_b)
+        self.native = self.implementation == "native"
 
     def run(self, a, b, c=None):
         return self.run_into(None, a, b, c)
@@ -110,7 +113,7 @@ class Gemm(Kernel):
                 and out.shape == (wa.shape[0], wb.shape[1]) and wa.shape[1] == wb.shape[0]
                 and out.flags.c_contiguous and out.flags.writeable):
             out = None
-        y = self._native_transposed(wa, b, out) if self.trans_b else None
+        y = self._native_transposed(wa, b, out) if self.trans_b and self.native else None
         if y is None:
             y = np.matmul(wa, wb, out=out)
         if self.alpha != 1.0:

@@ -67,7 +67,7 @@ class BatchNormalization(Kernel):
         params = [graph.initializers.get(name) for name in self.node.inputs[1:5]]
         if any(p is None or p.dtype != np.float32 or p.ndim != 1 for p in params):
             return None
-        kernels = native_convolution()
+        kernels = self.if_native(native_convolution)
         if kernels is None:
             return None
         gamma, beta, mean, var = params
@@ -141,7 +141,7 @@ class LayerNormalization(Kernel):
     def setup(self):
         self.axis = int(self.attr("axis", -1))
         self.epsilon = float(self.attr("epsilon", 1e-5))
-        self.rows = rowops.library() if _stash_dtype(self) == np.float32 else None
+        self.rows = self.if_native(rowops.library) if _stash_dtype(self) == np.float32 else None
         self.wants_stats = any(self.node.outputs[1:])
         offer_run_into(self)
 

@@ -78,7 +78,7 @@ class _WindowPool(Kernel):
         if self.auto_pad not in ("NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"):
             self.fail(f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, got {self.auto_pad!r}")
         self.ceil_mode = bool(self.attr("ceil_mode", 0))
-        self.native = native_conv.load() if nd == 2 else None  # float32 2-D pools: None = numpy only
+        self.native = self.if_native(native_conv.load) if nd == 2 else None  # float32 2-D pools: None = numpy only
 
     def native_pool(self, x: np.ndarray, geometry: PoolGeometry, mode: int) -> np.ndarray | None:
         """The pool by the native kernel (float32 images; float16 ones widened, pooled, rounded once); None when it
@@ -128,7 +128,8 @@ class MaxPool(_WindowPool):
 
     def run(self, x):
         geometry = self.geometry(x)
-        if x.dtype in (np.uint8, np.int8) and (len(self.node.outputs) < 2 or not self.node.outputs[1]):
+        if (x.dtype in (np.uint8, np.int8) and (len(self.node.outputs) < 2 or not self.node.outputs[1])
+                and self.implementation == "native"):
             from carrack.native import qconv  # quantized models' pools: native when the library loads
 
             y = qconv.maxpool_8bit(x, geometry.kernel, self.strides, self.dilations, geometry.pads,
@@ -222,7 +223,7 @@ class LpPool(_WindowPool):
 @register("GlobalAveragePool", since=1)
 class GlobalAveragePool(Kernel):
     def setup(self):
-        self.native = native_conv.load()  # float32 inputs: None = numpy only
+        self.native = self.if_native(native_conv.load)  # float32 inputs: None = numpy only
 
     def run(self, x):
         if self.native is not None and x.dtype == np.float16:  # a float32 mean, rounded once

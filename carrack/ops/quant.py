@@ -20,7 +20,9 @@ import ml_dtypes
 import numpy as np
 
 from carrack import native
+from carrack.native import convolution as native_conv
 from carrack.ops.cast import cast_array, is_ml_float, onnx_dtype
+from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -346,6 +348,8 @@ class NativeWeight:
            ) -> NativeWeight | None:
         from carrack.native import qgemm
 
+        if kernel.implementation != "native":
+            return None
         constants = kernel.ctx.graph.initializers if kernel.ctx is not None and kernel.ctx.graph is not None else {}
         weight, zero_point = _constant_input(kernel, index, constants), None
         if zero_point_index is not None and zero_point_index < len(kernel.node.inputs) and \
@@ -460,6 +464,10 @@ def _requantize(acc: np.ndarray, multiplier: np.ndarray, y_zero_point: np.ndarra
 
 # -- integer convolution ---------------------------------------------------------------------------------------------
 class _IntegerConv(Kernel):
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        return convolution_scratch_bytes(node, facts, integer=True)
+
     def setup(self):
         self.group = int(self.attr("group", 1))
         self.auto_pad = _decoded(self.attr("auto_pad", "NOTSET"))
@@ -469,6 +477,8 @@ class _IntegerConv(Kernel):
         self.strides = self.attr("strides")
         self.dilations = self.attr("dilations")
         self.kernel_shape = self.attr("kernel_shape")
+        #: the float convolution kernels the exact integer products run on (None: numpy's)
+        self.float_kernels = self.if_native(native_conv.load)
 
     def accumulate(self, x, x_zero_point, w, w_zero_point) -> np.ndarray:
         """conv(x - x_zero_point, w - w_zero_point[m]) as exact integers held in a float array."""
@@ -485,7 +495,7 @@ class _IntegerConv(Kernel):
         shifted_w = _shifted(w, None if w_zero_point is None else _per_channel(w_zero_point, w.shape[0], w.ndim))
         bound = shifted_magnitude(x.dtype, x_zero_point) * shifted_magnitude(w.dtype, w_zero_point)
         return exact_convolve(shifted_x, shifted_w, bound, strides=strides, pads=pads, dilations=dilations,
-                              group=self.group)
+                              group=self.group, kernels=self.float_kernels)
 
 
 def exact_convolve(x: np.ndarray, w: np.ndarray, term_bound: int, **geometry) -> np.ndarray:
@@ -553,18 +563,26 @@ class QLinearConv(_IntegerConv):
     """With constant weights and quantization parameters, 1-D/2-D convolutions run natively
     (carrack/native/qconv.py: the same wrapping int32 accumulator and float32 requantization, bit-identical)."""
 
+    prepares_shapes = True  # the plan hands it each input shape it evaluates
+
     def setup(self):
         super().setup()
         self.native = self._native_conv()
-        self._plans: dict = {}  # input shape -> the native run's plan (None: the reference path)
+        #: input shape -> the native run's plan (None: the reference path), filled by the plan's per-size evaluation
+        self.prepared = PreparedShapes()
+        weight = self.ctx.graph.initializers.get(self.node.inputs[3]) if self.native is not None else None
+        self.kernel_size = None if weight is None else list(weight.shape[2:])
+
+    def prepare_shape(self, shape: tuple[int, ...]) -> None:
+        if self.kernel_size is not None and len(shape) == len(self.kernel_size) + 2 and shape not in self.prepared:
+            self.prepared.add(shape, self._native_plan(shape, self.kernel_size))
 
     def _native_conv(self):
         graph = self.ctx.graph if self.ctx is not None else None
         if graph is None:
             return None
-        from carrack import native
 
-        if not native.enabled():
+        if self.implementation != "native":
             return None
         names = list(self.node.inputs) + [""] * (9 - len(self.node.inputs))
         x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale = (
@@ -601,17 +619,13 @@ class QLinearConv(_IntegerConv):
         strides = list(self.strides or [1] * nd)
         dilations = list(self.dilations or [1] * nd)
         pads = conv_pads(self.auto_pad, self.pads, shape[2:], kernel, strides, dilations)
-        plan = self.native.plan(shape, strides, pads, dilations)
-        if len(self._plans) >= 16:  # inputs of ever new shapes: keep a bounded few
-            self._plans.clear()
-        self._plans[shape] = plan
-        return plan
+        return self.native.plan(shape, strides, pads, dilations)
 
     def run(self, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, B=None):
         if self.native is not None and x.ndim == w.ndim and x.dtype in (np.uint8, np.int8) \
                 and y_zero_point.dtype in (np.uint8, np.int8) and y_zero_point.size == 1:
-            plan = self._plans.get(x.shape, False)
-            if plan is False:
+            plan = self.prepared.get(x.shape, False)
+            if plan is False:  # a shape the plan did not prepare (a subgraph, an unknown shape): planned per run
                 plan = self._native_plan(x.shape, list(w.shape[2:]))
             if plan is not None:
                 return self.native.run(x, y_zero_point, plan)

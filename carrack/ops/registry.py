@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import onnx
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from carrack.runtime.program import BuildContext
 
 _REGISTRY: dict[tuple[str, str], list[tuple[int, type[Kernel]]]] = {}
+_Loaded = TypeVar("_Loaded")
 
 class Kernel:
     """One operator instance: parses its attributes once (``setup``), then runs many times (``run``).
@@ -42,6 +43,14 @@ class Kernel:
     in_place: ClassVar[bool] = False
     #: the output may be a view of the first input (no bytes of its own)
     view: ClassVar[bool] = False
+    #: the kernel prepares per input shape (`prepare_shape`), called by the plan's per-size evaluation
+    prepares_shapes: ClassVar[bool] = False
+
+    @classmethod
+    def scratch_bytes(cls, node: Node, facts: Mapping[str, Any]) -> int:
+        """Working memory beyond its outputs while it runs, from what shape inference knows about `node`'s values
+        (`facts`; 0: none, or not known): the memory report counts it."""
+        return 0
 
     @classmethod
     def writes_into(cls) -> bool:
@@ -53,10 +62,20 @@ class Kernel:
         self.node = node
         self.version = version
         self.ctx = ctx
+        #: the implementation the plan chose for this node ("native", "numpy": carrack.plan.select), fixed here
+        self.implementation = _implementation(node, ctx)
         self.setup()
+
+    def if_native(self, load: Callable[[], _Loaded]) -> _Loaded | None:
+        """`load()` (a native library or kernel set) when this node runs its native implementation, else None:
+        the kernel's numpy path then runs."""
+        return load() if self.implementation == "native" else None
 
     def setup(self) -> None:
         """Read attributes; raise InvalidModel (via `self.fail`) for bad ones."""
+
+    def prepare_shape(self, shape: tuple[int, ...]) -> None:
+        """Kernels with `prepares_shapes`: get ready for runs whose first input has `shape` (before any run)."""
 
     def attr(self, name: str, default: Any = None) -> Any:
         return self.node.attrs.get(name, default)
@@ -81,6 +100,14 @@ class Kernel:
     def execute(self, inputs: Sequence[Any], scope: Mapping[str, Any]) -> Any:
         """What the executor calls; control-flow kernels override it to see outer-scope values."""
         return self.run(*inputs)
+
+
+def _implementation(node: Node, ctx: BuildContext | None) -> str:
+    if ctx is not None:
+        return ctx.implementation_of(node)
+    from carrack.plan import select
+
+    return select.choose(node)
 
 
 def is_pure(domain: str, op_type: str) -> bool:

@@ -89,35 +89,6 @@ def fact_nbytes(fact: Fact) -> int | None:
     return int(np.prod(shape, dtype=np.int64)) * max(dtype.itemsize, 1)
 
 
-def scratch_bytes(node, facts: Mapping[str, Fact]) -> int:
-    """Working memory a kernel needs beyond its output while it runs: a convolution's padded input and im2col
-    columns (1x1 and depthwise convolutions need no columns)."""
-    if node.op_type not in ("Conv", "FusedConv", "ConvInteger", "QLinearConv", "QLinearConvExact") \
-            or len(node.inputs) < 2:
-        return 0
-    x, w = facts.get(node.inputs[0]), facts.get(node.inputs[1])
-    y = facts.get(node.outputs[0])
-    if x is None or w is None or y is None or not all(f.shape and all(isinstance(d, int) for d in f.shape)
-                                                      for f in (x, w, y)):
-        return 0
-    itemsize = max(numpy_dtype(x.elem_type).itemsize, 4)  # float16 and integer inputs are computed in float32/64
-    n, c, *spatial = x.shape
-    m, cg, *kernel = w.shape
-    group = node.attrs.get("group", 1)
-    pads = node.attrs.get("pads") or [0] * (2 * len(kernel))
-    needs_padding = any(pads) or node.attrs.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
-    padded = n * c * int(np.prod([d + 2 * (k // 2) for d, k in zip(spatial, kernel)])) * itemsize if needs_padding \
-        else 0
-    if node.op_type in ("ConvInteger", "QLinearConv", "QLinearConvExact"):
-        padded += n * c * int(np.prod(spatial)) * 4  # the numpy path's float32 copy of the shifted input
-    if all(k == 1 for k in kernel) or (group == c == m):
-        return padded
-    columns = n * cg * group * int(np.prod(kernel)) * int(np.prod(y.shape[2:])) * itemsize
-    from carrack.ops.conv import COLUMN_BYTES  # convolutions build their columns in blocks of at most this size
-
-    return padded + min(columns, COLUMN_BYTES)
-
-
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
@@ -177,7 +148,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
                 continue
             blocks[name] = Block(name, size, step, end, shape=shapes[name][0], dtype=shapes[name][1])
             storage[name] = name
-        scratch = scratch_bytes(node, facts) if writes_into is None else 0
+        scratch = kernel.scratch_bytes(node, facts) if writes_into is None and kernel is not None else 0
         if scratch:
             blocks[f"{node.name or node.outputs[0]}:scratch"] = Block(f"{node.name or node.outputs[0]}:scratch",
                                                                       scratch, step, step)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from carrack.passes.optimizer import (
     remove_dead_nodes,
 )
 from carrack.passes.shape_inference import infer, input_facts
+from carrack.plan import select
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
 from carrack.plan.exprs import compile_function, function_source
 from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
@@ -70,6 +71,16 @@ class Placed:
     dtype: str
 
 
+@dataclass(frozen=True)
+class Shaped:
+    """The first input of a node whose kernel prepares per input shape (`Kernel.prepare_shape`): its shape's dims
+    from `first` in the dims."""
+
+    node: str  # select.node_key
+    first: int
+    rank: int
+
+
 @dataclass
 class Bound:
     """A plan evaluated for one set of symbol sizes."""
@@ -78,6 +89,8 @@ class Bound:
     arena_bytes: int
     #: per Placed value: (byte offset, byte count, shape, dtype), or None when the sizes leave it unplanned
     places: list[tuple[int, int, tuple[int, ...], np.dtype] | None]
+    #: node key -> its first input's shape at these sizes, for the plan's Shaped nodes
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,18 +104,32 @@ class Plan:
     dims_source: str  # lambda over the symbol sizes: derived values, block sizes, placed shapes (flat)
     n_derived_dims: int
     optimizer_stats: dict[str, int] = field(default_factory=dict)
+    #: node key -> the implementation that runs it (carrack.plan.select), for nodes with more than one
+    implementations: dict[str, str] = field(default_factory=dict)
+    shaped: list[Shaped] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._function: Callable[..., tuple[int, ...]] | None = None
         self._bound: dict[tuple[int, ...], Bound] = {}
         self._lock = threading.Lock()
         self._facts: dict[str, Fact] | None = None
+        self._on_bind: list[Callable[[Bound], None]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
-        state["_function"], state["_bound"], state["_facts"] = None, {}, None
+        state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
         return state
+
+    def on_bind(self, prepare: Callable[[Bound], None]) -> None:
+        """Call `prepare(bound)` for every set of sizes this plan evaluates from now on (and for those already
+        evaluated), before the evaluation is handed to any run: an executor prepares its per-shape state there
+        (e.g. convolutions bound to their input shapes), never during a run."""
+        with self._lock:
+            self._on_bind.append(prepare)
+            done = list(self._bound.values())
+        for bound in done:
+            prepare(bound)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -117,6 +144,8 @@ class Plan:
         bound = self._bound.get(sizes)
         if bound is None:
             bound = self._evaluate(sizes)
+            for prepare in list(self._on_bind):
+                prepare(bound)
             with self._lock:  # runs share the plan across threads
                 if len(self._bound) >= BOUND_CACHE_SIZE:
                     self._bound.pop(next(iter(self._bound)))
@@ -137,12 +166,13 @@ class Plan:
                 value = value.astype(d.dtype)
                 value.flags.writeable = False
             derived.append(value)
+        shapes = {s.node: tuple(flat[s.first:s.first + s.rank]) for s in self.shaped}
         if self.arena is None:
-            return Bound(derived, 0, [None] * len(self.placed))
+            return Bound(derived, 0, [None] * len(self.placed), shapes)
         n_blocks = len(self.arena.blocks)
         block_sizes = flat[self.n_derived_dims:self.n_derived_dims + n_blocks]
         if any(s < 0 for s in block_sizes):
-            return Bound(derived, 0, [None] * len(self.placed))
+            return Bound(derived, 0, [None] * len(self.placed), shapes)
         offsets, arena_bytes = self.arena.offsets(block_sizes)
         places = []
         for p in self.placed:
@@ -150,7 +180,7 @@ class Plan:
             dtype = np.dtype(p.dtype)
             places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
         check_placed(self.placed, places, arena_bytes)
-        return Bound(derived, arena_bytes, places)
+        return Bound(derived, arena_bytes, places, shapes)
 
     def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
         """What shape inference knows about every value of the plan's graph, with the symbols named in `dims`
@@ -175,6 +205,22 @@ class Plan:
         return tuple(int(dims[s]) for s in self.symbols)
 
 
+def prepare_kernels(plan: Plan, kernels: Iterable[Any]) -> None:
+    """Have the kernels that prepare per input shape (`Kernel.prepares_shapes`, e.g. convolutions binding their
+    native call) do so in the plan's per-size evaluation: for every set of sizes the plan evaluates, before a run
+    of those sizes starts. Kernels are never changed by a run."""
+    by_key = {select.node_key(k.node): k for k in kernels if k.prepares_shapes}
+    wanted = [(s.node, by_key[s.node]) for s in plan.shaped if s.node in by_key]
+    if not wanted:
+        return
+
+    def prepare(bound: Bound) -> None:
+        for key, kernel in wanted:
+            kernel.prepare_shape(bound.shapes[key])
+
+    plan.on_bind(prepare)
+
+
 def _substitute(fact: Fact, sizes: Mapping[Sym, int]) -> Fact:
     t = fact.tensor
     if t is None or t.shape is None or all(isinstance(d, int) for d in t.shape):
@@ -183,9 +229,11 @@ def _substitute(fact: Fact, sizes: Mapping[Sym, int]) -> Fact:
     return Fact(TensorType(t.elem_type, shape))
 
 
-def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = False) -> Plan:
+def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = False, numpy_only: bool = False
+               ) -> Plan:
     """Optimize `model` at `level` and plan it for every input shape (see the module's docstring). `in_place`:
-    the model's graph may be consumed (it is not cloned)."""
+    the model's graph may be consumed (it is not cloned); `numpy_only`: every node runs its numpy implementation
+    (else the selection table picks, carrack.plan.select)."""
     initialized = set(model.graph.initializers)
     inputs = [v for v in model.graph.inputs if v.name not in initialized]
     optimized, stats = optimize(model, level, in_place=in_place)
@@ -213,9 +261,28 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
         placed = [Placed(p.name, position[id(blocks[p.block])], p.first + len(blocks), p.rank, p.dtype)
                   for p in placed]
         dims += [b.size for b in order.blocks] + shapes
+    shaped = _shaped_inputs(graph, facts, set(syms), optimized.opsets, dims)
     source = function_source(syms, dims)
+    implementations = select.choose_all(graph, facts, numpy_only)
     return Plan(optimized, inputs, tuple(s.name for s in syms), derived, placed, order, source, len(derived_dims),
-                stats)
+                stats, implementations, shaped)
+
+
+def _shaped_inputs(graph: Graph, facts: Mapping[str, Fact], syms: set[Sym], opsets: Mapping[str, int],
+                   dims: list[DimLike]) -> list[Shaped]:
+    """The nodes whose kernels prepare per input shape (trait `prepares_shapes`) and whose first input's shape is
+    known over the symbols: their shapes join the dims evaluated per run (appended to `dims`)."""
+    shaped = []
+    for node in graph.nodes:
+        kernel = registry.traits(node, opsets)
+        if kernel is None or not kernel.prepares_shapes or not node.inputs or not node.inputs[0]:
+            continue
+        shape = facts.get(node.inputs[0], Fact()).shape
+        if shape is None or not all(_bindable(d, syms) for d in shape):
+            continue
+        shaped.append(Shaped(select.node_key(node), len(dims), len(shape)))
+        dims.extend(_dim(d) for d in shape)
+    return shaped
 
 
 def _input_facts(graph: Graph) -> dict[str, Fact]:

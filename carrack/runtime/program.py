@@ -36,6 +36,19 @@ class BuildContext:
     missing: list[tuple[str, str, int, str]] = field(default_factory=list)
     scope: frozenset[str] = frozenset()  # names visible to the node being built (for its subgraphs)
     graph: Graph | None = None  # the graph whose node is being built (operators such as Gradient read it)
+    #: the plan's implementation per node key (carrack.plan.select); nodes it does not name are chosen on build
+    implementations: Mapping[str, str] = field(default_factory=dict)
+
+    def implementation_of(self, node: Node) -> str:
+        from carrack.plan import select
+
+        chosen = self.implementations.get(select.node_key(node))
+        if chosen is None and len(select.candidates(node.domain, node.op_type)) == 1:
+            return select.NUMPY
+        if chosen is None:
+            constants = self.graph.initializers if self.graph is not None else None
+            chosen = select.choose(node, constants=constants, numpy_only=select.force_numpy(self.options))
+        return chosen
 
     def opset_of(self, node: Node) -> int:
         if node.opset is not None:

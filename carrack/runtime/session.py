@@ -21,7 +21,7 @@ from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import EXTERNAL_DATA_ROOT_KEY, seal_constants
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
-from carrack.plan import Plan, build_plan
+from carrack.plan import Plan, build_plan, prepare_kernels, select
 from carrack.runtime.allocator import retain_freed_memory, with_memory_limit
 from carrack.runtime.feeds import check_feed
 from carrack.runtime.options import ExecutionMode, RunOptions, SessionOptions
@@ -88,7 +88,8 @@ class InferenceSession(OrtSessionApi):
         overridable = any(v.name in initialized for v in source.inputs)
         # the graph's nodes are consumed by the plan unless runs may override its initializers (then they run the
         # source graph); its inputs and outputs, which the session reports, are lists the plan does not touch
-        plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable)
+        plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable,
+                          numpy_only=select.force_numpy(options))
         self._start(plan, options, source_model if overridable else None, source)
 
     def _start(self, plan: Plan, options: SessionOptions, source_model: Model | None, source: Graph) -> None:
@@ -108,7 +109,8 @@ class InferenceSession(OrtSessionApi):
         self._level = int(options.graph_optimization_level)
         self._model = plan.model
         self.optimizer_stats = plan.optimizer_stats
-        self._program = self._compile(plan.graph)
+        self._program = self._compile(plan.graph, plan.implementations)
+        prepare_kernels(plan, (step.kernel for step in self._program.steps))
         if not plan.symbols:  # static sizes: a value or arena too large for this machine is refused at load
             plan.bind(())
         if options.enable_mem_pattern:
@@ -202,9 +204,16 @@ class InferenceSession(OrtSessionApi):
                 self._plans.setdefault(key, plan)
         return plan
 
-    def _compile(self, graph) -> Program:
+    def implementations(self) -> dict[str, str]:
+        """{node: implementation} for every node of the optimized graph whose operator has more than one
+        ("native" or "numpy"), as the plan chose them (carrack.plan.select); nodes are named by their name, else
+        their first output."""
+        names = {select.node_key(node): node.name or select.node_key(node) for node in self._plan.graph.nodes}
+        return {names.get(key, key): chosen for key, chosen in self._plan.implementations.items()}
+
+    def _compile(self, graph, implementations: Mapping[str, str] | None = None) -> Program:
         seal_constants(graph)
-        ctx = BuildContext(opsets=self._model.opsets, options=self._options)
+        ctx = BuildContext(opsets=self._model.opsets, options=self._options, implementations=implementations or {})
         program = Program(graph, ctx)
         if ctx.missing:
             raise NotImplementedOps(ctx.missing)
