@@ -97,6 +97,22 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     return True
 
 
+def matmul_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """`matmul_into` for a caller that has checked what it checks (2-D C-contiguous aligned float32 operands of
+    matching shapes, out writable and apart from a and b): only whether the product is `chosen` here and the
+    library loaded. For a constant weight checked once (MatMul.prepare)."""
+    (t, k), n = a.shape, b.shape[1]
+    if not chosen(t, k, n):
+        return False
+    fn = _load()
+    if fn is None:
+        return False
+    tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
+    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, (data_address(a), data_address(b), data_address(out), t, k, n, k,
+                                                   n, n, depth_block(k)), ())
+    return True
+
+
 def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     """out[..., T, N] = a[..., T, K] @ b[..., K, N] over one or two batch dims that all three share (no
     broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is

@@ -36,10 +36,24 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
     return y
 
 
+_F32 = np.dtype(np.float32)
+
+
+def _plain_f32(x) -> bool:
+    """A C-contiguous, aligned float32 ndarray (what the native product reads in place)."""
+    return type(x) is np.ndarray and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def setup(self):
         self.widened = half.WidenedConstants()
+        self.weight: np.ndarray | None = None  # a constant 2-D float32 B, checked once (prepare)
+
+    def prepare(self, constants):
+        b = constants[1] if len(constants) > 1 else None
+        if b is not None and _plain_f32(b) and b.ndim == 2:
+            self.weight = b
 
     def run(self, a, b):
         if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
@@ -52,12 +66,29 @@ class MatMul(Kernel):
             return np.matmul(flat, b).reshape(a.shape[:-1] + b.shape[-1:])
         return np.matmul(_widen(a), _widen(b)).astype(a.dtype, copy=False)
 
+    def _into_weight(self, out, a) -> bool:
+        """out = a (..., K) @ the prepared weight [K, N] with only the run's operands checked; False when they
+        are not plain float32 of matching shapes (the general path then handles them)."""
+        b = self.weight
+        k, n = b.shape
+        if not (_plain_f32(a) and a.ndim >= 2 and a.shape[-1] == k and out.dtype == _F32 and out.flags.c_contiguous
+                and out.flags.writeable and out.shape == a.shape[:-1] + (n,) and a.size
+                and not np.may_share_memory(out, a)):
+            return False
+        rows = a.size // k
+        a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
+        if not native_matmul.matmul_checked_into(a2, b, out2):
+            np.matmul(a2, b, out=out2)
+        return True
+
     def widened_product(self, a, b) -> np.ndarray:
         """The float32 product of float16 operands (a fused activation runs on it before the one rounding)."""
         return self.run(self.widened(a), self.widened(b))
 
     def run_into(self, out, a, b):
         """Into the planned buffer when it fits (a wrong planned shape costs an allocation, not a wrong result)."""
+        if b is self.weight and self._into_weight(out, a):
+            return out
         if half.is_half(a, b):
             return half.narrow(self.widened_product(a, b), out)
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2

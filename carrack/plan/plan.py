@@ -78,6 +78,9 @@ class Bound:
     arena_bytes: int
     #: per Placed value: (byte offset, byte count, shape, dtype), or None when the sizes leave it unplanned
     places: list[tuple[int, int, tuple[int, ...], np.dtype] | None]
+    #: per executor (keyed by its id): the values of its steps that depend only on these sizes (see
+    #: `carrack.runtime.program.Program.memoize_size_only`), computed by the first run with these sizes
+    memo: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,196 @@
+"""The per-run shortcuts of the executor and the session: values that depend only on the input sizes computed once
+per set of sizes, the arena reused by the next run of the same sizes, feeds of the common form checked in one loop,
+a MatMul's constant weight checked once. Each must give exactly what the full path gives."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import carrack
+from carrack.errors import InvalidArgument
+from carrack.ops import registry
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+
+class _PositionEmbedder(torch.nn.Module):
+    """Token embeddings plus position embeddings of arange(seq), a linear layer: BERT's embedding block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = torch.nn.Embedding(50, 32)
+        self.positions = torch.nn.Embedding(64, 32)
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        return torch.relu(self.linear(self.tokens(ids) + self.positions(positions)))
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("overhead") / "embedder.onnx"
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_PositionEmbedder().eval(), (torch.zeros(2, 5, dtype=torch.int64),), str(path),
+                          input_names=["ids"], output_names=["y"], dynamo=False, opset_version=17,
+                          dynamic_axes={"ids": {0: "batch", 1: "seq"}, "y": {0: "batch", 1: "seq"}})
+    return path.read_bytes()
+
+
+def _ids(batch: int, seq: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50, (batch, seq), dtype=np.int64)
+
+
+def _counting(monkeypatch, op_type: str) -> list[int]:
+    """Count the calls of every kernel class registered for `op_type` (at any opset)."""
+    calls = [0]
+    for (_, op), entries in registry._REGISTRY.items():
+        if op != op_type:
+            continue
+        for _, cls in entries:
+            original = cls.run
+
+            def counted(self, *args, _original=original):
+                calls[0] += 1
+                return _original(self, *args)
+            monkeypatch.setattr(cls, "run", counted)
+    return calls
+
+
+def test_size_only_steps_run_once_per_set_of_sizes(embedder, monkeypatch):
+    calls = _counting(monkeypatch, "Range")
+    session = carrack.InferenceSession(embedder)
+    reference = ort.InferenceSession(embedder, providers=["CPUExecutionProvider"])
+    assert session._program._memo_steps, "the position ids should be computed once per set of sizes"
+    for shape in [(1, 7), (1, 7), (2, 7), (1, 12), (1, 7)]:
+        ids = _ids(*shape, seed=shape[1])
+        np.testing.assert_allclose(session.run(None, {"ids": ids})[0], reference.run(None, {"ids": ids})[0],
+                                   rtol=1e-5, atol=1e-5)
+    # three distinct (batch, seq) pairs: the Range ran once for each, not once per run
+    assert calls[0] == 3
+
+
+def test_size_only_values_are_not_handed_out_writable(embedder):
+    """A memoized value that is also a graph output reaches the caller as a copy of its own."""
+    model = onnx.load_from_string(embedder)
+    positions = next(n.output[0] for n in model.graph.node if n.op_type == "Range")
+    model.graph.output.append(helper.make_tensor_value_info(positions, TensorProto.INT64, None))
+    session = carrack.InferenceSession(model.SerializeToString())
+    first = session.run(None, {"ids": _ids(1, 6)})[1]
+    np.testing.assert_array_equal(first, np.arange(6))
+    first[:] = -1
+    second = session.run(None, {"ids": _ids(1, 6)})[1]
+    np.testing.assert_array_equal(second, np.arange(6))
+
+
+def test_a_reused_arena_leaves_earlier_outputs_alone(embedder):
+    session = carrack.InferenceSession(embedder)
+    a, b = _ids(1, 9, seed=1), _ids(1, 9, seed=2)
+    first = session.run(None, {"ids": a})[0]
+    kept = first.copy()
+    second = session.run(None, {"ids": b})[0]
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)
+    np.testing.assert_array_equal(session.run(None, {"ids": a})[0], kept)
+
+
+def test_threads_sharing_a_session_get_their_own_results(embedder):
+    session = carrack.InferenceSession(embedder)
+    feeds = [_ids(1 + i % 2, 5 + i % 3, seed=i) for i in range(8)]
+    expected = [session.run(None, {"ids": f})[0] for f in feeds]
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        for _ in range(30):
+            for i, f in enumerate(feeds[k:] + feeds[:k]):
+                got = session.run(None, {"ids": f})[0]
+                if not np.array_equal(got, expected[(i + k) % len(feeds)]):
+                    failures.append(f"thread {k} feed {(i + k) % len(feeds)}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def _matmul_model(k: int = 64, n: int = 48, dtype=TensorProto.FLOAT, transposed_input: bool = False) -> bytes:
+    np_dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    w = np.random.default_rng(3).standard_normal((k, n)).astype(np_dtype)
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1])] if transposed_input else []
+    nodes += [helper.make_node("MatMul", ["xt" if transposed_input else "x", "w"], ["m"]),
+              helper.make_node("Relu", ["m"], ["r"]), helper.make_node("Neg", ["r"], ["y"])]
+    shape = ["batch", k, "rows"] if transposed_input else ["batch", "rows", k]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, shape)],
+                              [helper.make_tensor_value_info("y", dtype, None)],
+                              initializer=[onnx.numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("dtype,transposed", [(TensorProto.FLOAT, False), (TensorProto.FLOAT, True),
+                                              (TensorProto.DOUBLE, False), (TensorProto.FLOAT16, False)])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_matmul_by_a_prepared_weight_matches_onnxruntime(native, dtype, transposed, rows, monkeypatch):
+    monkeypatch.setenv("CARRACK_NATIVE", native)
+    model = _matmul_model(dtype=dtype, transposed_input=transposed)
+    session = carrack.InferenceSession(model)
+    kernel = next(st.kernel for st in session._program.steps if "MatMul" in st.node.op_type)
+    kernel = getattr(kernel, "inner", kernel)  # FusedMatMul (with the Relu) wraps the MatMul kernel
+    assert (kernel.weight is not None) == (dtype == TensorProto.FLOAT)
+    assert any("MatMul" in entry[0].node.op_type and entry[6] >= 0 for entry in session._program._plan)  # run_into
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    np_dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    shape = (2, 64, rows) if transposed else (2, rows, 64)
+    x = np.random.default_rng(rows).standard_normal(shape).astype(np_dtype)
+    tolerance = 1e-2 if dtype == TensorProto.FLOAT16 else 1e-4
+    for feed in (x, np.asfortranarray(x), x[:, ::-1][:, ::-1]):
+        np.testing.assert_allclose(session.run(None, {"x": feed})[0], reference.run(None, {"x": x})[0],
+                                   rtol=tolerance, atol=tolerance)
+
+
+def _typed_model() -> bytes:
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 4]),
+                               helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("feed,message", [
+    ({"a": np.zeros((2, 4), np.float64), "b": np.zeros((2, 4), np.float32)}, "input 'a' has the wrong type"),
+    ({"a": np.zeros((2, 5), np.float32), "b": np.zeros((2, 5), np.float32)}, "input 'a' has the wrong size on axis 1"),
+    ({"a": np.zeros((2, 4), np.float32), "b": np.zeros((3, 4), np.float32)}, "is dim 'n' = 3"),
+    ({"a": np.zeros((4,), np.float32), "b": np.zeros((2, 4), np.float32)}, "input 'a' has the wrong rank"),
+    ({"a": np.zeros((2, 4), np.float32)}, "missing input(s) ['b']"),
+    ({"a": np.zeros((2, 4), np.float32), "b": np.zeros((2, 4), np.float32), "c": 1}, "unknown input name(s)"),
+])
+def test_feeds_off_the_common_form_get_the_full_checks(feed, message):
+    session = carrack.InferenceSession(_typed_model())
+    with pytest.raises(InvalidArgument) as error:
+        session.run(None, feed)
+    assert message in str(error.value)
+
+
+def test_feeds_in_other_layouts_and_byte_orders_match_plain_ones():
+    session = carrack.InferenceSession(_typed_model())
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.ones((3, 4), np.float32)
+    expected = session.run(None, {"a": a, "b": b})[0]
+    for other in (a.astype(">f4"), np.asfortranarray(a), [[float(v) for v in row] for row in a]):
+        np.testing.assert_array_equal(session.run(None, {"a": other, "b": b})[0], expected)
+    output = session.run(None, {"a": a, "b": b})[0]
+    output[:] = 0  # the caller owns its outputs; the feeds are untouched
+    np.testing.assert_array_equal(a, np.arange(12, dtype=np.float32).reshape(3, 4))
