@@ -167,3 +167,16 @@ def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
                                                       k, n, 0, n, _threads(n, t * k))
     return True
+
+
+def transposed_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """`transposed_into` for a caller that has checked what it checks (2-D C-contiguous aligned float32 operands,
+    out [T, N] writable and apart from a and b, K > 0): only the row count and the library. For a Gemm's constant
+    weight checked once (Gemm.prepare)."""
+    t, k = a.shape
+    if not 0 < t <= MAX_DOT_ROWS or _load() is None:
+        return False
+    n = b.shape[0]
+    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
+                                                      k, n, 0, n, _threads(n, t * k))
+    return True

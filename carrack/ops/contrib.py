@@ -37,6 +37,38 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: 
     return y.astype(x.dtype, copy=False), mean, inv_std
 
 
+_F32 = np.dtype(np.float32)
+
+
+def _plain_f32(x) -> bool:
+    """A C-contiguous, aligned float32 ndarray (what the native row kernels read in place)."""
+    return type(x) is np.ndarray and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned
+
+
+def _writable_apart(out, shape: tuple[int, ...], *inputs: np.ndarray | None) -> bool:
+    """`out` is a plain float32 buffer of `shape`, writable, sharing no memory with the inputs."""
+    if not (_plain_f32(out) and out.shape == shape and out.flags.writeable):
+        return False
+    return not any(a is not None and np.may_share_memory(out, a) for a in inputs)
+
+
+def _constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) -> tuple | None:
+    """The inputs at `indices` when each is a constant plain float32 vector of one length (None where the node
+    omits the input); None when any is not (a run value, another shape or dtype)."""
+    rows = []
+    for i in indices:
+        present = i < len(node_inputs) and bool(node_inputs[i])
+        value = constants[i] if i < len(constants) else None
+        if not present:
+            rows.append(None)
+        elif value is None or not _plain_f32(value) or value.ndim != 1:
+            return None
+        else:
+            rows.append(value)
+    sizes = {r.shape[0] for r in rows if r is not None}
+    return tuple(rows) if len(sizes) == 1 else None
+
+
 def offer_run_into(kernel: Kernel) -> None:
     """Give a kernel with an `_into(out, *inputs)` its `run_into` when its node has a single output: the executor
     writes no other node's output into the arena, where the memory plan would still reserve bytes for them all."""
@@ -86,12 +118,24 @@ class ContribLayerNormalization(Kernel):
         self.wants_stats = any(self.node.outputs[1:])
         if len(self.node.inputs) < 2 or not self.node.inputs[1]:
             self.fail("input 1 (Scale) is required")
+        self.row_constants: tuple | None = None  # (scale, bias) checked once (prepare), for axis -1
         offer_run_into(self)
+
+    def prepare(self, constants):
+        if self.rows is not None and not self.wants_stats and self.axis == -1:
+            rows = _constant_rows(self.node.inputs, constants, (1, 2))
+            self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, scale, bias=None):
         return self._into(None, x, scale, bias)
 
     def _into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if (prepared is not None and out is not None and scale is prepared[0] and bias is prepared[1]
+                and _plain_f32(x) and x.ndim and x.shape[-1] == scale.shape[0]
+                and _writable_apart(out, x.shape, x)
+                and rowops.layer_norm_checked(x, None, None, scale, bias, out, self.epsilon)):
+            return out
         if not -x.ndim <= self.axis < x.ndim:
             self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
         result = None
@@ -118,12 +162,24 @@ class SkipLayerNormalization(Kernel):
         outs = self.node.outputs
         self.wants_stats = any(outs[1:3])
         self.wants_sum = len(outs) > 3 and bool(outs[3])
+        self.row_constants: tuple | None = None  # (gamma, beta, bias) checked once (prepare)
         offer_run_into(self)
+
+    def prepare(self, constants):
+        if self.rows is not None and not self.wants_stats and not self.wants_sum:
+            rows = _constant_rows(self.node.inputs, constants, (2, 3, 4))
+            self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, skip, gamma, beta=None, bias=None):
         return self._into(None, x, skip, gamma, beta, bias)
 
     def _into(self, out, x, skip, gamma, beta=None, bias=None):
+        prepared = self.row_constants
+        if (prepared is not None and out is not None and gamma is prepared[0] and beta is prepared[1]
+                and bias is prepared[2] and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape
+                and x.ndim and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x, skip)
+                and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
+            return out
         if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
             result = self._run_native(out, x, skip, gamma, beta, bias)
             if result is not None:
@@ -161,8 +217,16 @@ class _GeluBase(Kernel):
 
     def setup(self) -> None:
         self.rows = rowops.library()
+        self.bias: np.ndarray | None = None  # a constant bias checked once (prepare)
+
+    def prepare(self, constants):
+        rows = _constant_rows(self.node.inputs, constants, (1,)) if self.rows is not None else None
+        self.bias = rows[0] if rows is not None else None
 
     def run_into(self, out, x, bias=None):
+        if (bias is not None and bias is self.bias and _plain_f32(x) and x.ndim and x.shape[-1] == bias.shape[0]
+                and _writable_apart(out, x.shape, x) and rowops.gelu_checked(x, bias, out, self.approximate)):
+            return out
         if self._native(x, bias):
             return rowops.gelu(x, bias, self.approximate, out=out)
         return self.run(x, bias)

@@ -32,7 +32,14 @@ class Gather(Kernel):
 
     def run(self, data, indices):
         axis = normalize_axis(self.axis, data.ndim)
-        out = np.take(data, checked_indices(indices, data.shape[axis]), axis=axis)
+        out = None
+        if type(indices) is np.ndarray and indices.dtype.kind == "i":
+            try:  # numpy's take accepts exactly ONNX's range [-dim, dim); outside it, the error below names the index
+                out = np.take(data, indices, axis=axis)
+            except IndexError:
+                pass
+        if out is None:
+            out = np.take(data, checked_indices(indices, data.shape[axis]), axis=axis)
         # one element taken from an object (string) array comes back as the bare Python object
         return out if isinstance(out, np.ndarray) else np.array(out, dtype=data.dtype)
 

@@ -115,6 +115,18 @@ class Gemm(Kernel):
         self.trans_b = bool(self.attr("transB", 0))
         self.widened = half.WidenedConstants()
         self.widened_b = half.WidenedConstants(transposed=self.trans_b)
+        self.weight: tuple | None = None  # (B, C) of a plain float32 product checked once (prepare)
+
+    def prepare(self, constants):
+        """A float32 A @ B^T + C with B and C constant (a linear layer as exporters write it): B and C checked
+        here, once; a run then checks only A."""
+        b = constants[1] if len(constants) > 1 else None
+        c = constants[2] if len(constants) > 2 else None
+        present_c = len(self.node.inputs) > 2 and bool(self.node.inputs[2])
+        if (self.trans_b and not self.trans_a and self.alpha == 1.0 and self.beta == 1.0 and b is not None
+                and _plain_f32(b) and b.ndim == 2 and b.shape[1] and (present_c == (c is not None))
+                and (c is None or (c.dtype == _F32 and c.shape in ((b.shape[0],), (1, b.shape[0]))))):
+            self.weight = (b, c)
 
     def run(self, a, b, c=None):
         return self.run_into(None, a, b, c)
@@ -122,9 +134,30 @@ class Gemm(Kernel):
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias
         are applied there in place, rather than each in a new array."""
+        prepared = self.weight
+        if prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2 \
+                and a.shape[1] == b.shape[1] and a.shape[0]:
+            y = self._linear(out, a, b, c)
+            if y is not None:
+                return y
         if half.is_half(a, b, c):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b, c), out)
         return self._product(out, a, b, c, self.trans_b)
+
+    @staticmethod
+    def _linear(out, a, b, c) -> np.ndarray | None:
+        """a @ b^T + c for checked float32 operands (prepare), into `out` when it is a plain buffer of the
+        result's shape apart from a; None when `out` overlaps a."""
+        shape = (a.shape[0], b.shape[0])
+        if out is None or not (_plain_f32(out) and out.shape == shape and out.flags.writeable):
+            out = np.empty(shape, _F32)
+        elif np.may_share_memory(out, a):
+            return None
+        if not native_matmul.transposed_checked_into(a, b, out):
+            np.matmul(a, b.T, out=out)
+        if c is not None:
+            np.add(out, c, out=out)
+        return out
 
     def widened_product(self, a, b, c=None) -> np.ndarray:
         """The float32 result for float16 operands (a fused activation runs on it before the one rounding); B

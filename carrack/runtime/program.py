@@ -191,7 +191,8 @@ class Program:
                             result = call()
                         else:
                             result = step.kernel.execute(list(gather(env)), _scope(step, env))
-                        if guard and arena is not None:
+                        if guard and arena is not None and (type(result) is not np.ndarray
+                                                            or result.base is not None):
                             result = _off_arena(result, arena)
                     if single >= 0 and type(result) is np.ndarray:
                         env[single] = result
