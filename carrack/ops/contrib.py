@@ -52,7 +52,7 @@ def _writable_apart(out, shape: tuple[int, ...], *inputs: np.ndarray | None) -> 
     return not any(a is not None and np.may_share_memory(out, a) for a in inputs)
 
 
-def _constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) -> tuple | None:
+def constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) -> tuple | None:
     """The inputs at `indices` when each is a constant plain float32 vector of one length (None where the node
     omits the input); None when any is not (a run value, another shape or dtype)."""
     rows = []
@@ -67,6 +67,15 @@ def _constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) 
             rows.append(value)
     sizes = {r.shape[0] for r in rows if r is not None}
     return tuple(rows) if len(sizes) == 1 else None
+
+
+def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float) -> bool:
+    """Layer normalization of x over its last axis into `out` by the native kernel, with gamma and beta checked
+    by `constant_rows` when the kernel was prepared: only x and out are checked here. False when they do not
+    fit (the kernel's general path then runs)."""
+    return (out is not None and _plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0]
+            and _writable_apart(out, x.shape, x)
+            and rowops.layer_norm_checked(x, None, None, gamma, beta, out, epsilon))
 
 
 def offer_run_into(kernel: Kernel) -> None:
@@ -123,7 +132,7 @@ class ContribLayerNormalization(Kernel):
 
     def prepare(self, constants):
         if self.rows is not None and not self.wants_stats and self.axis == -1:
-            rows = _constant_rows(self.node.inputs, constants, (1, 2))
+            rows = constant_rows(self.node.inputs, constants, (1, 2))
             self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, scale, bias=None):
@@ -131,10 +140,8 @@ class ContribLayerNormalization(Kernel):
 
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants
-        if (prepared is not None and out is not None and scale is prepared[0] and bias is prepared[1]
-                and _plain_f32(x) and x.ndim and x.shape[-1] == scale.shape[0]
-                and _writable_apart(out, x.shape, x)
-                and rowops.layer_norm_checked(x, None, None, scale, bias, out, self.epsilon)):
+        if (prepared is not None and scale is prepared[0] and bias is prepared[1]
+                and layer_norm_prepared(out, x, scale, bias, self.epsilon)):
             return out
         if not -x.ndim <= self.axis < x.ndim:
             self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
@@ -167,7 +174,7 @@ class SkipLayerNormalization(Kernel):
 
     def prepare(self, constants):
         if self.rows is not None and not self.wants_stats and not self.wants_sum:
-            rows = _constant_rows(self.node.inputs, constants, (2, 3, 4))
+            rows = constant_rows(self.node.inputs, constants, (2, 3, 4))
             self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, skip, gamma, beta=None, bias=None):
@@ -220,7 +227,7 @@ class _GeluBase(Kernel):
         self.bias: np.ndarray | None = None  # a constant bias checked once (prepare)
 
     def prepare(self, constants):
-        rows = _constant_rows(self.node.inputs, constants, (1,)) if self.rows is not None else None
+        rows = constant_rows(self.node.inputs, constants, (1,)) if self.rows is not None else None
         self.bias = rows[0] if rows is not None else None
 
     def run_into(self, out, x, bias=None):

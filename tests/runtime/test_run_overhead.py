@@ -194,3 +194,64 @@ def test_feeds_in_other_layouts_and_byte_orders_match_plain_ones():
     output = session.run(None, {"a": a, "b": b})[0]
     output[:] = 0  # the caller owns its outputs; the feeds are untouched
     np.testing.assert_array_equal(a, np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+MS = "com.microsoft"
+
+
+def _row_ops_model(hidden: int = 64) -> bytes:
+    """Constant row parameters feeding LayerNormalization, SkipLayerNormalization and BiasGelu, each writing into
+    the arena (a later node reads it), then a Gemm linear layer with constant weight and bias."""
+    rng = np.random.default_rng(5)
+    consts = {"gamma": rng.standard_normal(hidden), "beta": rng.standard_normal(hidden),
+              "bias": rng.standard_normal(hidden), "w": rng.standard_normal((8, hidden)) / 8,
+              "c": rng.standard_normal(8)}
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], epsilon=1e-5),
+             helper.make_node("SkipLayerNormalization", ["n", "x", "gamma", "beta", "bias"], ["s"], domain=MS),
+             helper.make_node("BiasGelu", ["s", "bias"], ["g"], domain=MS),
+             helper.make_node("Reshape", ["g", "flat"], ["rows"]),
+             helper.make_node("Gemm", ["rows", "w", "c"], ["lin"], transB=1),
+             helper.make_node("Neg", ["lin"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in consts.items()]
+    inits.append(onnx.numpy_helper.from_array(np.array([-1, hidden], np.int64), "flat"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", hidden])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+@pytest.mark.parametrize("shape", [(1, 3), (2, 16), (1, 40)])
+def test_prepared_row_parameters_and_linear_layer_match_onnxruntime(native, shape, monkeypatch):
+    monkeypatch.setenv("CARRACK_NATIVE", native)
+    model = _row_ops_model()
+    session = carrack.InferenceSession(model)
+    kernels = {st.node.op_type: st.kernel for st in session._program.steps}
+    if native == "1":
+        assert kernels["SkipLayerNormalization"].row_constants is not None
+        assert kernels["LayerNormalization"].row_constants is not None
+        assert kernels["BiasGelu"].bias is not None
+    assert kernels["Gemm"].weight is not None
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(shape[1]).standard_normal((*shape, 64)).astype(np.float32)
+    for _ in range(2):  # the second run reuses the arena
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def _gather_model() -> bytes:
+    table = np.arange(20, dtype=np.float32).reshape(10, 2)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "i"], ["y"], axis=0)], "g",
+                              [helper.make_tensor_value_info("i", TensorProto.INT64, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[onnx.numpy_helper.from_array(table, "table")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_gather_counts_negative_indices_from_the_back_and_names_a_bad_one():
+    session = carrack.InferenceSession(_gather_model())
+    np.testing.assert_array_equal(session.run(None, {"i": np.array([-1, 0, -10, 9])})[0],
+                                  np.arange(20, dtype=np.float32).reshape(10, 2)[[9, 0, 0, 9]])
+    for bad in (10, -11):
+        with pytest.raises(Exception, match=f"index {bad} at position \\[1\\] is out of range for a dimension of 10"):
+            session.run(None, {"i": np.array([0, bad])})
