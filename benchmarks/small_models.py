@@ -7,6 +7,9 @@
   mlp                     a 3-layer MLP (256 -> 256 -> 256 -> 10, ReLU), batch 1
   light_squeezenet        the onnx wheel's light models (~/.cache/carrack-bench/light_*.onnx, or
   light_shufflenet        `python benchmarks/make_models.py light_squeezenet light_shufflenet`)
+  decode_tiny             greedy decoding with the KV cache fed back, a new past length every token (no shape
+  decode_gpt2             repeats): the tiny GPT-2 above, or GPT-2 small (benchmarks/serving.py's gpt2_past.onnx);
+                          the engines alternate token by token, each with its own cache; ms per token
 
 Both engines run in one process (or, with --fresh, each thread count in a fresh process), alternating: for each
 round, a batch of --inner runs of carrack then of onnxruntime, so both see the same machine load. Reported per
@@ -40,7 +43,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("CARRACK_MODELS", "~/.cache/carrack-bench")).expanduser()
 SMALL = MODELS / "small"
-ALL_MODELS = ["bert_ts", "bert_dynamo", "gpt2_decode", "mlp", "light_squeezenet", "light_shufflenet"]
+ALL_MODELS = ["bert_ts", "bert_dynamo", "gpt2_decode", "mlp", "light_squeezenet", "light_shufflenet", "decode_tiny",
+              "decode_gpt2"]
 BERT = {"layers": 2, "hidden": 64, "heads": 4, "intermediate": 128, "vocab": 1000, "tokens": 16}
 GPT2 = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 1000, "past": 16}
 
@@ -193,6 +197,39 @@ def time_model(name: str, threads: int, rounds: int, inner: int) -> dict:
             "ort_min_us": round(min(times["ort"]), 1), "nodes": nodes, "max_abs_diff": worst}
 
 
+def time_decode(name: str, threads: int, tokens: int) -> dict:
+    """Per-token time of greedy decoding with a growing KV cache, the two engines alternating token by token."""
+    if name == "decode_gpt2":
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from serving import DECODER, _decoder_path
+
+        spec, path = DECODER, _decoder_path(DECODER)
+    else:
+        spec, path = dict(GPT2, name="tiny"), model_path("gpt2_decode")
+    head = spec["hidden"] // spec["heads"]
+    names = [f"past_key_values.{i}.{k}" for i in range(spec["layers"]) for k in ("key", "value")]
+    engines = dict(zip(("carrack", "ort"), sessions(path, threads)))
+    state = {e: (np.array([[1] * 8], np.int64), {n: np.zeros((1, spec["heads"], 0, head), np.float32)
+                                                 for n in names}) for e in engines}
+    times: dict[str, list[float]] = {e: [] for e in engines}
+    picked: dict[str, list[int]] = {e: [] for e in engines}
+    for _ in range(tokens + 1):
+        for engine, session in engines.items():
+            ids, past = state[engine]
+            total = ids.shape[1] + next(iter(past.values())).shape[2]
+            feed = {"input_ids": ids, "attention_mask": np.ones((1, total), np.int64), **past}
+            t0 = time.perf_counter()
+            outs = session.run(None, feed)
+            times[engine].append(time.perf_counter() - t0)
+            token = int(outs[0][0, -1].argmax())
+            picked[engine].append(token)
+            state[engine] = (np.array([[token]], np.int64), dict(zip(names, outs[1:])))
+    c, o = (statistics.median(times[e][1:]) * 1e6 for e in ("carrack", "ort"))  # [0]: the prompt
+    return {"model": name, "threads": threads, "carrack_us": round(c, 1), "ort_us": round(o, 1),
+            "ratio": round(c / o, 3), "nodes": len(engines["carrack"]._plan.graph.nodes),
+            "same_tokens": picked["carrack"] == picked["ort"]}
+
+
 def profile(name: str, runs: int) -> None:
     import cProfile
     import pstats
@@ -240,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "--rounds", str(args.rounds), "--inner", str(args.inner), "--json", "-"],
                                      check=True, capture_output=True, text=True).stdout
                 rows.append(json.loads(out.splitlines()[-1])[0])
+            elif name.startswith("decode_"):
+                rows.append(time_decode(name, threads, args.rounds * 4))
             else:
                 rows.append(time_model(name, threads, args.rounds, args.inner))
     if args.json == "-":

@@ -89,7 +89,20 @@ class Reshape(Kernel):
                 self.shape_attr = int_list(const)  # a constant target: parsed once, not per run
 
     def run(self, data, shape=None):
-        target = self.shape_attr if self.shape_attr is not None else int_list(shape)
+        if self.shape_attr is not None:
+            target = self.shape_attr
+        elif type(shape) is np.ndarray and shape.ndim == 1 and shape.dtype.kind == "i":
+            target = shape.tolist()
+        else:
+            target = int_list(shape)
+        if data.size and (0 not in target or self.allowzero and -1 not in target):
+            # no dim copied from the input: numpy's reshape agrees with ONNX's where it succeeds (one -1 at most,
+            # no other negative); anything else goes through reshape_target for its error
+            try:
+                if min(target, default=0) >= -1:
+                    return data.reshape(target)
+            except ValueError:
+                pass
         return data.reshape(reshape_target(data.shape, list(target), self.allowzero))
 
 

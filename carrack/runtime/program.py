@@ -8,7 +8,9 @@ are their *captures*, passed in by name.
 from __future__ import annotations
 
 import operator
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -87,6 +89,8 @@ class Program:
         self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
         self._plan_after_memo: list[tuple] = self._plan
         self._spare_arenas: list[tuple] = []  # (bound, arena, views) of a finished run, for the next one
+        self._memo_lock = threading.Lock()
+        self._memo_total = 0  # bytes of size-only values kept in live Bounds
 
     def _slot(self, name: str) -> int:
         if name not in self.slot_of:
@@ -273,14 +277,24 @@ class Program:
             step = self.steps[k]
             _execute_step(step, scratch)
         values = [scratch[s] for s in self._memo_slots]
-        if sum(v.nbytes for v in values if isinstance(v, np.ndarray)) > MEMO_BYTES \
-                or not all(isinstance(v, np.ndarray) for v in values):
+        nbytes = sum(v.nbytes for v in values if isinstance(v, np.ndarray))
+        with self._memo_lock:
+            kept = (all(isinstance(v, np.ndarray) for v in values) and nbytes <= MEMO_BYTES
+                    and self._memo_total + nbytes <= MEMO_TOTAL_BYTES)
+            if kept:
+                self._memo_total += nbytes
+        if not kept:
             bound.memo[id(self)] = ()
             return None
         for v in values:
             v.flags.writeable = False
         bound.memo[id(self)] = values
+        weakref.finalize(bound, self._forget_memo, nbytes)  # the plan dropped these sizes from its cache
         return values
+
+    def _forget_memo(self, nbytes: int) -> None:
+        with self._memo_lock:
+            self._memo_total -= nbytes
 
     def attach(self, plan: Plan) -> None:
         """Write the intermediates the plan places in its arena straight into it (kernels with `run_into`)."""
@@ -357,8 +371,10 @@ def _store(outs: tuple[int, ...], result: Any, env: list[Any]) -> None:
 
 
 _EMPTY: Mapping[str, Any] = {}
-#: the most bytes of size-only values a Bound keeps per program (more are computed by each run)
-MEMO_BYTES = 4 << 20
+#: the most bytes of size-only values a Bound keeps per program (more are computed by each run), and in all the
+#: Bounds a plan keeps (its cache holds up to 256 sets of sizes)
+MEMO_BYTES = 1 << 20
+MEMO_TOTAL_BYTES = 16 << 20
 
 
 def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:

@@ -255,3 +255,16 @@ def test_gather_counts_negative_indices_from_the_back_and_names_a_bad_one():
     for bad in (10, -11):
         with pytest.raises(Exception, match=f"index {bad} at position \\[1\\] is out of range for a dimension of 10"):
             session.run(None, {"i": np.array([0, bad])})
+
+
+def test_size_only_values_kept_stay_within_their_budget(embedder, monkeypatch):
+    from carrack.runtime import program
+
+    monkeypatch.setattr(program, "MEMO_TOTAL_BYTES", 4096)
+    session = carrack.InferenceSession(embedder)
+    reference = ort.InferenceSession(embedder, providers=["CPUExecutionProvider"])
+    for seq in range(3, 40):
+        ids = _ids(1, seq, seed=seq)
+        np.testing.assert_allclose(session.run(None, {"ids": ids})[0], reference.run(None, {"ids": ids})[0],
+                                   rtol=1e-5, atol=1e-5)
+        assert 0 <= session._program._memo_total <= 4096
