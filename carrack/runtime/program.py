@@ -168,10 +168,14 @@ class Program:
             check_allocation(bound.arena_bytes, "this run's arena (the intermediates the plan places in it)")
         plan = self._plan
         if profiler is None and bound is not None and self._memo_steps:
+            # sizes seen once run every step (a decoder's growing cache never repeats them); the second run with
+            # the same sizes keeps the size-only values for every later one
             memo = bound.memo.get(id(self))
             if memo is None:
+                bound.memo[id(self)] = _SEEN_ONCE
+            elif memo is _SEEN_ONCE:
                 memo = self._memoize(bound, env)
-            if memo:
+            if memo and memo is not _SEEN_ONCE:
                 for s, v in zip(self._memo_slots, memo):
                     env[s] = v
                 plan = self._plan_after_memo
@@ -375,6 +379,7 @@ _EMPTY: Mapping[str, Any] = {}
 #: Bounds a plan keeps (its cache holds up to 256 sets of sizes)
 MEMO_BYTES = 1 << 20
 MEMO_TOTAL_BYTES = 16 << 20
+_SEEN_ONCE = "seen once"
 
 
 def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:
