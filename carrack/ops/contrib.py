@@ -19,6 +19,8 @@ MS = "com.microsoft"
 
 def _work(x: np.ndarray) -> np.ndarray:
     """x in the precision its statistics are computed in (float32 at least)."""
+    if type(x) is np.ndarray and x.dtype == _F32:
+        return x
     x = widen(x)
     return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
 
@@ -305,8 +307,10 @@ def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray 
     """softmax(q k^T * scale + bias) over (B, N, S, H) heads (float32 by the native softmax where `native`)."""
     if native and q.dtype == np.float32:
         keys = k.swapaxes(-1, -2)
-        scores = np.empty(np.broadcast_shapes(q.shape[:-2], keys.shape[:-2]) + (q.shape[-2], keys.shape[-1]),
-                          np.result_type(q, keys))
+        lead = q.shape[:-2] if q.shape[:-2] == keys.shape[:-2] else np.broadcast_shapes(q.shape[:-2],
+                                                                                         keys.shape[:-2])
+        scores = np.empty(lead + (q.shape[-2], keys.shape[-1]), q.dtype if q.dtype == keys.dtype
+                          else np.result_type(q, keys))
         if not native_matmul.batched_into(q, keys, scores):
             np.matmul(q, keys, out=scores)
         try:  # scale, bias and softmax in one pass over the scores, in place
@@ -328,7 +332,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.
     probs = _probabilities(q, k, scale, bias, native)
     batch, heads, seq, _ = probs.shape
     hv = v.shape[-1]
-    shape, dtype = (batch, seq, heads * hv), np.result_type(probs, v)
+    shape, dtype = (batch, seq, heads * hv), probs.dtype if probs.dtype == v.dtype else np.result_type(probs, v)
     if (out is None or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
             or not out.flags.writeable or np.may_share_memory(out, v)):
         out = np.empty(shape, dtype)
