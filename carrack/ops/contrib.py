@@ -71,13 +71,17 @@ def constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) -
     return tuple(rows) if len(sizes) == 1 else None
 
 
-def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float) -> bool:
-    """Layer normalization of x over its last axis into `out` by the native kernel, with gamma and beta checked
-    by `constant_rows` when the kernel was prepared: only x and out are checked here. False when they do not
-    fit (the kernel's general path then runs)."""
-    return (out is not None and _plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0]
-            and _writable_apart(out, x.shape, x)
-            and rowops.layer_norm_checked(x, None, None, gamma, beta, out, epsilon))
+def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float) -> np.ndarray | None:
+    """Layer normalization of x over its last axis by the native kernel, into `out` (a new array when None), with
+    gamma and beta checked by `constant_rows` when the kernel was prepared: only x and out are checked here. None
+    when they do not fit (the kernel's general path then runs)."""
+    if not (_plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0]):
+        return None
+    if out is None:  # a graph output: not planned in the arena
+        out = np.empty(x.shape, _F32)
+    if _writable_apart(out, x.shape, x) and rowops.layer_norm_checked(x, None, None, gamma, beta, out, epsilon):
+        return out
+    return None
 
 
 def offer_run_into(kernel: Kernel) -> None:
@@ -142,9 +146,10 @@ class ContribLayerNormalization(Kernel):
 
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants
-        if (prepared is not None and scale is prepared[0] and bias is prepared[1]
-                and layer_norm_prepared(out, x, scale, bias, self.epsilon)):
-            return out
+        if prepared is not None and scale is prepared[0] and bias is prepared[1]:
+            y = layer_norm_prepared(out, x, scale, bias, self.epsilon)
+            if y is not None:
+                return y
         if not -x.ndim <= self.axis < x.ndim:
             self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
         result = None
@@ -184,11 +189,14 @@ class SkipLayerNormalization(Kernel):
 
     def _into(self, out, x, skip, gamma, beta=None, bias=None):
         prepared = self.row_constants
-        if (prepared is not None and out is not None and gamma is prepared[0] and beta is prepared[1]
-                and bias is prepared[2] and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape
-                and x.ndim and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x, skip)
-                and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
-            return out
+        if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
+                and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
+                and x.shape[-1] == gamma.shape[0]):
+            if out is None:  # a graph output: not planned in the arena
+                out = np.empty(x.shape, _F32)
+            if (_writable_apart(out, x.shape, x, skip)
+                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
+                return out
         if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
             result = self._run_native(out, x, skip, gamma, beta, bias)
             if result is not None:

@@ -86,6 +86,12 @@ class GatherND(Kernel):
         b = self.batch_dims
         if indices.ndim < 1 or indices.ndim <= b:
             raise ValueError(f"GatherND indices of shape {list(indices.shape)} need rank > batch_dims={b}")
+        k = indices.shape[-1]
+        if b == 0 and 0 < k <= data.ndim and type(indices) is np.ndarray and indices.dtype.kind == "i":
+            try:  # numpy's fancy indexing takes exactly ONNX's range [-dim, dim); outside it, nd_index names it
+                return data[tuple(indices[..., j] for j in range(k))]
+            except IndexError:
+                pass
         index = nd_index(data.shape, indices, b)
         flat = data.reshape(len(index[0]), *data.shape[b:])
         k = indices.shape[-1]

@@ -152,15 +152,14 @@ class LayerNormalization(Kernel):
             self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, scale, bias=None):
-        if self._native(x):
-            return self._run_native(x, scale, bias, None)
-        return self._run_numpy(x, scale, bias)
+        return self._into(None, x, scale, bias)
 
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants
-        if (prepared is not None and scale is prepared[0] and bias is prepared[1]
-                and layer_norm_prepared(out, x, scale, bias, self.epsilon)):
-            return out
+        if prepared is not None and scale is prepared[0] and bias is prepared[1]:
+            y = layer_norm_prepared(out, x, scale, bias, self.epsilon)
+            if y is not None:
+                return y
         if self._native(x):
             return self._run_native(x, scale, bias, out)
         return self._run_numpy(x, scale, bias)

@@ -269,3 +269,39 @@ def test_size_only_values_kept_stay_within_their_budget(embedder, monkeypatch):
         np.testing.assert_allclose(session.run(None, {"ids": ids})[0], reference.run(None, {"ids": ids})[0],
                                    rtol=1e-5, atol=1e-5)
         assert 0 <= session._program._memo_total <= 4096
+
+
+@pytest.mark.parametrize("op", ["LayerNormalization", "SkipLayerNormalization"])
+def test_a_prepared_normalization_that_writes_a_graph_output_matches_onnxruntime(op):
+    """Graph outputs are not planned in the arena: the prepared path allocates them itself."""
+    rng = np.random.default_rng(7)
+    inputs = ["x", "skip", "gamma", "beta"] if op == "SkipLayerNormalization" else ["x", "gamma", "beta"]
+    node = helper.make_node(op, inputs, ["y"], epsilon=1e-5, **({"domain": MS} if op.startswith("Skip") else {}))
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), n) for n in ("gamma", "beta")]
+    feeds = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", 32]) for n in inputs[:len(inputs) - 2]]
+    graph = helper.make_graph([node], "g", feeds, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model = model.SerializeToString()
+    session = carrack.InferenceSession(model)
+    assert session._program.steps[0].kernel.row_constants is not None
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    feed = {n: rng.standard_normal((5, 32)).astype(np.float32) for n in inputs[:len(inputs) - 2]}
+    first = session.run(None, feed)[0]
+    np.testing.assert_allclose(first, reference.run(None, feed)[0], rtol=1e-5, atol=1e-5)
+    assert first.flags.writeable and not any(np.may_share_memory(first, f) for f in feed.values())
+
+
+def test_gather_nd_counts_negative_indices_from_the_back_and_names_a_bad_one():
+    data = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
+    graph = helper.make_graph([helper.make_node("GatherND", ["data", "i"], ["y"])], "g",
+                              [helper.make_tensor_value_info("i", TensorProto.INT64, ["n", 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[onnx.numpy_helper.from_array(data, "data")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    session = carrack.InferenceSession(model)
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    good = np.array([[0, 1], [-1, -3], [3, 2]], np.int64)
+    np.testing.assert_array_equal(session.run(None, {"i": good})[0], reference.run(None, {"i": good})[0])
+    with pytest.raises(Exception, match="out of range for a dimension of 3"):
+        session.run(None, {"i": np.array([[0, 3]], np.int64)})
