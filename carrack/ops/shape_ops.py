@@ -167,6 +167,8 @@ def split_sizes(dim: int, n_outputs: int, split: list[int] | None, num_outputs: 
 
 @register("Split", since=1)
 class Split(Kernel):
+    view = True  # every part is a view of the input (the plan keeps the input's bytes while any part is read)
+
     def setup(self):
         self.axis = self.attr("axis", 0)
         self.split_attr = self.attr("split") if self.version < 13 else None

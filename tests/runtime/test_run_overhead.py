@@ -305,3 +305,26 @@ def test_gather_nd_counts_negative_indices_from_the_back_and_names_a_bad_one():
     np.testing.assert_array_equal(session.run(None, {"i": good})[0], reference.run(None, {"i": good})[0])
     with pytest.raises(Exception, match="out of range for a dimension of 3"):
         session.run(None, {"i": np.array([[0, 3]], np.int64)})
+
+
+def test_split_parts_stay_views_of_their_planned_input_while_read():
+    """Split's parts are views of its input in the arena (not copied out): the plan keeps the input's bytes
+    reserved until the last part is read, while other values are written around them."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((16, 48)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Split", ["m"], ["a", "b", "c"], axis=-1, num_outputs=3),
+             helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Sigmoid", ["r"], ["s"]),
+             helper.make_node("Add", ["s", "b"], ["t"]), helper.make_node("Mul", ["t", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[onnx.numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    session = carrack.InferenceSession(model)
+    split = next(entry for entry in session._program._plan if entry[0].node.op_type == "Split")
+    assert split[7] is False  # no copy off the arena
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for n in (1, 5, 33, 5):
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5)
