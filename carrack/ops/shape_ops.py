@@ -283,10 +283,33 @@ class Flatten(Kernel):
 @register("Expand", since=8)
 class Expand(Kernel):
     def run(self, x, shape):
-        target = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
+        if type(shape) is np.ndarray and shape.ndim == 1 and shape.dtype.kind == "i":
+            dims = tuple(shape.tolist())
+        else:
+            dims = tuple(int_list(shape))
+        target = _broadcast_shape(x.shape, dims)
         self.check_output(target, x.dtype)
         # a real copy: a stride-0 view handed out as an output would surprise anyone who writes into it
-        return np.array(np.broadcast_to(x, target))
+        out = np.empty(target, x.dtype)
+        np.copyto(out, x)
+        return out
+
+
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """np.broadcast_shapes(a, b) for two shapes, without its overhead in the common case (its error otherwise)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for da, db in zip(a, b):
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1 and db >= 0:
+            out.append(db)
+        else:
+            return np.broadcast_shapes(a, b)  # raises, naming the shapes
+    if min(out, default=0) < 0:
+        return np.broadcast_shapes(a, b)
+    return tuple(out)
 
 
 @register("Tile", since=1)
