@@ -89,7 +89,7 @@ class GatherND(Kernel):
         k = indices.shape[-1]
         if b == 0 and 0 < k <= data.ndim and type(indices) is np.ndarray and indices.dtype.kind == "i":
             try:  # numpy's fancy indexing takes exactly ONNX's range [-dim, dim); outside it, nd_index names it
-                return data[tuple(indices[..., j] for j in range(k))]
+                return np.asarray(data[tuple(indices[..., j] for j in range(k))])  # (a 0-d result too)
             except IndexError:
                 pass
         index = nd_index(data.shape, indices, b)
