@@ -6,7 +6,7 @@
                           past of 16)
   mlp                     a 3-layer MLP (256 -> 256 -> 256 -> 10, ReLU), batch 1
   light_squeezenet        the onnx wheel's light models (~/.cache/carrack-bench/light_*.onnx, or
-  light_shufflenet        `python benchmarks/make_models.py light_squeezenet light_shufflenet`)
+  light_shufflenet        `python benchmarks/make_models.py --only light_squeezenet,light_shufflenet`)
   decode_tiny             greedy decoding with the KV cache fed back, a new past length every token (no shape
   decode_gpt2             repeats): the tiny GPT-2 above, or GPT-2 small (benchmarks/serving.py's gpt2_past.onnx);
                           the engines alternate token by token, each with its own cache; ms per token
@@ -122,7 +122,7 @@ def model_path(name: str) -> Path:
     if name.startswith("light_"):
         path = MODELS / f"{name}.onnx"
         if not path.exists():
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_models.py"), name], check=True)
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_models.py"), "--only", name], check=True)
         return path
     path = SMALL / f"{name}.onnx"
     if not path.exists():
@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         threads = r["threads"] or "default"
-        print(f"| {r['model']} | {r['nodes']} | {threads} | {r['carrack_us']} | {r['ort_us']} | {r['ratio']}x |")
+        note = "" if r.get("same_tokens", True) else " (the engines picked different tokens)"
+        print(f"| {r['model']} | {r['nodes']} | {threads} | {r['carrack_us']} | {r['ort_us']} | {r['ratio']}x{note} |")
+    if any(r["model"].startswith("decode_") for r in rows):
+        print("\ndecode_* rows: microseconds per generated token.")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
