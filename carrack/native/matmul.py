@@ -97,6 +97,22 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     return True
 
 
+def matmul_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """`matmul_into` for a caller that has checked what it checks (2-D C-contiguous aligned float32 operands of
+    matching shapes, out writable and apart from a and b): only whether the product is `chosen` here and the
+    library loaded. For a constant weight checked once (MatMul.prepare)."""
+    (t, k), n = a.shape, b.shape[1]
+    if not chosen(t, k, n):
+        return False
+    fn = _load()
+    if fn is None:
+        return False
+    tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
+    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, (data_address(a), data_address(b), data_address(out), t, k, n, k,
+                                                   n, n, depth_block(k)), ())
+    return True
+
+
 def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     """out[..., T, N] = a[..., T, K] @ b[..., K, N] over one or two batch dims that all three share (no
     broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is
@@ -148,6 +164,19 @@ def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
             return False
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
+    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
+                                                      k, n, 0, n, _threads(n, t * k))
+    return True
+
+
+def transposed_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
+    """`transposed_into` for a caller that has checked what it checks (2-D C-contiguous aligned float32 operands,
+    out [T, N] writable and apart from a and b, K > 0): only the row count and the library. For a Gemm's constant
+    weight checked once (Gemm.prepare)."""
+    t, k = a.shape
+    if not 0 < t <= MAX_DOT_ROWS or _load() is None:
+        return False
+    n = b.shape[0]
     native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
                                                       k, n, 0, n, _threads(n, t * k))
     return True

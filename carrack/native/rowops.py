@@ -159,6 +159,35 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
     return y, mean, inv_std, summed
 
 
+def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
+                       beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> bool:
+    """`layer_norm` over the last axis into `out`, without stats, for a caller that has checked what `_operand`
+    and `_output` check (C-contiguous aligned float32 arrays, skip of x's shape, the row parameters of x.shape[-1]
+    elements, out of x's shape, writable and apart from the inputs); a kernel's constant row parameters are checked
+    once when it is prepared. False when the library is not loaded."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return False
+    n = x.shape[-1]
+    rows = x.size // n
+    lib.carrack_layer_norm_threads(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
+                                   data_address(out), None, None, None, 0, rows, n, epsilon, _threads(rows, n))
+    return True
+
+
+def gelu_checked(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> bool:
+    """`gelu` with a bias over the last axis into `out`, for a caller that has checked the operands as
+    `layer_norm_checked` says. False when the library is not loaded."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return False
+    n = x.shape[-1]
+    rows = x.size // n
+    lib.carrack_gelu_threads(data_address(x), data_address(bias), data_address(out), 0, rows, n, int(approximate),
+                             _threads(rows, n))
+    return True
+
+
 # -- GELU --------------------------------------------------------------------------------------------------------------
 def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = False,
          out: np.ndarray | None = None) -> np.ndarray:

@@ -19,6 +19,8 @@ MS = "com.microsoft"
 
 def _work(x: np.ndarray) -> np.ndarray:
     """x in the precision its statistics are computed in (float32 at least)."""
+    if type(x) is np.ndarray and x.dtype == _F32:
+        return x
     x = widen(x)
     return x if x.dtype == np.float64 else x.astype(np.float32, copy=False)
 
@@ -35,6 +37,51 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: 
     if bias is not None:
         y = y + _work(bias)
     return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+_F32 = np.dtype(np.float32)
+
+
+def _plain_f32(x) -> bool:
+    """A C-contiguous, aligned float32 ndarray (what the native row kernels read in place)."""
+    return type(x) is np.ndarray and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned
+
+
+def _writable_apart(out, shape: tuple[int, ...], *inputs: np.ndarray | None) -> bool:
+    """`out` is a plain float32 buffer of `shape`, writable, sharing no memory with the inputs."""
+    if not (_plain_f32(out) and out.shape == shape and out.flags.writeable):
+        return False
+    return not any(a is not None and np.may_share_memory(out, a) for a in inputs)
+
+
+def constant_rows(node_inputs: list[str], constants, indices: tuple[int, ...]) -> tuple | None:
+    """The inputs at `indices` when each is a constant plain float32 vector of one length (None where the node
+    omits the input); None when any is not (a run value, another shape or dtype)."""
+    rows = []
+    for i in indices:
+        present = i < len(node_inputs) and bool(node_inputs[i])
+        value = constants[i] if i < len(constants) else None
+        if not present:
+            rows.append(None)
+        elif value is None or not _plain_f32(value) or value.ndim != 1:
+            return None
+        else:
+            rows.append(value)
+    sizes = {r.shape[0] for r in rows if r is not None}
+    return tuple(rows) if len(sizes) == 1 else None
+
+
+def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float) -> np.ndarray | None:
+    """Layer normalization of x over its last axis by the native kernel, into `out` (a new array when None), with
+    gamma and beta checked by `constant_rows` when the kernel was prepared: only x and out are checked here. None
+    when they do not fit (the kernel's general path then runs)."""
+    if not (_plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0]):
+        return None
+    if out is None:  # a graph output: not planned in the arena
+        out = np.empty(x.shape, _F32)
+    if _writable_apart(out, x.shape, x) and rowops.layer_norm_checked(x, None, None, gamma, beta, out, epsilon):
+        return out
+    return None
 
 
 def offer_run_into(kernel: Kernel) -> None:
@@ -86,12 +133,23 @@ class ContribLayerNormalization(Kernel):
         self.wants_stats = any(self.node.outputs[1:])
         if len(self.node.inputs) < 2 or not self.node.inputs[1]:
             self.fail("input 1 (Scale) is required")
+        self.row_constants: tuple | None = None  # (scale, bias) checked once (prepare), for axis -1
         offer_run_into(self)
+
+    def prepare(self, constants):
+        if self.rows is not None and not self.wants_stats and self.axis == -1:
+            rows = constant_rows(self.node.inputs, constants, (1, 2))
+            self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, scale, bias=None):
         return self._into(None, x, scale, bias)
 
     def _into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if prepared is not None and scale is prepared[0] and bias is prepared[1]:
+            y = layer_norm_prepared(out, x, scale, bias, self.epsilon)
+            if y is not None:
+                return y
         if not -x.ndim <= self.axis < x.ndim:
             self.fail(f"axis {self.axis} out of range for a rank-{x.ndim} input")
         result = None
@@ -118,12 +176,27 @@ class SkipLayerNormalization(Kernel):
         outs = self.node.outputs
         self.wants_stats = any(outs[1:3])
         self.wants_sum = len(outs) > 3 and bool(outs[3])
+        self.row_constants: tuple | None = None  # (gamma, beta, bias) checked once (prepare)
         offer_run_into(self)
+
+    def prepare(self, constants):
+        if self.rows is not None and not self.wants_stats and not self.wants_sum:
+            rows = constant_rows(self.node.inputs, constants, (2, 3, 4))
+            self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, skip, gamma, beta=None, bias=None):
         return self._into(None, x, skip, gamma, beta, bias)
 
     def _into(self, out, x, skip, gamma, beta=None, bias=None):
+        prepared = self.row_constants
+        if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
+                and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
+                and x.shape[-1] == gamma.shape[0]):
+            if out is None:  # a graph output: not planned in the arena
+                out = np.empty(x.shape, _F32)
+            if (_writable_apart(out, x.shape, x, skip)
+                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
+                return out
         if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
             result = self._run_native(out, x, skip, gamma, beta, bias)
             if result is not None:
@@ -161,8 +234,16 @@ class _GeluBase(Kernel):
 
     def setup(self) -> None:
         self.rows = self.if_native(rowops.library)
+        self.bias: np.ndarray | None = None  # a constant bias checked once (prepare)
+
+    def prepare(self, constants):
+        rows = constant_rows(self.node.inputs, constants, (1,)) if self.rows is not None else None
+        self.bias = rows[0] if rows is not None else None
 
     def run_into(self, out, x, bias=None):
+        if (bias is not None and bias is self.bias and _plain_f32(x) and x.ndim and x.shape[-1] == bias.shape[0]
+                and _writable_apart(out, x.shape, x) and rowops.gelu_checked(x, bias, out, self.approximate)):
+            return out
         if self._native(x, bias):
             return rowops.gelu(x, bias, self.approximate, out=out)
         return self.run(x, bias)
@@ -234,8 +315,10 @@ def _probabilities(q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray 
     """softmax(q k^T * scale + bias) over (B, N, S, H) heads (float32 by the native softmax where `native`)."""
     if native and q.dtype == np.float32:
         keys = k.swapaxes(-1, -2)
-        scores = np.empty(np.broadcast_shapes(q.shape[:-2], keys.shape[:-2]) + (q.shape[-2], keys.shape[-1]),
-                          np.result_type(q, keys))
+        lead = q.shape[:-2] if q.shape[:-2] == keys.shape[:-2] else np.broadcast_shapes(q.shape[:-2],
+                                                                                         keys.shape[:-2])
+        scores = np.empty(lead + (q.shape[-2], keys.shape[-1]), q.dtype if q.dtype == keys.dtype
+                          else np.result_type(q, keys))
         if not native_matmul.batched_into(q, keys, scores):
             np.matmul(q, keys, out=scores)
         try:  # scale, bias and softmax in one pass over the scores, in place
@@ -257,7 +340,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, bias: np.
     probs = _probabilities(q, k, scale, bias, native)
     batch, heads, seq, _ = probs.shape
     hv = v.shape[-1]
-    shape, dtype = (batch, seq, heads * hv), np.result_type(probs, v)
+    shape, dtype = (batch, seq, heads * hv), probs.dtype if probs.dtype == v.dtype else np.result_type(probs, v)
     if (out is None or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
             or not out.flags.writeable or np.may_share_memory(out, v)):
         out = np.empty(shape, dtype)

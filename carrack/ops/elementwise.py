@@ -57,6 +57,22 @@ class _Binary(Kernel):
 _ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
 
 
+def broadcasts_to(shape: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether `a` and `b` broadcast to exactly `shape` (np.broadcast_shapes(a, b) == shape, without its cost
+    of a few microseconds; False where they do not broadcast at all)."""
+    if a == shape and (b == shape or not b):
+        return True
+    n = len(shape)
+    if len(a) > n or len(b) > n or max(len(a), len(b)) != n:
+        return False
+    for axis in range(1, n + 1):
+        da = a[-axis] if axis <= len(a) else 1
+        db = b[-axis] if axis <= len(b) else 1
+        if (da if db == 1 else db if da == 1 else da if da == db else -1) != shape[-axis]:
+            return False
+    return True
+
+
 @register(["Add", "Sub", "Mul"], since=1)
 class Arithmetic(_Binary):
     def setup(self) -> None:
@@ -70,7 +86,7 @@ class Arithmetic(_Binary):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
         at run time costs an allocation, never a wrong result."""
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
-                and np.broadcast_shapes(a.shape, b.shape) == out.shape):
+                and broadcasts_to(out.shape, a.shape, b.shape)):
             return self.fn(a, b, out=out)
         return self.run(a, b)
 
@@ -95,7 +111,7 @@ class Div(_Binary):
 
     def run_into(self, out, a, b):
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64)
-                and np.broadcast_shapes(a.shape, b.shape) == out.shape):
+                and broadcasts_to(out.shape, a.shape, b.shape)):
             with np.errstate(divide="ignore", invalid="ignore"):
                 return np.divide(a, b, out=out)
         return self.run(a, b)

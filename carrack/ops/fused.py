@@ -92,6 +92,9 @@ class _FusedBase(Kernel):
     def activation_params(self) -> list[float]:
         return list(self.attr("activation_params", []))
 
+    def prepare(self, constants):
+        self.inner.prepare(constants)
+
     def run(self, *inputs):
         if hasattr(self.inner, "widened_product") and half.is_half(*inputs):
             return half.narrow(self.act(self.inner.widened_product(*inputs)))

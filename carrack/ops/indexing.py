@@ -32,7 +32,14 @@ class Gather(Kernel):
 
     def run(self, data, indices):
         axis = normalize_axis(self.axis, data.ndim)
-        out = np.take(data, checked_indices(indices, data.shape[axis]), axis=axis)
+        out = None
+        if type(indices) is np.ndarray and indices.dtype.kind == "i":
+            try:  # numpy's take accepts exactly ONNX's range [-dim, dim); outside it, the error below names the index
+                out = np.take(data, indices, axis=axis)
+            except IndexError:
+                pass
+        if out is None:
+            out = np.take(data, checked_indices(indices, data.shape[axis]), axis=axis)
         # one element taken from an object (string) array comes back as the bare Python object
         return out if isinstance(out, np.ndarray) else np.array(out, dtype=data.dtype)
 
@@ -79,6 +86,12 @@ class GatherND(Kernel):
         b = self.batch_dims
         if indices.ndim < 1 or indices.ndim <= b:
             raise ValueError(f"GatherND indices of shape {list(indices.shape)} need rank > batch_dims={b}")
+        k = indices.shape[-1]
+        if b == 0 and 0 < k <= data.ndim and type(indices) is np.ndarray and indices.dtype.kind == "i":
+            try:  # numpy's fancy indexing takes exactly ONNX's range [-dim, dim); outside it, nd_index names it
+                return np.asarray(data[tuple(indices[..., j] for j in range(k))])  # (a 0-d result too)
+            except IndexError:
+                pass
         index = nd_index(data.shape, indices, b)
         flat = data.reshape(len(index[0]), *data.shape[b:])
         k = indices.shape[-1]

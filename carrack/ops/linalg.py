@@ -36,12 +36,26 @@ def _native_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
     return y
 
 
+_F32 = np.dtype(np.float32)
+
+
+def _plain_f32(x) -> bool:
+    """A C-contiguous, aligned float32 ndarray (what the native product reads in place)."""
+    return type(x) is np.ndarray and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def setup(self):
         self.widened = half.WidenedConstants()
         #: the plan chose the native tile (it then still takes only the sizes where it pays: native_matmul.chosen)
         self.native = self.implementation == "native"
+        self.weight: np.ndarray | None = None  # a constant 2-D float32 B, checked once (prepare)
+
+    def prepare(self, constants):
+        b = constants[1] if len(constants) > 1 else None
+        if b is not None and _plain_f32(b) and b.ndim == 2:
+            self.weight = b
 
     def run(self, a, b):
         if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
@@ -54,12 +68,29 @@ class MatMul(Kernel):
             return np.matmul(flat, b).reshape(a.shape[:-1] + b.shape[-1:])
         return np.matmul(_widen(a), _widen(b)).astype(a.dtype, copy=False)
 
+    def _into_weight(self, out, a) -> bool:
+        """out = a (..., K) @ the prepared weight [K, N] with only the run's operands checked; False when they
+        are not plain float32 of matching shapes (the general path then handles them)."""
+        b = self.weight
+        k, n = b.shape
+        if not (_plain_f32(a) and a.ndim >= 2 and a.shape[-1] == k and out.dtype == _F32 and out.flags.c_contiguous
+                and out.flags.writeable and out.shape == a.shape[:-1] + (n,) and a.size
+                and not np.may_share_memory(out, a)):
+            return False
+        rows = a.size // k
+        a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
+        if not (self.native and native_matmul.matmul_checked_into(a2, b, out2)):
+            np.matmul(a2, b, out=out2)
+        return True
+
     def widened_product(self, a, b) -> np.ndarray:
         """The float32 product of float16 operands (a fused activation runs on it before the one rounding)."""
         return self.run(self.widened(a), self.widened(b))
 
     def run_into(self, out, a, b):
         """Into the planned buffer when it fits (a wrong planned shape costs an allocation, not a wrong result)."""
+        if b is self.weight and self._into_weight(out, a):
+            return out
         if half.is_half(a, b):
             return half.narrow(self.widened_product(a, b), out)
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
@@ -87,6 +118,18 @@ class Gemm(Kernel):
         self.widened = half.WidenedConstants()
         self.widened_b = half.WidenedConstants(transposed=self.trans_b)
         self.native = self.implementation == "native"
+        self.weight: tuple | None = None  # (B, C) of a plain float32 product checked once (prepare)
+
+    def prepare(self, constants):
+        """A float32 A @ B^T + C with B and C constant (a linear layer as exporters write it): B and C checked
+        here, once; a run then checks only A."""
+        b = constants[1] if len(constants) > 1 else None
+        c = constants[2] if len(constants) > 2 else None
+        present_c = len(self.node.inputs) > 2 and bool(self.node.inputs[2])
+        if (self.trans_b and not self.trans_a and self.alpha == 1.0 and self.beta == 1.0 and b is not None
+                and _plain_f32(b) and b.ndim == 2 and b.shape[1] and (present_c == (c is not None))
+                and (c is None or (c.dtype == _F32 and c.shape in ((b.shape[0],), (1, b.shape[0]))))):
+            self.weight = (b, c)
 
     def run(self, a, b, c=None):
         return self.run_into(None, a, b, c)
@@ -94,9 +137,30 @@ class Gemm(Kernel):
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias
         are applied there in place, rather than each in a new array."""
+        prepared = self.weight
+        if prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2 \
+                and a.shape[1] == b.shape[1] and a.shape[0]:
+            y = self._linear(out, a, b, c, self.native)
+            if y is not None:
+                return y
         if half.is_half(a, b, c):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b, c), out)
         return self._product(out, a, b, c, self.trans_b)
+
+    @staticmethod
+    def _linear(out, a, b, c, native: bool) -> np.ndarray | None:
+        """a @ b^T + c for checked float32 operands (prepare), into `out` when it is a plain buffer of the
+        result's shape apart from a; None when `out` overlaps a."""
+        shape = (a.shape[0], b.shape[0])
+        if out is None or not (_plain_f32(out) and out.shape == shape and out.flags.writeable):
+            out = np.empty(shape, _F32)
+        elif np.may_share_memory(out, a):
+            return None
+        if not (native and native_matmul.transposed_checked_into(a, b, out)):
+            np.matmul(a, b.T, out=out)
+        if c is not None:
+            np.add(out, c, out=out)
+        return out
 
     def widened_product(self, a, b, c=None) -> np.ndarray:
         """The float32 result for float16 operands (a fused activation runs on it before the one rounding); B

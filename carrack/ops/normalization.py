@@ -14,7 +14,7 @@ from carrack.ir.dtypes import to_numpy
 from carrack.native import rowops
 from carrack.native.convolution import NO_ACTIVATION, Activation, NativeConvolution
 from carrack.native.convolution import load as native_convolution
-from carrack.ops.contrib import offer_run_into
+from carrack.ops.contrib import constant_rows, layer_norm_prepared, offer_run_into
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -143,14 +143,23 @@ class LayerNormalization(Kernel):
         self.epsilon = float(self.attr("epsilon", 1e-5))
         self.rows = self.if_native(rowops.library) if _stash_dtype(self) == np.float32 else None
         self.wants_stats = any(self.node.outputs[1:])
+        self.row_constants: tuple | None = None  # (scale, bias) checked once (prepare), for axis -1
         offer_run_into(self)
 
+    def prepare(self, constants):
+        if self.rows is not None and not self.wants_stats and self.axis == -1:
+            rows = constant_rows(self.node.inputs, constants, (1, 2))
+            self.row_constants = rows if rows is not None and rows[0] is not None else None
+
     def run(self, x, scale, bias=None):
-        if self._native(x):
-            return self._run_native(x, scale, bias, None)
-        return self._run_numpy(x, scale, bias)
+        return self._into(None, x, scale, bias)
 
     def _into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if prepared is not None and scale is prepared[0] and bias is prepared[1]:
+            y = layer_norm_prepared(out, x, scale, bias, self.epsilon)
+            if y is not None:
+                return y
         if self._native(x):
             return self._run_native(x, scale, bias, out)
         return self._run_numpy(x, scale, bias)

@@ -94,6 +94,12 @@ class Kernel:
         name = self.node.outputs[index] if index < len(self.node.outputs) else f"#{index}"
         check_shape(shape, dtype, f"{self.node.label()} output {name!r}")
 
+    def prepare(self, constants: Sequence[Any]) -> None:
+        """Called once by the executor when it is built, with the node's constant input values (None where an
+        input is not a constant): a kernel may check and keep there what does not depend on a run (a weight's
+        dtype and layout), so that `run`/`run_into` only check the run's own values. Kernels stay immutable
+        after this. A kernel that is never prepared (shape inference, constant folding) must still work."""
+
     def run(self, *inputs: Any) -> Any:
         raise NotImplementedError
 

@@ -89,7 +89,20 @@ class Reshape(Kernel):
                 self.shape_attr = int_list(const)  # a constant target: parsed once, not per run
 
     def run(self, data, shape=None):
-        target = self.shape_attr if self.shape_attr is not None else int_list(shape)
+        if self.shape_attr is not None:
+            target = self.shape_attr
+        elif type(shape) is np.ndarray and shape.ndim == 1 and shape.dtype.kind == "i":
+            target = shape.tolist()
+        else:
+            target = int_list(shape)
+        if data.size and (0 not in target or self.allowzero and -1 not in target):
+            # no dim copied from the input: numpy's reshape agrees with ONNX's where it succeeds (one -1 at most,
+            # no other negative); anything else goes through reshape_target for its error
+            try:
+                if min(target, default=0) >= -1:
+                    return data.reshape(target)
+            except ValueError:
+                pass
         return data.reshape(reshape_target(data.shape, list(target), self.allowzero))
 
 
@@ -154,6 +167,8 @@ def split_sizes(dim: int, n_outputs: int, split: list[int] | None, num_outputs: 
 
 @register("Split", since=1)
 class Split(Kernel):
+    view = True  # every part is a view of the input (the plan keeps the input's bytes while any part is read)
+
     def setup(self):
         self.axis = self.attr("axis", 0)
         self.split_attr = self.attr("split") if self.version < 13 else None
@@ -268,10 +283,33 @@ class Flatten(Kernel):
 @register("Expand", since=8)
 class Expand(Kernel):
     def run(self, x, shape):
-        target = np.broadcast_shapes(x.shape, tuple(int_list(shape)))
+        if type(shape) is np.ndarray and shape.ndim == 1 and shape.dtype.kind == "i":
+            dims = tuple(shape.tolist())
+        else:
+            dims = tuple(int_list(shape))
+        target = _broadcast_shape(x.shape, dims)
         self.check_output(target, x.dtype)
         # a real copy: a stride-0 view handed out as an output would surprise anyone who writes into it
-        return np.array(np.broadcast_to(x, target))
+        out = np.empty(target, x.dtype)
+        np.copyto(out, x)
+        return out
+
+
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """np.broadcast_shapes(a, b) for two shapes, without its overhead in the common case (its error otherwise)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for da, db in zip(a, b):
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1 and db >= 0:
+            out.append(db)
+        else:
+            return np.broadcast_shapes(a, b)  # raises, naming the shapes
+    if min(out, default=0) < 0:
+        return np.broadcast_shapes(a, b)
+    return tuple(out)
 
 
 @register("Tile", since=1)

@@ -91,6 +91,9 @@ class Bound:
     places: list[tuple[int, int, tuple[int, ...], np.dtype] | None]
     #: node key -> its first input's shape at these sizes, for the plan's Shaped nodes
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: per executor (keyed by its id): the values of its steps that depend only on these sizes (see
+    #: `carrack.runtime.program.Program.memoize_size_only`), computed by the first run with these sizes
+    memo: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass

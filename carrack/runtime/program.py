@@ -8,7 +8,9 @@ are their *captures*, passed in by name.
 from __future__ import annotations
 
 import operator
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,8 @@ class Program:
         nodes = _expand_function_ops(topological_order(graph), ctx)
         visible = frozenset(outer | graph.defined_names() | {o for n in nodes for o in n.outputs})
         self.steps = self._build_steps(nodes, ctx, visible)
+        for st in self.steps:
+            st.kernel.prepare([self.constants.get(s) if s >= 0 else None for s in st.ins])
         self.output_slots = [self.slot_of[o.name] if o.name in self.slot_of else self._slot(o.name)
                              for o in graph.outputs]
         self.n_slots = len(self.slot_of)
@@ -94,6 +98,12 @@ class Program:
         self._placed: dict[int, int] = {}  # step -> index of its output among the plan's placed values
         self._views: set[str] = set()
         self._plan = self._compile_plan()
+        self._memo_steps: tuple[int, ...] = ()  # steps whose results depend only on the symbol sizes
+        self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
+        self._plan_after_memo: list[tuple] = self._plan
+        self._spare_arenas: list[tuple] = []  # (bound, arena, views) of a finished run, for the next one
+        self._memo_lock = threading.Lock()
+        self._memo_total = 0  # bytes of size-only values kept in live Bounds
 
     def _slot(self, name: str) -> int:
         if name not in self.slot_of:
@@ -169,18 +179,29 @@ class Program:
         # (a profiled run times each kernel as it allocates on its own, so it needs no arena)
         if bound is not None and bound.arena_bytes >= CHECK_THRESHOLD:
             check_allocation(bound.arena_bytes, "this run's arena (the intermediates the plan places in it)")
-        arena = None if bound is None or profiler is not None or not self._placed else aligned_empty(
-            (max(bound.arena_bytes, 64),), np.uint8)
-        places = bound.places if arena is not None else ()
+        plan = self._plan
+        if profiler is None and bound is not None and self._memo_steps:
+            # sizes seen once run every step (a decoder's growing cache never repeats them); the second run with
+            # the same sizes keeps the size-only values for every later one
+            memo = bound.memo.get(id(self))
+            if memo is None:
+                bound.memo[id(self)] = _SEEN_ONCE
+            elif memo is _SEEN_ONCE:
+                memo = self._memoize(bound, env)
+            if memo and memo is not _SEEN_ONCE:
+                for s, v in zip(self._memo_slots, memo):
+                    env[s] = v
+                plan = self._plan_after_memo
+        arena, views = (None, None) if bound is None or profiler is not None or not self._placed \
+            else self._take_arena(bound)
         step = None
         try:
             if profiler is None:
-                for step, call, gather, arity, single, release, placed, guard, run_into in self._plan:
+                for step, call, gather, arity, single, release, placed, guard, run_into in plan:
                     if should_stop is not None and should_stop():
                         raise RunTerminated(f"before {step.node.label()}")
-                    if placed >= 0 and arena is not None and places[placed] is not None:
-                        offset, nbytes, shape, dtype = places[placed]
-                        out = arena[offset:offset + nbytes].view(dtype).reshape(shape)
+                    if placed >= 0 and views is not None and views[placed] is not None:
+                        out = views[placed]
                         result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
                     else:
                         if arity == 1:
@@ -191,7 +212,8 @@ class Program:
                             result = call()
                         else:
                             result = step.kernel.execute(list(gather(env)), _scope(step, env))
-                        if guard and arena is not None:
+                        if guard and arena is not None and (type(result) is not np.ndarray
+                                                            or result.base is not None):
                             result = _off_arena(result, arena)
                     if single >= 0 and type(result) is np.ndarray:
                         env[single] = result
@@ -219,7 +241,77 @@ class Program:
                 raise
             raise RunFailure(f"{step.node.label()} failed: {type(e).__name__}: {e}") from e
         outputs = [env[s] for s in self.output_slots]
-        return outputs if arena is None else [_off_arena(v, arena) for v in outputs]
+        if arena is None:
+            return outputs
+        outputs = [_off_arena(v, arena) for v in outputs]
+        env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
+        if not self._spare_arenas:
+            self._spare_arenas.append((bound, arena, views))
+        return outputs
+
+    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None]]:
+        """An arena for a run with these sizes, and a view of each placed value in it: the last finished run's
+        when it had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one.
+        Runs in several threads each take their own (list.pop is atomic)."""
+        try:
+            spare_bound, arena, views = self._spare_arenas.pop()
+            if spare_bound is bound:
+                return arena, views
+        except IndexError:
+            pass
+        arena = aligned_empty((max(bound.arena_bytes, 64),), np.uint8)
+        views = [None if place is None else arena[place[0]:place[0] + place[1]].view(place[3]).reshape(place[2])
+                 for place in bound.places]
+        return arena, views
+
+    def memoize_size_only(self, derived: Sequence[str]) -> None:
+        """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
+        arithmetic, a function of the symbol sizes): position ids, causal masks, their embedding lookups. A run
+        computes them once per set of sizes (kept in the plan's Bound) instead of every time."""
+        known = set(self.constants) | {self.slot_of[n] for n in derived if n in self.slot_of}
+        steps = []
+        for k, st in enumerate(self.steps):
+            kernel = type(st.kernel)
+            if (kernel.pure and not st.captures and kernel.execute is registry.Kernel.execute
+                    and not st.node.subgraphs() and all(s < 0 or s in known for s in st.ins)):
+                steps.append(k)
+                known.update(s for s in st.outs if s >= 0)
+        if not steps:
+            return
+        produced = {s for k in steps for s in self.steps[k].outs if s >= 0}
+        chosen = set(steps)
+        read = {s for k, st in enumerate(self.steps) if k not in chosen
+                for s in st.ins + tuple(s for _, s in st.captures)} | set(self.output_slots)
+        self._memo_steps = tuple(steps)
+        self._memo_slots = tuple(sorted(produced & read))
+        self._plan_after_memo = [entry for k, entry in enumerate(self._plan) if k not in chosen]
+
+    def _memoize(self, bound: Bound, env: list[Any]) -> list[Any] | None:
+        """Run the size-only steps for these sizes (allocating, outside any arena) and keep their values in the
+        bound, read-only; values above MEMO_BYTES in all are not kept (None: the run computes them itself)."""
+        scratch = list(env)
+        for k in self._memo_steps:
+            step = self.steps[k]
+            _execute_step(step, scratch)
+        values = [scratch[s] for s in self._memo_slots]
+        nbytes = sum(v.nbytes for v in values if isinstance(v, np.ndarray))
+        with self._memo_lock:
+            kept = (all(isinstance(v, np.ndarray) for v in values) and nbytes <= MEMO_BYTES
+                    and self._memo_total + nbytes <= MEMO_TOTAL_BYTES)
+            if kept:
+                self._memo_total += nbytes
+        if not kept:
+            bound.memo[id(self)] = ()
+            return None
+        for v in values:
+            v.flags.writeable = False
+        bound.memo[id(self)] = values
+        weakref.finalize(bound, self._forget_memo, nbytes)  # the plan dropped these sizes from its cache
+        return values
+
+    def _forget_memo(self, nbytes: int) -> None:
+        with self._memo_lock:
+            self._memo_total -= nbytes
 
     def attach(self, plan: Plan) -> None:
         """Write the intermediates the plan places in its arena straight into it (kernels with `run_into`)."""
@@ -230,6 +322,8 @@ class Program:
                 self._placed[k] = index[st.node.outputs[0]]
         self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
+        chosen = set(self._memo_steps)
+        self._plan_after_memo = [entry for k, entry in enumerate(self._plan) if k not in chosen]
 
     def _compile_plan(self) -> list[tuple]:
         """Per step, what the run loop needs in the cheapest form: the kernel's `run` (None when the kernel
@@ -294,6 +388,11 @@ def _store(outs: tuple[int, ...], result: Any, env: list[Any]) -> None:
 
 
 _EMPTY: Mapping[str, Any] = {}
+#: the most bytes of size-only values a Bound keeps per program (more are computed by each run), and in all the
+#: Bounds a plan keeps (its cache holds up to 256 sets of sizes)
+MEMO_BYTES = 1 << 20
+MEMO_TOTAL_BYTES = 16 << 20
+_SEEN_ONCE = "seen once"
 
 
 def _expand_function_ops(nodes: list[Node], ctx: BuildContext, depth: int = 0) -> list[Node]:

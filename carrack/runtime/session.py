@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from carrack.errors import InvalidArgument, MemoryLimitExceeded, NotImplementedOps
-from carrack.ir.dims import Sym, binding_name, dim_label
+from carrack.ir.dims import Sym, binding_name, dim_label, is_placeholder
+from carrack.ir.dtypes import to_numpy
 from carrack.ir.graph import Graph, Model, ValueInfo
 from carrack.ir.types import OptionalType, SequenceType, TensorType
 from carrack.native.intra_op import intra_op_threads
@@ -113,9 +114,12 @@ class InferenceSession(OrtSessionApi):
         prepare_kernels(plan, (step.kernel for step in self._program.steps))
         if not plan.symbols:  # static sizes: a value or arena too large for this machine is refused at load
             plan.bind(())
+        self._program.memoize_size_only([d.name for d in plan.derived])
         if options.enable_mem_pattern:
             self._program.attach(plan)
         self._symbol_axes = _symbol_axes(self._inputs, plan.symbols)
+        self._plain_feeds = _plain_feed_checks(self._inputs)
+        self._all_outputs = list(range(len(self._outputs)))
         self._override_program: Program | None = None
         self._profiler = Profiler(options.profile_file_prefix) if options.enable_profiling else None
         self._lock = threading.Lock()
@@ -157,9 +161,11 @@ class InferenceSession(OrtSessionApi):
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: RunOptions | None = None) -> list[Any]:
         """Run the model; returns the requested outputs (all, in graph order, when output_names is None)."""
-        wanted = self._output_positions(output_names)
+        wanted = self._all_outputs if output_names is None else self._output_positions(output_names)
         should_stop = terminate_check(run_options)
-        feed = self._bind_inputs(input_feed)
+        feed = self._bind_plain(input_feed)
+        if feed is None:
+            feed = self._bind_inputs(input_feed)
         if self._options.memory_limit_bytes:
             self._check_memory(self.memory_plan(self._dim_bindings(feed)), "this run")
         if any(v.name in feed for v in self._overridable):
@@ -260,6 +266,31 @@ class InferenceSession(OrtSessionApi):
                                   f"{[v.name for v in self._outputs]}")
         return [self._output_index[n] for n in output_names]
 
+    def _bind_plain(self, feed: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The feed as it is when every value is what `_bind_inputs` would pass through unchanged (a native-order,
+        C-contiguous, aligned ndarray of the input's dtype, rank and fixed dims, symbols consistent): the checks
+        of the common case in one loop. None when anything differs: `_bind_inputs` then copies, converts or
+        explains."""
+        checks = self._plain_feeds
+        if checks is None or type(feed) is not dict or len(feed) != len(checks):
+            return None
+        seen: dict[Sym, int] = {}
+        for name, dtype, rank, fixed, symbolic in checks:
+            value = feed.get(name)
+            if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != rank:
+                return None
+            flags = value.flags
+            if not (flags.c_contiguous and flags.aligned):
+                return None
+            shape = value.shape
+            for axis, size in fixed:
+                if shape[axis] != size:
+                    return None
+            for axis, sym in symbolic:
+                if seen.setdefault(sym, shape[axis]) != shape[axis]:
+                    return None
+        return feed
+
     def _bind_inputs(self, feed: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(feed, Mapping):
             raise InvalidArgument(f"input_feed must be a dict of input name -> array, got {type(feed).__name__}")
@@ -274,10 +305,12 @@ class InferenceSession(OrtSessionApi):
         return {name: check_feed(self._input_info[name], value, symbols) for name, value in feed.items()}
 
 
-def _owned(value: Any, feed: dict[str, Any]) -> Any:
+def _owned(value: Any, feed: Mapping[str, Any]) -> Any:
     """An output the caller may keep and modify: never a session constant or a view of the caller's own input."""
     if not isinstance(value, np.ndarray):
         return value
+    if value.base is None and value.flags.writeable and not any(value is f for f in feed.values()):
+        return value  # owns its bytes, which no feed can be a view of (feeds existed before the run made it)
     if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f)
                                         for f in feed.values()):
         return value.copy()
@@ -293,6 +326,27 @@ def _symbol_axes(inputs: list[ValueInfo], symbols: Sequence[str]) -> list[tuple[
                 if not isinstance(d, int):
                     where.setdefault(binding_name(d, v.name, axis), (v.name, axis))
     return [where[s] for s in symbols]
+
+
+def _plain_feed_checks(inputs: list[ValueInfo]) -> list[tuple] | None:
+    """Per input: (name, numpy dtype, rank, (axis, size) of fixed dims, (axis, symbol) of named dims), for
+    `InferenceSession._bind_plain`; None when an input is not a tensor of known type and rank (sequences, maps,
+    optionals: always checked in full)."""
+    checks = []
+    for v in inputs:
+        t = v.type
+        if type(t) is not TensorType or not t.elem_type or t.shape is None:
+            return None
+        try:
+            dtype = np.dtype(to_numpy(t.elem_type))
+        except (TypeError, ValueError, KeyError):
+            return None
+        if dtype.kind in "OUS":
+            return None
+        fixed = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, int))
+        named = tuple((axis, d) for axis, d in enumerate(t.shape) if isinstance(d, Sym) and not is_placeholder(d))
+        checks.append((v.name, dtype, len(t.shape), fixed, named))
+    return checks
 
 
 def _interface(session: InferenceSession) -> Graph:
