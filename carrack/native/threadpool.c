@@ -174,6 +174,12 @@ static void await_finish(worker_t *w, int64_t running) {
     pthread_mutex_unlock(&w->mutex);
 }
 
+/* Wall time callers have spent in regions split over two or more threads, for the profile of a run: what is
+ * outside it ran on one core (`carrack_pool_parallel_ns`). */
+static _Atomic int64_t parallel_ns;
+
+static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks, int64_t threads);
+
 void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
                       int64_t threads) {
     if (end <= begin) return;
@@ -183,6 +189,15 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
         task(context, begin, end, 0);
         return;
     }
+    const int64_t start = now_ns();
+    run_split(task, context, begin, end, chunks, threads);
+    atomic_fetch_add_explicit(&parallel_ns, now_ns() - start, memory_order_relaxed);
+}
+
+int64_t carrack_pool_parallel_ns(void) { return atomic_load_explicit(&parallel_ns, memory_order_relaxed); }
+
+static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
+                      int64_t threads) {
     ensure_workers((int)(threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS));
     job_t job = {task, context, begin, end - begin, chunks, 0, 1};
     int taken[MAX_WORKERS], count = 0;

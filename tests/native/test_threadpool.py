@@ -112,6 +112,17 @@ def test_concurrent_regions_share_the_pool():
     assert intra_op.pool_workers() == max(before, 2)
 
 
+@needs_native
+def test_parallel_seconds_counts_split_regions_only():
+    """The wall time spent in regions split over threads: a run's remaining time is what ran on one core."""
+    _selftest(4, 4, 2, 0)
+    before = intra_op.parallel_seconds()
+    _selftest(8, 1, 2, 200_000)  # one chunk: runs on the caller, not a split region
+    assert intra_op.parallel_seconds() == before
+    _selftest(8, 8, 2, 200_000)  # 1.6 ms of items over two threads: at least 0.8 ms inside the region
+    assert intra_op.parallel_seconds() - before >= 0.0008
+
+
 def test_thread_count_is_per_python_thread():
     seen = {}
 
