@@ -847,3 +847,41 @@ void im2col_f32_threads(const float *x, float *cols, int64_t c, int64_t h, int64
     im2col_call_t call = {x, cols, {c, h, w, kh, kw, ow, sh, sw, dh, dw, pt, pl, r0, r1}};
     parallel_for(im2col_piece, &call, begin, end, pieces_for(end - begin, threads), threads);
 }
+
+/* Items [begin, end) of a transposing copy: dst[o, i, c, r] = src[o * so + i * si + r * sr + c] for r < rows,
+ * c < cols, dst contiguous, e.g. attention's keys (B, N, L, H) as (B, N, H, L) for the scores product. An item is a
+ * band of TRANSPOSE_BAND columns (destination rows) of one matrix, copied in square blocks that stay in L1. */
+#define TRANSPOSE_BAND 16
+void transpose_f32(const float *src, float *dst, int64_t inner, int64_t rows, int64_t cols, int64_t so, int64_t si,
+                   int64_t sr, int64_t begin, int64_t end) {
+    const int64_t bands = (cols + TRANSPOSE_BAND - 1) / TRANSPOSE_BAND;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t matrix = item / bands, c0 = item % bands * TRANSPOSE_BAND;
+        const int64_t c1 = c0 + TRANSPOSE_BAND < cols ? c0 + TRANSPOSE_BAND : cols;
+        const float *s = src + matrix / inner * so + matrix % inner * si;
+        float *d = dst + matrix * rows * cols;
+        for (int64_t r0 = 0; r0 < rows; r0 += TRANSPOSE_BAND) {
+            const int64_t r1 = r0 + TRANSPOSE_BAND < rows ? r0 + TRANSPOSE_BAND : rows;
+            for (int64_t c = c0; c < c1; c++)
+                for (int64_t r = r0; r < r1; r++) d[c * rows + r] = s[r * sr + c];
+        }
+    }
+}
+
+typedef struct {
+    const float *src;
+    float *dst;
+    int64_t inner, rows, cols, so, si, sr;
+} transpose_call_t;
+
+static void transpose_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const transpose_call_t *c = p;
+    (void)slot;
+    transpose_f32(c->src, c->dst, c->inner, c->rows, c->cols, c->so, c->si, c->sr, begin, end);
+}
+
+void transpose_f32_threads(const float *src, float *dst, int64_t inner, int64_t rows, int64_t cols, int64_t so,
+                           int64_t si, int64_t sr, int64_t begin, int64_t end, int64_t threads) {
+    transpose_call_t c = {src, dst, inner, rows, cols, so, si, sr};
+    parallel_for(transpose_piece, &c, begin, end, pieces_for(end - begin, threads), threads);
+}

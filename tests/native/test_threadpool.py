@@ -349,6 +349,31 @@ def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
 
 
 @needs_native
+@pytest.mark.parametrize(("shape", "heads"), [((1, 37, 12 * 17), 12), ((3, 5, 2 * 33), 2), ((2, 130, 64), 1)])
+def test_transposing_copy_of_head_views(split_small, monkeypatch, shape, heads):
+    """Attention's keys (B, S, N * H) seen as (B, N, H, S): copied C-contiguous by the native blocked copy, the
+    same elements as numpy's copy at every thread count (3-D and 4-D, sizes that fill no band evenly)."""
+    native_matmul._load()
+    lib, calls = native.library("convgemm"), []
+    copy = lib.transpose_f32_threads
+    monkeypatch.setattr(lib, "transpose_f32_threads", lambda *args: calls.append(args[-1]) or copy(*args))
+    batch, seq, hidden = shape
+    packed = _rand(*shape)
+    keys = packed.reshape(batch, seq, heads, hidden // heads).transpose(0, 2, 3, 1)  # (B, N, H, S)
+    for view in (keys, keys[0]):
+        expected = np.ascontiguousarray(view)
+
+        def compute(view=view):
+            copy = native_matmul._contiguous_transposed(view)
+            assert copy.flags.c_contiguous and not np.may_share_memory(copy, view)
+            return copy
+
+        _assert_same_at_every_count(compute)
+        np.testing.assert_array_equal(compute(), expected)
+    assert sorted(set(calls)) == [1, 2, 4]  # the native copy, at each thread count
+
+
+@needs_native
 @pytest.mark.parametrize(("t", "k", "n"), [(1, 1280, 1000), (3, 17, 33), (16, 64, 5)])
 def test_dot_products_by_a_transposed_weight(split_small, t, k, n):
     a, b = _rand(t, k), _rand(n, k, seed=1)
