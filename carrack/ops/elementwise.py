@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 from numpy.polynomial import chebyshev
 
+from carrack.native import rowops
 from carrack.ops.registry import Kernel, register
 
 _NARROW_FLOATS = frozenset(
@@ -64,14 +65,16 @@ class Arithmetic(_Binary):
         self.fn = _ARITHMETIC[self.node.op_type]
 
     def compute(self, a, b):
-        return self.fn(a, b).astype(a.dtype, copy=False)
+        y = rowops.binary(self.node.op_type, a, b)  # float32 over the run's threads, when it splits
+        return self.fn(a, b).astype(a.dtype, copy=False) if y is None else y
 
     def run_into(self, out, a, b):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
         at run time costs an allocation, never a wrong result."""
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
                 and np.broadcast_shapes(a.shape, b.shape) == out.shape):
-            return self.fn(a, b, out=out)
+            y = rowops.binary(self.node.op_type, a, b, out)
+            return self.fn(a, b, out=out) if y is None else y
         return self.run(a, b)
 
 
@@ -90,12 +93,18 @@ class Div(_Binary):
     def compute(self, a, b):
         if a.dtype.kind in "iu":
             return truncating_divide(a, b)
+        y = rowops.binary("Div", a, b)
+        if y is not None:
+            return y
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.divide(widen(a), widen(b)).astype(a.dtype, copy=False)
 
     def run_into(self, out, a, b):
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64)
                 and np.broadcast_shapes(a.shape, b.shape) == out.shape):
+            y = rowops.binary("Div", a, b, out)
+            if y is not None:
+                return y
             with np.errstate(divide="ignore", invalid="ignore"):
                 return np.divide(a, b, out=out)
         return self.run(a, b)

@@ -327,6 +327,50 @@ def test_quantized_add_and_max_pool(split_small):
 
 
 @needs_native
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("other_shape", [(37, 301), (301,), (1, 301), (1,), ()])
+@pytest.mark.parametrize("swap", [False, True])
+def test_elementwise_arithmetic(split_small, op, other_shape, swap):
+    """Add/Sub/Mul/Div of float32 arrays by the native pass: the same shape, a bias over the last dims or a scalar,
+    on either side, with zeros, infinities and NaN among the values: the same bits as numpy at every count."""
+    if rowops.library() is None:
+        pytest.skip("rowops not built here")
+    full = _rand(2, 37, 301) if other_shape == (37, 301) else _rand(37, 301)
+    other = _rand(*other_shape, seed=1) if other_shape else np.array(np.float32(-0.75))
+    full.flat[::97], full.flat[5] = 0.0, np.inf
+    other.flat[0] = 0.0 if other.size > 1 else other.flat[0]
+    a, b = (other, full) if swap else (full, other)
+    expected = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = expected(a, b)
+
+    def compute():
+        y = rowops.binary(op, a, b)
+        assert (y is None) == (intra_op.threads() == 1)  # numpy's on one thread
+        return want if y is None else y
+
+    _assert_same_at_every_count(compute)
+    with intra_op.intra_op_threads(2):
+        into = full.copy()  # in place over the full-size operand
+        args = (other, into) if swap else (into, other)
+        assert rowops.binary(op, *args, out=into) is into
+        np.testing.assert_array_equal(into, want)
+
+
+@needs_native
+def test_elementwise_arithmetic_leaves_other_layouts_to_numpy(split_small):
+    x = _rand(4, 8, 16)
+    with intra_op.intra_op_threads(2):
+        assert rowops.binary("Add", x, _rand(4, 1, 16)) is None  # broadcast in a middle dim
+        assert rowops.binary("Add", x[:, ::2], _rand(16)) is None  # strided
+        assert rowops.binary("Add", x, _rand(16).astype(np.float64)) is None
+        assert rowops.binary("Add", x, x, out=np.empty(3, np.float32)) is None  # an out it cannot fill: numpy's
+        assert rowops.binary("Add", x, x) is not None
+        bias = _rand(16)
+        assert rowops.binary("Add", x, bias, out=bias[None, None]) is None  # out overlaps the bias: numpy
+
+
+@needs_native
 @pytest.mark.parametrize(("batch", "t", "k", "n"), [((1, 6), 37, 64, 197), ((2, 3), 64, 65, 64), ((5,), 9, 130, 71)])
 def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
     """Attention's products: per (batch, head) views with strided rows, keys transposed (copied), the result
