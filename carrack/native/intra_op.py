@@ -95,3 +95,16 @@ def parallel_seconds() -> float:
         return 0.0
     fn.restype = ctypes.c_int64
     return int(fn()) / 1e9
+
+
+def pool_wakes() -> int:
+    """Times a parallel region had to wake a sleeping pool worker in this process (a worker sleeps once it has
+    spun CARRACK_SPIN_US without work; a woken worker starts later than a spinning one)."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_wakes", None) if pool is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())

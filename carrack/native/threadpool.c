@@ -146,11 +146,15 @@ static void ensure_workers(int wanted) {
     pthread_mutex_unlock(&grow_lock);
 }
 
+/* Sleeping workers that regions had to wake (a region that finds its workers spinning starts sooner) */
+static _Atomic int64_t wakes;
+
 static void assign(worker_t *w, job_t *job, int64_t reserved) {
     atomic_store_explicit(&w->job, job, memory_order_relaxed);
     /* sequentially consistent: ordered before the read of `sleeping` */
     atomic_store(&w->state, WITH_STATE(reserved, ASSIGNED));
     if (atomic_load(&w->sleeping)) {
+        atomic_fetch_add_explicit(&wakes, 1, memory_order_relaxed);
         pthread_mutex_lock(&w->mutex);
         pthread_cond_signal(&w->wake);
         pthread_mutex_unlock(&w->mutex);
@@ -195,6 +199,8 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
 }
 
 int64_t carrack_pool_parallel_ns(void) { return atomic_load_explicit(&parallel_ns, memory_order_relaxed); }
+
+int64_t carrack_pool_wakes(void) { return atomic_load_explicit(&wakes, memory_order_relaxed); }
 
 static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
                       int64_t threads) {

@@ -123,6 +123,18 @@ def test_parallel_seconds_counts_split_regions_only():
     assert intra_op.parallel_seconds() - before >= 0.0008
 
 
+@needs_native
+def test_a_sleeping_worker_is_counted_when_woken():
+    _selftest(4, 4, 2, 0)
+    wakes = intra_op.pool_workers() and intra_op.pool_wakes()
+    for _ in range(50):  # the worker spins CARRACK_SPIN_US (200 us) after a region, then sleeps
+        threading.Event().wait(0.002)
+        _selftest(4, 4, 2, 0)
+        if intra_op.pool_wakes() > wakes:
+            break
+    assert intra_op.pool_wakes() > wakes
+
+
 def test_thread_count_is_per_python_thread():
     seen = {}
 
