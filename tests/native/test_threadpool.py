@@ -33,6 +33,7 @@ def split_small(monkeypatch):
     monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)
     monkeypatch.setattr(rowops, "PARALLEL_MIN", 1)
     monkeypatch.setattr(qgemm, "_PARALLEL_MIN_MACS", 1)
+    monkeypatch.setattr(qgemm, "_QUANTIZE_MIN_ELEMENTS", 1)
     monkeypatch.setattr(qconv, "_ADD_SPLIT", 1)
     monkeypatch.setattr(qconv, "_ROW_ALIGN", 16)
 
@@ -306,6 +307,26 @@ QCONVS = [  # (x shape, w shape, group, strides, pads): im2col, 1x1 (transposes 
     ((2, 16, 13, 11), (24, 16, 1, 1), 1, [1, 1], [0, 0, 0, 0]),
     ((1, 12, 17, 15), (12, 1, 3, 3), 12, [2, 2], [1, 1, 1, 1]),
 ]
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 300), (7, 33), (129, 768)])
+def test_dynamic_quantization_of_activations(split_small, shape):
+    """DynamicQuantizeLinear of x (the int8 GEMM's activations): the range by row ranges over the threads, then the
+    bytes: the same scale, zero point and bytes at every count; a NaN or an all-zero x the same at every count."""
+    if qgemm.library() is None:
+        pytest.skip("qgemm not built here")
+    x = _rand(*shape) * 3 + 0.5
+    x[-1, -1] = -7.25  # the minimum in the last row: the range must combine every piece's
+    _assert_same_at_every_count(lambda: qgemm.dynamic_quantize_u8(x))
+    q, scale, zero_point = qgemm.dynamic_quantize_u8(x)
+    expected_scale = np.float32((np.float32(max(0, x.max())) - np.float32(min(0, x.min()))) / np.float32(255))
+    assert scale == expected_scale
+    with intra_op.intra_op_threads(4):
+        assert qgemm.dynamic_quantize_u8(np.zeros(shape, np.float32))[1:] == (np.float32(1.0), 0)
+        poisoned = x.copy()
+        poisoned[-1, 0] = np.nan
+        assert qgemm.dynamic_quantize_u8(poisoned) is None
 
 
 @needs_native
