@@ -226,9 +226,10 @@ def binary(op_type: str, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = 
     operation, as numpy's. Written into `out` when given (it may be the full-size operand itself). None when the
     run has one thread, the arrays are too small to split, the layout is another or `out` overlaps the other
     operand: numpy does it then."""
-    if native.threads() < 2 or type(a) is not np.ndarray or type(b) is not np.ndarray:
+    # cheapest checks first: every Add/Sub/Mul/Div of the run asks, shape arithmetic on int64 scalars included
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype is not _F32 or b.dtype is not _F32:
         return None
-    if a.dtype != _F32 or b.dtype != _F32 or max(a.size, b.size) < 2 * PARALLEL_MIN:
+    if (a.size if a.size > b.size else b.size) < 2 * PARALLEL_MIN or native.threads() < 2:
         return None
     swap = b.size > a.size
     full, other = (b, a) if swap else (a, b)
