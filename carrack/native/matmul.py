@@ -75,9 +75,15 @@ def blas_exceeds_run() -> bool:
 
 
 def chosen(rows: int, depth: int, cols: int) -> bool:
-    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`, and for any
+    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`; for the few rows
+    of a token-by-token run when the run has threads (its pool then is the only one busy: OpenBLAS's threads,
+    spinning on beside it, made 1-token BERT-base 2.4x slower at 2 threads on the shared machine); and for any
     non-empty shape while BLAS would use more threads than the run allows."""
-    return pays(rows, depth, cols) or (rows * depth * cols > 0 and blas_exceeds_run())
+    if pays(rows, depth, cols):
+        return True
+    if 0 < rows < MIN_ROWS and depth >= MIN_SIDE and cols >= MIN_SIDE and native.threads() > 1:
+        return True
+    return rows * depth * cols > 0 and blas_exceeds_run()
 
 
 def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:

@@ -186,6 +186,25 @@ def test_matmul(split_small, t, k, n):
     np.testing.assert_allclose(compute(), a @ b, rtol=1e-4, atol=1e-3)
 
 
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(1, 768, 300), (5, 64, 64)])
+def test_matmul_of_a_few_rows_stays_on_the_runs_threads(split_small, t, k, n):
+    """Token-by-token products (fewer rows than the tile pays for) run on the native tile when the run has
+    threads, so that carrack's pool is the only one busy: the same bits at 2 and 4 threads."""
+    a, b = _rand(t, k), _rand(k, n, seed=1)
+    results = []
+    for count in (2, 4):
+        with intra_op.intra_op_threads(count):
+            assert native_matmul.chosen(t, k, n)
+            y = np.empty((t, n), np.float32)
+            assert native_matmul.matmul_into(a, b, y)
+            results.append(y)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[0], a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+    with intra_op.intra_op_threads(2):
+        assert not native_matmul.chosen(t, 32, n)  # too shallow to be worth a native call
+
+
 CONVS = [  # (x shape, w shape, strides, pads, group)
     ((1, 13, 17, 19), (11, 13, 3, 3), (1, 1), (1, 1, 1, 1), 1),
     ((2, 6, 23, 21), (10, 3, 3, 3), (2, 2), (1, 0, 1, 2), 2),
