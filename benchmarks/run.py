@@ -7,6 +7,10 @@ carrack/onnxruntime ratio of medians, each process's peak RSS, and achieved GFLO
 inference / median latency) against numpy's float32 2048^3 matmul rate measured at the start of the run with the
 same thread count.
 
+Before each run the driver waits until the other engine's process is idle (at most 0.25 s; --no-settle: not):
+onnxruntime's intra-op threads spin on for a while after its run and would otherwise take a core from carrack's
+next run (and carrack's pool workers, more briefly, from onnxruntime's).
+
 Memory mode: per model, a fresh process per engine loads the model and runs one inference; reported: the process's
 peak RSS (VmHWM), its RSS before loading (imports only), and carrack's static memory plan (weights, arena, planned
 peak, arena / sum of intermediates).
@@ -90,6 +94,38 @@ class Worker:
         self.stderr.close()
 
 
+def process_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process so far, in nanoseconds (the scheduler's own count, /proc/PID/task/*/
+    schedstat); 0 where it cannot be read."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def wait_until_idle(pids: list[int], quiet_s: float = 0.002, limit_s: float = 0.25) -> float:
+    """Waits until the processes have used under a tenth of a core for `quiet_s` (an engine's intra-op threads
+    may keep spinning after its run, onnxruntime's for tens of milliseconds, and would take a core from the other
+    engine's next run); at most `limit_s`. Returns the seconds waited."""
+    start = time.perf_counter()
+    if not pids or not os.path.isdir(f"/proc/{pids[0]}/task"):
+        return 0.0
+    while time.perf_counter() - start < limit_s:
+        before = sum(process_cpu_ns(p) for p in pids)
+        time.sleep(quiet_s)
+        if sum(process_cpu_ns(p) for p in pids) - before < quiet_s * 1e8:
+            break
+    return time.perf_counter() - start
+
+
 def measure_peak(threads: int) -> dict:
     """numpy's (and onnxruntime's) float32 2048^3 matmul GFLOP/s with `threads` threads."""
     w = Worker("peak", [], threads)
@@ -98,8 +134,10 @@ def measure_peak(threads: int) -> dict:
     return msg
 
 
-def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float) -> dict[str, dict]:
-    """Interleaved latency of every engine on one model; per engine a dict of results or an error."""
+def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float,
+               settle: bool = True) -> dict[str, dict]:
+    """Interleaved latency of every engine on one model; per engine a dict of results or an error. With
+    `settle`, each run starts once the other engines' processes are idle (wait_until_idle)."""
     results: dict[str, dict] = {}
     workers: dict[str, Worker] = {}
     for engine in ENGINES:  # load one after the other: loading is not what is measured
@@ -108,13 +146,16 @@ def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float
         if msg["event"] == "ready":
             workers[engine] = w
             results[engine] = {"load_s": msg["load_s"], "baseline_rss": msg["baseline_rss"], "times_ms": [],
-                               "cpu_ms": []}
+                               "cpu_ms": [], "settle_ms": []}
         else:
             results[engine] = {"error": msg["error"], "phase": msg["phase"]}
             w.close()
     deadline = time.monotonic() + timeout
     for i in range(warmup + iters):
         for engine, w in list(workers.items()):
+            if settle:
+                others = [o.proc.pid for e, o in workers.items() if e != engine]
+                results[engine]["settle_ms"].append(wait_until_idle(others) * 1e3)
             w.send("run")
             msg = w.receive(deadline - time.monotonic())
             if msg["event"] != "ran":
@@ -135,7 +176,8 @@ def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float
     for r in results.values():
         if r.get("times_ms"):
             r.update(median_ms=median(r["times_ms"]), min_ms=min(r["times_ms"]), max_ms=max(r["times_ms"]),
-                     cpu_per_wall=sum(r["cpu_ms"]) / sum(r["times_ms"]))
+                     cpu_per_wall=sum(r["cpu_ms"]) / sum(r["times_ms"]),
+                     settle_median_ms=median(r["settle_ms"]) if r["settle_ms"] else 0.0)
     return results
 
 
@@ -334,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per engine and model (default 600)")
     p.add_argument("--memory", action="store_true", help="peak-memory comparison instead of latency")
     p.add_argument("--json", help="where to write the JSON results")
+    p.add_argument("--no-settle", action="store_true", help="start each run right after the other engine's "
+                   "(by default a run waits until the other engine's process is idle: onnxruntime's threads spin "
+                   "on after its runs)")
     p.add_argument("--blas-core", default="native",
                    help="OpenBLAS core type for every worker: 'native' (default: the CPU's widest kernels, SkylakeX "
                         "where AVX-512 is there, as onnxruntime's MLAS uses them; overrides a pin such as "
@@ -364,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         print(memory_table(rows))
     else:
         print(f"Threads: {', '.join(map(str, thread_counts))}; {args.iters} timed runs per engine after "
-              f"{args.warmup} warm-up, engines alternating run by run in fresh processes; GFLOP = 2 x "
+              f"{args.warmup} warm-up, engines alternating run by run in fresh processes"
+              f"{'' if args.no_settle else ', each run once the other engine is idle'}; GFLOP = 2 x "
               "MatMul/Gemm/Conv MACs (>= where some shapes were unknown); % peak is relative to numpy's sgemm rate "
               "(onnxruntime's own kernels can beat it); CPU/wall = process CPU time / latency (threads kept busy)\n",
               flush=True)
@@ -377,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
                 count, partial, flop_error = flops[name]
                 row = {"model": name, "threads": threads, "flops": count, "flops_partial": partial,
-                       "engines": time_model(path, threads, args.iters, args.warmup, args.timeout)}
+                       "engines": time_model(path, threads, args.iters, args.warmup, args.timeout,
+                                             not args.no_settle)}
                 if flop_error:
                     row["flops_error"] = flop_error
                 block.append(row)

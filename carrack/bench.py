@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from carrack.native import intra_op
 from carrack.runtime.blas import blas_threads, limited_blas_threads, set_blas_threads
 from carrack.runtime.options import SessionOptions
 from carrack.runtime.profiler import Profiler
@@ -69,6 +70,10 @@ class BenchResult:
     peak_rss: int
     feed_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     profile: ProfileResult | None = None
+    #: share of the timed runs' wall time spent in native regions split over threads (the rest ran on one core)
+    split_share: float = 0.0
+    #: pool workers woken from sleep per timed run (a spinning worker starts sooner)
+    wakes_per_run: float = 0.0
 
     def percentile(self, q: float) -> float:
         """Latency percentile in seconds."""
@@ -96,7 +101,9 @@ class BenchResult:
                  f"max {max(self.times_s, default=0) * ms:.2f}  mean {self.mean_s * ms:.2f}",
                  f"throughput: {self.throughput:.2f} inferences/s"
                  + (f", {self.throughput * self.batch:.2f} samples/s (batch {self.batch})" if self.batch > 1 else ""),
-                 f"memory: peak RSS {self.peak_rss / MIB:.1f} MiB (RSS after load {self.rss_after_load / MIB:.1f} MiB)"]
+                 f"memory: peak RSS {self.peak_rss / MIB:.1f} MiB (RSS after load {self.rss_after_load / MIB:.1f} MiB)",
+                 f"cores: {self.split_share:.0%} of the runs' time in kernels split over threads (the rest on one "
+                 f"core); {self.wakes_per_run:.0f} pool wake-ups a run"]
         if self.profile:
             lines += ["", self.profile.table, "", f"profile trace: {self.profile.trace_path}"]
         return "\n".join(lines)
@@ -127,14 +134,18 @@ def _benchmark(model: Any, feed: Mapping[str, np.ndarray] | None, dims: Mapping[
         sess.run(None, full_feed)
     timed_from = time.perf_counter_ns()
     times = []
+    split_before, wakes_before = intra_op.parallel_seconds(), intra_op.pool_wakes()
     for _ in range(iters):
         t0 = time.perf_counter()
         sess.run(None, full_feed)
         times.append(time.perf_counter() - t0)
+    split_share = (intra_op.parallel_seconds() - split_before) / sum(times) if times else 0.0
+    wakes_per_run = (intra_op.pool_wakes() - wakes_before) / len(times) if times else 0.0
     result = BenchResult(model=model if isinstance(model, str) else type(model).__name__, times_s=times,
                          load_s=load_s, warmup=warmup, threads=threads, batch=_batch(full_feed),
                          rss_after_load=rss_after_load, peak_rss=peak_rss_bytes(),
-                         feed_shapes={k: tuple(np.shape(v)) for k, v in full_feed.items()})
+                         feed_shapes={k: tuple(np.shape(v)) for k, v in full_feed.items()},
+                         split_share=split_share, wakes_per_run=wakes_per_run)
     if profile:
         result.profile = _profile_since(sess.profiler, timed_from, trace_path)
     return result

@@ -132,3 +132,22 @@ def test_synthetic_integer_inputs_stay_in_range(tmp_path):
     path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString())
     result = benchmark(str(path), dims={"seq": 16}, iters=1, warmup=0)
     assert result.feed_shapes == {"ids": (1, 16)}
+
+
+def test_benchmark_reports_the_share_of_time_on_split_kernels(tmp_path):
+    from carrack import native
+
+    if native.library("threadpool") is None or native.library("convgemm") is None:
+        pytest.skip("native kernels are not built here")
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [128, 512])], [weight])
+    path = tmp_path / "matmul.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    one = benchmark(str(path), iters=3, warmup=1, threads=1)
+    two = benchmark(str(path), iters=3, warmup=1, threads=2)
+    assert one.split_share == 0.0
+    assert 0.0 < two.split_share <= 1.0 + 1e-6  # the product is split; its Python and the executor are not
+    assert "cores:" in two.format()

@@ -82,3 +82,29 @@ def pool_workers() -> int:
         return 0
     pool.carrack_pool_workers.restype = ctypes.c_int64
     return int(pool.carrack_pool_workers())
+
+
+def parallel_seconds() -> float:
+    """Wall time this process has spent in native regions split over two or more threads (all Python threads
+    together); the rest of a run's time ran on one core. 0.0 without the pool library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_parallel_ns", None) if pool is not None else None
+    if fn is None:
+        return 0.0
+    fn.restype = ctypes.c_int64
+    return int(fn()) / 1e9
+
+
+def pool_wakes() -> int:
+    """Times a parallel region had to wake a sleeping pool worker in this process (a worker sleeps once it has
+    spun CARRACK_SPIN_US without work; a woken worker starts later than a spinning one)."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_wakes", None) if pool is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())

@@ -43,6 +43,9 @@ def _load():
         transposed = lib.matmul_bt_f32_threads
         transposed.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 8]
         transposed.restype = None
+        copy = lib.transpose_f32_threads
+        copy.argtypes = [_ptr, _ptr, *[_i64] * 9]
+        copy.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
     return lib.carrack_matmul or None
 
@@ -72,9 +75,15 @@ def blas_exceeds_run() -> bool:
 
 
 def chosen(rows: int, depth: int, cols: int) -> bool:
-    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`, and for any
+    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`; for the few rows
+    of a token-by-token run when the run has threads (its pool then is the only one busy: OpenBLAS's threads,
+    spinning on beside it, made 1-token BERT-base 2.4x slower at 2 threads on the shared machine); and for any
     non-empty shape while BLAS would use more threads than the run allows."""
-    return pays(rows, depth, cols) or (rows * depth * cols > 0 and blas_exceeds_run())
+    if pays(rows, depth, cols):
+        return True
+    if 0 < rows < MIN_ROWS and depth >= MIN_SIDE and cols >= MIN_SIDE and native.threads() > 1:
+        return True
+    return rows * depth * cols > 0 and blas_exceeds_run()
 
 
 def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
@@ -127,7 +136,7 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
         return False
     if b.dtype is _F32 and b.strides[-1] != 4:
-        b = np.ascontiguousarray(b)
+        b = _contiguous_transposed(b)
     for x in (a, b, out):
         if x.dtype is not _F32 or not x.flags.aligned or x.strides[-1] != 4 or min(x.strides) < 0:
             return False
@@ -144,6 +153,31 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
                                    a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
                                    *steps(a), *steps(b), *steps(out), threads)
     return True
+
+
+#: columns of a transposing copy per item (transpose_f32's band)
+TRANSPOSE_BAND = 16
+#: what copying one element costs in multiply-adds of the products (for the split threshold): ~0.4 ns a float here
+COPY_WORK = 10
+
+
+def _contiguous_transposed(b: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of b (..., K, N) whose K axis is the contiguous one (attention's keys swapped to (B, N, H,
+    L)), made by the native blocked copy on the run's threads; numpy's copy, one element at a time down the long
+    stride, is a serial pass of ~80 us per BERT layer. Other layouts are copied by numpy."""
+    strides = b.strides
+    if (b.dtype is not _F32 or not 3 <= b.ndim <= 4 or strides[-2] != 4 or not b.flags.aligned
+            or any(s < 0 or s % 4 for s in strides) or b.size == 0):
+        return np.ascontiguousarray(b)
+    (k, n), batch = b.shape[-2:], b.shape[:-2]
+    outer, inner = (batch[0], 1) if b.ndim == 3 else batch
+    outer_step, inner_step = strides[0] // 4, (strides[1] // 4 if b.ndim == 4 else 0)
+    out = np.empty(b.shape, _F32)
+    items = outer * inner * -(-k // TRANSPOSE_BAND)
+    native.library("convgemm").transpose_f32_threads(data_address(b), data_address(out), inner, n, k, outer_step,
+                                                     inner_step, strides[-1] // 4, 0, items,
+                                                     _threads(items, TRANSPOSE_BAND * n * COPY_WORK))
+    return out
 
 
 #: rows up to which a product by a transposed weight is done as dot products (a classifier head's few rows)

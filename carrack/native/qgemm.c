@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "threadpool.h"
 
@@ -356,11 +357,14 @@ void qgemm_run_threads(int64_t m, int64_t k, int64_t n, const uint8_t *a, int64_
  * scale = (hi - lo) / 255, zero_point = clamp(nearbyint(0 - lo / scale), 0, 255),
  * q = clamp(nearbyint(x / scale), -zp, 255 - zp) + zp with a true division. Rows of q get ldq bytes, those past k
  * set to 0. Returns 1 (and writes nothing) when x holds a NaN or an infinity: the caller's numpy path decides. */
-int64_t qgemm_dynamic_quantize_u8(const float *x, int64_t m, int64_t k, int64_t ldx, uint8_t *q, int64_t ldq,
-                                  float *scale_out, int32_t *zero_point_out) {
+/* The range of rows [r0, r1) of x: lo = min(0, min x), hi = max(0, max x); *bad set when one is a NaN or an
+ * infinity. Minimum and maximum do not depend on the order they are taken in: any split of the rows gives the
+ * same range. */
+static void rows_range(const float *x, int64_t r0, int64_t r1, int64_t k, int64_t ldx, float *lo_out, float *hi_out,
+                       int *bad_out) {
     float lo = 0.0f, hi = 0.0f;
     int bad = 0;
-    for (int64_t r = 0; r < m; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *row = x + r * ldx;
         int64_t c = 0;
 #if defined(__AVX512F__)
@@ -385,36 +389,110 @@ int64_t qgemm_dynamic_quantize_u8(const float *x, int64_t m, int64_t k, int64_t 
             bad |= !(v - v == 0.0f);
         }
     }
-    if (bad) return 1;
-    float scale = (hi - lo) / 255.0f;
-    int32_t zp = 0;
+    *lo_out = lo, *hi_out = hi, *bad_out = bad;
+}
+
+/* Rows [r0, r1) of q from x with the scale and zero point (scale 0: all zero). */
+static void rows_quantize(const float *x, int64_t r0, int64_t r1, int64_t k, int64_t ldx, uint8_t *q, int64_t ldq,
+                          float scale, int32_t zp) {
     if (scale == 0.0f) {
-        scale = 1.0f;
-        for (int64_t r = 0; r < m; r++) memset(q + r * ldq, 0, (size_t)ldq);
-    } else {
-        float z = nearbyintf(0.0f - lo / scale);
-        zp = (int32_t)clamp_to(z, 0.0f, 255.0f);
-        const float qlo = (float)-zp, qhi = (float)(255 - zp), fzp = (float)zp;
-        for (int64_t r = 0; r < m; r++) {
-            const float *row = x + r * ldx;
-            uint8_t *dst = q + r * ldq;
-            int64_t c = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-            const __m512 vs = _mm512_set1_ps(scale), vqlo = _mm512_set1_ps(qlo), vqhi = _mm512_set1_ps(qhi);
-            const __m512 vzp = _mm512_set1_ps(fzp);
-            for (; c < k; c += 16) {
-                __mmask16 mask = k - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - c)) - 1);
-                __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + c), vs);
-                v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(v, vqlo), vqhi), vzp);
-                _mm_mask_storeu_epi8(dst + c, mask, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-            }
-#endif
-            for (; c < k; c++) dst[c] = (uint8_t)(int32_t)(clamp_to(nearbyintf(row[c] / scale), qlo, qhi) + fzp);
-            if (ldq > k) memset(dst + k, 0, (size_t)(ldq - k));
-        }
+        for (int64_t r = r0; r < r1; r++) memset(q + r * ldq, 0, (size_t)ldq);
+        return;
     }
+    const float qlo = (float)-zp, qhi = (float)(255 - zp), fzp = (float)zp;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = x + r * ldx;
+        uint8_t *dst = q + r * ldq;
+        int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        const __m512 vs = _mm512_set1_ps(scale), vqlo = _mm512_set1_ps(qlo), vqhi = _mm512_set1_ps(qhi);
+        const __m512 vzp = _mm512_set1_ps(fzp);
+        for (; c < k; c += 16) {
+            __mmask16 mask = k - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - c)) - 1);
+            __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, row + c), vs);
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_add_ps(_mm512_min_ps(_mm512_max_ps(v, vqlo), vqhi), vzp);
+            _mm_mask_storeu_epi8(dst + c, mask, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+        }
+#endif
+        for (; c < k; c++) dst[c] = (uint8_t)(int32_t)(clamp_to(nearbyintf(row[c] / scale), qlo, qhi) + fzp);
+        if (ldq > k) memset(dst + k, 0, (size_t)(ldq - k));
+    }
+}
+
+/* The scale and zero point of the range [lo, hi] (scale 0 when the range is empty: all of x is 0). */
+static void range_parameters(float lo, float hi, float *scale_out, int32_t *zp_out) {
+    const float scale = (hi - lo) / 255.0f;
     *scale_out = scale;
+    *zp_out = scale == 0.0f ? 0 : (int32_t)clamp_to(nearbyintf(0.0f - lo / scale), 0.0f, 255.0f);
+}
+
+int64_t qgemm_dynamic_quantize_u8(const float *x, int64_t m, int64_t k, int64_t ldx, uint8_t *q, int64_t ldq,
+                                  float *scale_out, int32_t *zero_point_out) {
+    float lo, hi, scale;
+    int32_t zp;
+    int bad;
+    rows_range(x, 0, m, k, ldx, &lo, &hi, &bad);
+    if (bad) return 1;
+    range_parameters(lo, hi, &scale, &zp);
+    rows_quantize(x, 0, m, k, ldx, q, ldq, scale, zp);
+    *scale_out = scale == 0.0f ? 1.0f : scale;
     *zero_point_out = zp;
     return 0;
+}
+
+/* -- DynamicQuantizeLinear over the thread pool: the range by row ranges (one partial range per participant, then
+ * combined: minimum and maximum are exact in any order), then the rows quantized; the same bytes at any count -- */
+#define QUANTIZE_MAX_SLOTS 256
+
+typedef struct {
+    const float *x;
+    uint8_t *q;
+    int64_t k, ldx, ldq;
+    float scale;
+    int32_t zp;
+    float lo[QUANTIZE_MAX_SLOTS], hi[QUANTIZE_MAX_SLOTS];
+    int bad[QUANTIZE_MAX_SLOTS];
+} quantize_call_t;
+
+static void range_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    quantize_call_t *c = p;
+    float lo, hi;
+    int bad;
+    rows_range(c->x, begin, end, c->k, c->ldx, &lo, &hi, &bad);
+    c->lo[slot] = lo < c->lo[slot] ? lo : c->lo[slot];
+    c->hi[slot] = hi > c->hi[slot] ? hi : c->hi[slot];
+    c->bad[slot] |= bad;
+}
+
+static void quantize_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const quantize_call_t *c = p;
+    (void)slot;
+    rows_quantize(c->x, begin, end, c->k, c->ldx, c->q, c->ldq, c->scale, c->zp);
+}
+
+int64_t qgemm_dynamic_quantize_u8_threads(const float *x, int64_t m, int64_t k, int64_t ldx, uint8_t *q, int64_t ldq,
+                                          float *scale_out, int32_t *zero_point_out, int64_t threads) {
+    if (threads > QUANTIZE_MAX_SLOTS) threads = QUANTIZE_MAX_SLOTS;
+    if (threads <= 1 || m < 2) return qgemm_dynamic_quantize_u8(x, m, k, ldx, q, ldq, scale_out, zero_point_out);
+    quantize_call_t *c = malloc(sizeof *c);
+    if (c == NULL) return qgemm_dynamic_quantize_u8(x, m, k, ldx, q, ldq, scale_out, zero_point_out);
+    c->x = x, c->q = q, c->k = k, c->ldx = ldx, c->ldq = ldq;
+    for (int64_t i = 0; i < threads; i++) c->lo[i] = 0.0f, c->hi[i] = 0.0f, c->bad[i] = 0;
+    parallel_for(range_piece, c, 0, m, pieces_for(m, threads), threads);
+    float lo = 0.0f, hi = 0.0f;
+    int bad = 0;
+    for (int64_t i = 0; i < threads; i++) {
+        lo = c->lo[i] < lo ? c->lo[i] : lo;
+        hi = c->hi[i] > hi ? c->hi[i] : hi;
+        bad |= c->bad[i];
+    }
+    if (!bad) {
+        range_parameters(lo, hi, &c->scale, &c->zp);
+        parallel_for(quantize_piece, c, 0, m, pieces_for(m, threads), threads);
+        *scale_out = c->scale == 0.0f ? 1.0f : c->scale;
+        *zero_point_out = c->zp;
+    }
+    free(c);
+    return bad ? 1 : 0;
 }

@@ -18,6 +18,7 @@ from carrack import native
 INT32, FLOAT, REQUANT_U8, REQUANT_S8 = 0, 1, 2, 3
 #: below this many multiply-adds one thread does the whole product (a pool hand-off costs more)
 _PARALLEL_MIN_MACS = 1 << 20  # multiply-adds per thread, at least
+_QUANTIZE_MIN_ELEMENTS = 1 << 15  # elements of x per thread, at least, when quantizing it (~10 us of work)
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -30,6 +31,7 @@ _SIGNATURES = {
     "qgemm_run_threads": ([_i64, _i64, _i64, _p, _i64, _p, _p, _i32, _p, _i32, _p, _i64, _i64, _p, _p, _i32, _i64],
                           None),
     "qgemm_dynamic_quantize_u8": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p], _i64),
+    "qgemm_dynamic_quantize_u8_threads": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64], _i64),
 }
 
 
@@ -180,8 +182,11 @@ def dynamic_quantize_u8(x: np.ndarray, row_bytes: int | None = None) -> tuple[np
     width = max(k, row_bytes if row_bytes is not None else -(-k // 4) * 4)
     q = np.empty((m, width), np.uint8)
     scale, zero_point = ctypes.c_float(), ctypes.c_int32()
-    status = lib.qgemm_dynamic_quantize_u8(native.pointer(x), m, k, x.strides[0] // x.itemsize if m > 1 else k,
-                                           native.pointer(q), width, ctypes.byref(scale), ctypes.byref(zero_point))
+    # two passes over x (its range, then the bytes): rows split over the run's threads, the same bytes at any count
+    threads = min(native.threads(), m, max(1, m * k // _QUANTIZE_MIN_ELEMENTS))
+    status = lib.qgemm_dynamic_quantize_u8_threads(native.pointer(x), m, k, x.strides[0] // x.itemsize if m > 1 else k,
+                                                   native.pointer(q), width, ctypes.byref(scale),
+                                                   ctypes.byref(zero_point), threads)
     if status:
         return None
     return q, np.float32(scale.value), int(zero_point.value)

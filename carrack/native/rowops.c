@@ -448,3 +448,54 @@ void carrack_gelu_threads(const float *x, const float *bias, float *y, int64_t r
     rows_call_t c = {x, NULL, bias, NULL, NULL, y, NULL, NULL, NULL, n, 0, 0, 0, 0, 0, 0.0f, approximate};
     parallel_for(gelu_piece, &c, row0, row0 + count, pieces_for(count, threads), threads);
 }
+
+/* -- elementwise arithmetic: y = a op b over the flat elements [begin, end) of y, a as long as y, b repeating with
+ * `period` elements (y's size for the same shape, a row of the last dims for a bias, 1 for a scalar); `swap` puts
+ * b on the left. One IEEE operation per element, as numpy's: the same bits whatever the split. ------------------- */
+enum { BINARY_ADD, BINARY_SUB, BINARY_MUL, BINARY_DIV };
+
+#define BINARY_LOOP(expr)                                                                                          \
+    for (int64_t j = 0; j < len; j++) {                                                                            \
+        const float u = a[i + j], v = b[c + j];                                                                    \
+        y[i + j] = (expr);                                                                                         \
+    }
+
+void carrack_binary(int op, int swap, const float *a, const float *b, float *y, int64_t period, int64_t begin,
+                    int64_t end) {
+    for (int64_t i = begin; i < end;) {
+        const int64_t c = i % period, len = end - i < period - c ? end - i : period - c;
+        switch (op * 2 + (swap != 0)) {
+        case BINARY_ADD * 2: case BINARY_ADD * 2 + 1: BINARY_LOOP(u + v) break;
+        case BINARY_SUB * 2: BINARY_LOOP(u - v) break;
+        case BINARY_SUB * 2 + 1: BINARY_LOOP(v - u) break;
+        case BINARY_MUL * 2: case BINARY_MUL * 2 + 1: BINARY_LOOP(u * v) break;
+        case BINARY_DIV * 2: BINARY_LOOP(u / v) break;
+        case BINARY_DIV * 2 + 1: BINARY_LOOP(v / u) break;
+        default: return;
+        }
+        i += len;
+    }
+}
+
+#define BINARY_BLOCK 4096 /* elements per item: a piece is whole blocks, so pieces start on cache lines */
+
+typedef struct {
+    const float *a, *b;
+    float *y;
+    int64_t period, size;
+    int op, swap;
+} binary_call_t;
+
+static void binary_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const binary_call_t *c = p;
+    (void)slot;
+    const int64_t last = end * BINARY_BLOCK < c->size ? end * BINARY_BLOCK : c->size;
+    carrack_binary(c->op, c->swap, c->a, c->b, c->y, c->period, begin * BINARY_BLOCK, last);
+}
+
+void carrack_binary_threads(int op, int swap, const float *a, const float *b, float *y, int64_t period, int64_t size,
+                            int64_t threads) {
+    binary_call_t c = {a, b, y, period, size, op, swap};
+    const int64_t blocks = (size + BINARY_BLOCK - 1) / BINARY_BLOCK;
+    parallel_for(binary_piece, &c, 0, blocks, pieces_for(blocks, threads), threads);
+}

@@ -40,6 +40,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.carrack_softmax_threads.argtypes = [p, p, i64, i64, i64, f32, p, i64, i64, i64, i64, i64, i32, i64]
     lib.carrack_layer_norm_threads.argtypes = [p, p, p, p, p, p, p, p, p, i64, i64, i64, f32, i64]
     lib.carrack_gelu_threads.argtypes = [p, p, p, i64, i64, i64, i32, i64]
+    lib.carrack_binary_threads.argtypes = [i32, i32, p, p, p, i64, i64, i64]
+    lib.carrack_binary_threads.restype = None
     lib.carrack_half_to_float.argtypes = [p, p, i64]
     lib.carrack_float_to_half.argtypes = [p, p, i64]
     for fn in (lib.carrack_softmax_threads, lib.carrack_layer_norm_threads, lib.carrack_gelu_threads,
@@ -230,3 +232,47 @@ def half_to_float(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def float_to_half(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float32 x rounded to float16 (to nearest even, as numpy's astype), into `out` when it fits."""
     return _convert(np.asarray(x, _F32), np.dtype(np.float16), "carrack_float_to_half", out)
+
+
+# -- elementwise arithmetic --------------------------------------------------------------------------------------------
+_BINARY_OPS = {"Add": 0, "Sub": 1, "Mul": 2, "Div": 3}
+
+
+def _period(full: np.ndarray, other: np.ndarray) -> int:
+    """How many elements of `other` repeat along `full`'s flat order: all of them when the shapes match, a row of
+    the last dims (a bias) or 1 (a scalar); 0 when `other` broadcasts some other way."""
+    if other.size == 1:
+        return 1
+    shape = other.shape
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return other.size if shape == full.shape[full.ndim - len(shape):] else 0
+
+
+def binary(op_type: str, a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+    """a op b (Add, Sub, Mul, Div) for float32 arrays split over the run's threads, where one operand has the
+    result's shape and the other the same shape, its last dims (a bias) or one element; each element is one IEEE
+    operation, as numpy's. Written into `out` when given (it may be the full-size operand itself). None when the
+    run has one thread, the arrays are too small to split, the layout is another or `out` overlaps the other
+    operand: numpy does it then."""
+    # cheapest checks first: every Add/Sub/Mul/Div of the run asks, shape arithmetic on int64 scalars included
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype is not _F32 or b.dtype is not _F32:
+        return None
+    if (a.size if a.size > b.size else b.size) < 2 * PARALLEL_MIN or native.threads() < 2:
+        return None
+    swap = b.size > a.size
+    full, other = (b, a) if swap else (a, b)
+    if (full.ndim < other.ndim or not full.flags.c_contiguous or not other.flags.c_contiguous
+            or not full.flags.aligned or not other.flags.aligned):
+        return None
+    period = _period(full, other)
+    threads = _threads(full.size // 16, 16)
+    lib = library()
+    if not period or threads < 2 or lib is None:
+        return None
+    y = _output(out, full.shape, full, other)
+    if out is not None and y is not out:  # a planned buffer that overlaps an operand: numpy writes it
+        return None
+    lib.carrack_binary_threads(_BINARY_OPS[op_type], int(swap), data_address(full), data_address(other),
+                               data_address(y), period, full.size, threads)
+    return y

@@ -146,11 +146,15 @@ static void ensure_workers(int wanted) {
     pthread_mutex_unlock(&grow_lock);
 }
 
+/* Sleeping workers that regions had to wake (a region that finds its workers spinning starts sooner) */
+static _Atomic int64_t wakes;
+
 static void assign(worker_t *w, job_t *job, int64_t reserved) {
     atomic_store_explicit(&w->job, job, memory_order_relaxed);
     /* sequentially consistent: ordered before the read of `sleeping` */
     atomic_store(&w->state, WITH_STATE(reserved, ASSIGNED));
     if (atomic_load(&w->sleeping)) {
+        atomic_fetch_add_explicit(&wakes, 1, memory_order_relaxed);
         pthread_mutex_lock(&w->mutex);
         pthread_cond_signal(&w->wake);
         pthread_mutex_unlock(&w->mutex);
@@ -174,6 +178,12 @@ static void await_finish(worker_t *w, int64_t running) {
     pthread_mutex_unlock(&w->mutex);
 }
 
+/* Wall time callers have spent in regions split over two or more threads, for the profile of a run: what is
+ * outside it ran on one core (`carrack_pool_parallel_ns`). */
+static _Atomic int64_t parallel_ns;
+
+static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks, int64_t threads);
+
 void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
                       int64_t threads) {
     if (end <= begin) return;
@@ -183,6 +193,17 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
         task(context, begin, end, 0);
         return;
     }
+    const int64_t start = now_ns();
+    run_split(task, context, begin, end, chunks, threads);
+    atomic_fetch_add_explicit(&parallel_ns, now_ns() - start, memory_order_relaxed);
+}
+
+int64_t carrack_pool_parallel_ns(void) { return atomic_load_explicit(&parallel_ns, memory_order_relaxed); }
+
+int64_t carrack_pool_wakes(void) { return atomic_load_explicit(&wakes, memory_order_relaxed); }
+
+static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
+                      int64_t threads) {
     ensure_workers((int)(threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS));
     job_t job = {task, context, begin, end - begin, chunks, 0, 1};
     int taken[MAX_WORKERS], count = 0;

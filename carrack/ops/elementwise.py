@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 from numpy.polynomial import chebyshev
 
+from carrack.native import rowops
 from carrack.ops.registry import Kernel, register
 
 _NARROW_FLOATS = frozenset(
@@ -78,16 +79,20 @@ class Arithmetic(_Binary):
     def setup(self) -> None:
         super().setup()
         self.fn = _ARITHMETIC[self.node.op_type]
+        #: float32 operands split over the run's threads by the native kernel (the plan's choice)
+        self.split = self.implementation == "native"
 
     def compute(self, a, b):
-        return self.fn(a, b).astype(a.dtype, copy=False)
+        y = rowops.binary(self.node.op_type, a, b) if self.split else None  # float32 over the run's threads
+        return self.fn(a, b).astype(a.dtype, copy=False) if y is None else y
 
     def run_into(self, out, a, b):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
         at run time costs an allocation, never a wrong result."""
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
                 and broadcasts_to(out.shape, a.shape, b.shape)):
-            return self.fn(a, b, out=out)
+            y = rowops.binary(self.node.op_type, a, b, out) if self.split else None
+            return self.fn(a, b, out=out) if y is None else y
         return self.run(a, b)
 
 
@@ -103,15 +108,25 @@ def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @register("Div", since=1)
 class Div(_Binary):
+    def setup(self) -> None:
+        super().setup()
+        self.split = self.implementation == "native"
+
     def compute(self, a, b):
         if a.dtype.kind in "iu":
             return truncating_divide(a, b)
+        y = rowops.binary("Div", a, b) if self.split else None
+        if y is not None:
+            return y
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.divide(widen(a), widen(b)).astype(a.dtype, copy=False)
 
     def run_into(self, out, a, b):
         if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64)
                 and broadcasts_to(out.shape, a.shape, b.shape)):
+            y = rowops.binary("Div", a, b, out) if self.split else None
+            if y is not None:
+                return y
             with np.errstate(divide="ignore", invalid="ignore"):
                 return np.divide(a, b, out=out)
         return self.run(a, b)

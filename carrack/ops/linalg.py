@@ -44,6 +44,18 @@ def _plain_f32(x) -> bool:
     return type(x) is np.ndarray and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned
 
 
+def _native_batched(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+    """a[..., T, K] @ b[..., K, N] over one or two batch dims that both share (attention left unfused, e.g. q @ k^T
+    per head) by the native kernel on the run's threads, where it beats BLAS; numpy would make one BLAS call per
+    head on BLAS's own threads. Into `out` when given; None when not done."""
+    if (a.dtype != np.float32 or b.dtype != np.float32 or not 3 <= a.ndim <= 4 or a.ndim != b.ndim
+            or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]
+            or not native_matmul.chosen(a.shape[-2], a.shape[-1], b.shape[-1])):
+        return None
+    y = np.empty(a.shape[:-1] + b.shape[-1:], np.float32) if out is None else out
+    return y if native_matmul.batched_into(a, b, y) else None
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def setup(self):
@@ -60,7 +72,7 @@ class MatMul(Kernel):
     def run(self, a, b):
         if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b))
-        y = _native_product(a, b, None) if self.native else None
+        y = (_native_product(a, b, None) if b.ndim == 2 else _native_batched(a, b, None)) if self.native else None
         if y is not None:
             return y
         flat = _flat_rows(a, b) if a.dtype == b.dtype and a.dtype in (np.float32, np.float64) else None
@@ -96,7 +108,8 @@ class MatMul(Kernel):
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
                 and out.shape == np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
                 and a.shape[-1] == b.shape[-2]):
-            if self.native and out.flags.c_contiguous and _native_product(a, b, out) is not None:
+            if self.native and out.flags.c_contiguous and (_native_product(a, b, out) if b.ndim == 2
+                                                          else _native_batched(a, b, out)) is not None:
                 return out
             flat = _flat_rows(a, b)
             if flat is not None and out.flags.c_contiguous:

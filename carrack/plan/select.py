@@ -227,6 +227,9 @@ TABLE: dict[tuple[str, str], tuple[Candidate, ...]] = {
     (CARRACK, "QLinearConvExact"): _native_first(("qconv",), _constant(1, 2, 3),
                                                  "8-bit input of the weight's rank"),
     (MS, "QLinearAdd"): _native_first(("qconv",), None, "operands of one shape with at least 4096 elements"),
+    **{("", op): _native_first(("rowops",), _float32_or_unknown(),
+                               "float32 arrays large enough to split, at 2 or more threads (else numpy)")
+       for op in ("Add", "Sub", "Mul", "Div")},
 }
 
 

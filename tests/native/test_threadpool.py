@@ -33,6 +33,7 @@ def split_small(monkeypatch):
     monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)
     monkeypatch.setattr(rowops, "PARALLEL_MIN", 1)
     monkeypatch.setattr(qgemm, "_PARALLEL_MIN_MACS", 1)
+    monkeypatch.setattr(qgemm, "_QUANTIZE_MIN_ELEMENTS", 1)
     monkeypatch.setattr(qconv, "_ADD_SPLIT", 1)
     monkeypatch.setattr(qconv, "_ROW_ALIGN", 16)
 
@@ -112,6 +113,29 @@ def test_concurrent_regions_share_the_pool():
     assert intra_op.pool_workers() == max(before, 2)
 
 
+@needs_native
+def test_parallel_seconds_counts_split_regions_only():
+    """The wall time spent in regions split over threads: a run's remaining time is what ran on one core."""
+    _selftest(4, 4, 2, 0)
+    before = intra_op.parallel_seconds()
+    _selftest(8, 1, 2, 200_000)  # one chunk: runs on the caller, not a split region
+    assert intra_op.parallel_seconds() == before
+    _selftest(8, 8, 2, 200_000)  # 1.6 ms of items over two threads: at least 0.8 ms inside the region
+    assert intra_op.parallel_seconds() - before >= 0.0008
+
+
+@needs_native
+def test_a_sleeping_worker_is_counted_when_woken():
+    _selftest(4, 4, 2, 0)
+    wakes = intra_op.pool_workers() and intra_op.pool_wakes()
+    for _ in range(50):  # the worker spins CARRACK_SPIN_US (200 us) after a region, then sleeps
+        threading.Event().wait(0.002)
+        _selftest(4, 4, 2, 0)
+        if intra_op.pool_wakes() > wakes:
+            break
+    assert intra_op.pool_wakes() > wakes
+
+
 def test_thread_count_is_per_python_thread():
     seen = {}
 
@@ -160,6 +184,25 @@ def test_matmul(split_small, t, k, n):
 
     _assert_same_at_every_count(compute)
     np.testing.assert_allclose(compute(), a @ b, rtol=1e-4, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(1, 768, 300), (5, 64, 64)])
+def test_matmul_of_a_few_rows_stays_on_the_runs_threads(split_small, t, k, n):
+    """Token-by-token products (fewer rows than the tile pays for) run on the native tile when the run has
+    threads, so that carrack's pool is the only one busy: the same bits at 2 and 4 threads."""
+    a, b = _rand(t, k), _rand(k, n, seed=1)
+    results = []
+    for count in (2, 4):
+        with intra_op.intra_op_threads(count):
+            assert native_matmul.chosen(t, k, n)
+            y = np.empty((t, n), np.float32)
+            assert native_matmul.matmul_into(a, b, y)
+            results.append(y)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_allclose(results[0], a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+    with intra_op.intra_op_threads(2):
+        assert not native_matmul.chosen(t, 32, n)  # too shallow to be worth a native call
 
 
 CONVS = [  # (x shape, w shape, strides, pads, group)
@@ -286,6 +329,26 @@ QCONVS = [  # (x shape, w shape, group, strides, pads): im2col, 1x1 (transposes 
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(1, 300), (7, 33), (129, 768)])
+def test_dynamic_quantization_of_activations(split_small, shape):
+    """DynamicQuantizeLinear of x (the int8 GEMM's activations): the range by row ranges over the threads, then the
+    bytes: the same scale, zero point and bytes at every count; a NaN or an all-zero x the same at every count."""
+    if qgemm.library() is None:
+        pytest.skip("qgemm not built here")
+    x = _rand(*shape) * 3 + 0.5
+    x[-1, -1] = -7.25  # the minimum in the last row: the range must combine every piece's
+    _assert_same_at_every_count(lambda: qgemm.dynamic_quantize_u8(x))
+    q, scale, zero_point = qgemm.dynamic_quantize_u8(x)
+    expected_scale = np.float32((np.float32(max(0, x.max())) - np.float32(min(0, x.min()))) / np.float32(255))
+    assert scale == expected_scale
+    with intra_op.intra_op_threads(4):
+        assert qgemm.dynamic_quantize_u8(np.zeros(shape, np.float32))[1:] == (np.float32(1.0), 0)
+        poisoned = x.copy()
+        poisoned[-1, 0] = np.nan
+        assert qgemm.dynamic_quantize_u8(poisoned) is None
+
+
+@needs_native
 @pytest.mark.parametrize(("x_shape", "w_shape", "group", "strides", "pads"), QCONVS)
 def test_quantized_convolution(split_small, monkeypatch, x_shape, w_shape, group, strides, pads):
     if qconv.library() is None:
@@ -316,6 +379,50 @@ def test_quantized_add_and_max_pool(split_small):
 
 
 @needs_native
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("other_shape", [(37, 301), (301,), (1, 301), (1,), ()])
+@pytest.mark.parametrize("swap", [False, True])
+def test_elementwise_arithmetic(split_small, op, other_shape, swap):
+    """Add/Sub/Mul/Div of float32 arrays by the native pass: the same shape, a bias over the last dims or a scalar,
+    on either side, with zeros, infinities and NaN among the values: the same bits as numpy at every count."""
+    if rowops.library() is None:
+        pytest.skip("rowops not built here")
+    full = _rand(2, 37, 301) if other_shape == (37, 301) else _rand(37, 301)
+    other = _rand(*other_shape, seed=1) if other_shape else np.array(np.float32(-0.75))
+    full.flat[::97], full.flat[5] = 0.0, np.inf
+    other.flat[0] = 0.0 if other.size > 1 else other.flat[0]
+    a, b = (other, full) if swap else (full, other)
+    expected = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = expected(a, b)
+
+    def compute():
+        y = rowops.binary(op, a, b)
+        assert (y is None) == (intra_op.threads() == 1)  # numpy's on one thread
+        return want if y is None else y
+
+    _assert_same_at_every_count(compute)
+    with intra_op.intra_op_threads(2):
+        into = full.copy()  # in place over the full-size operand
+        args = (other, into) if swap else (into, other)
+        assert rowops.binary(op, *args, out=into) is into
+        np.testing.assert_array_equal(into, want)
+
+
+@needs_native
+def test_elementwise_arithmetic_leaves_other_layouts_to_numpy(split_small):
+    x = _rand(4, 8, 16)
+    with intra_op.intra_op_threads(2):
+        assert rowops.binary("Add", x, _rand(4, 1, 16)) is None  # broadcast in a middle dim
+        assert rowops.binary("Add", x[:, ::2], _rand(16)) is None  # strided
+        assert rowops.binary("Add", x, _rand(16).astype(np.float64)) is None
+        assert rowops.binary("Add", x, x, out=np.empty(3, np.float32)) is None  # an out it cannot fill: numpy's
+        assert rowops.binary("Add", x, x) is not None
+        bias = _rand(16)
+        assert rowops.binary("Add", x, bias, out=bias[None, None]) is None  # out overlaps the bias: numpy
+
+
+@needs_native
 @pytest.mark.parametrize(("batch", "t", "k", "n"), [((1, 6), 37, 64, 197), ((2, 3), 64, 65, 64), ((5,), 9, 130, 71)])
 def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
     """Attention's products: per (batch, head) views with strided rows, keys transposed (copied), the result
@@ -335,6 +442,58 @@ def test_batched_matmul_of_head_views(split_small, batch, t, k, n):
     expected = np.matmul(q.astype(np.float64), keys).swapaxes(-2, -3).reshape(*batch[:-1], t, heads * n)
     np.testing.assert_allclose(compute(), expected, rtol=1e-4, atol=1e-3)
     assert not native_matmul.batched_into(q, keys[..., :1, :], np.empty((*batch, t, n), np.float32))  # K differs
+
+
+@needs_native
+@pytest.mark.parametrize(("shape", "heads"), [((1, 37, 12 * 17), 12), ((3, 5, 2 * 33), 2), ((2, 130, 64), 1)])
+def test_transposing_copy_of_head_views(split_small, monkeypatch, shape, heads):
+    """Attention's keys (B, S, N * H) seen as (B, N, H, S): copied C-contiguous by the native blocked copy, the
+    same elements as numpy's copy at every thread count (3-D and 4-D, sizes that fill no band evenly)."""
+    native_matmul._load()
+    lib, calls = native.library("convgemm"), []
+    copy = lib.transpose_f32_threads
+    monkeypatch.setattr(lib, "transpose_f32_threads", lambda *args: calls.append(args[-1]) or copy(*args))
+    batch, seq, hidden = shape
+    packed = _rand(*shape)
+    keys = packed.reshape(batch, seq, heads, hidden // heads).transpose(0, 2, 3, 1)  # (B, N, H, S)
+    for view in (keys, keys[0]):
+        expected = np.ascontiguousarray(view)
+
+        def compute(view=view):
+            copy = native_matmul._contiguous_transposed(view)
+            assert copy.flags.c_contiguous and not np.may_share_memory(copy, view)
+            return copy
+
+        _assert_same_at_every_count(compute)
+        np.testing.assert_array_equal(compute(), expected)
+    assert sorted(set(calls)) == [1, 2, 4]  # the native copy, at each thread count
+
+
+@needs_native
+@pytest.mark.parametrize(("a_shape", "b_shape"), [((2, 3, 37, 64), (2, 3, 64, 70)), ((5, 64, 65), (5, 65, 64))])
+def test_batched_matmul_node(split_small, monkeypatch, a_shape, b_shape):
+    """A MatMul node of batched operands (attention left unfused) on the native kernel: the same bits at 1, 2 and
+    4 threads, and onnxruntime's result within float32 rounding."""
+    from tests.helpers import ort_run
+
+    calls = []
+    original = native_matmul.batched_into
+    monkeypatch.setattr(native_matmul, "batched_into", lambda *args: calls.append(1) or original(*args))
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
+                                            helper.make_tensor_value_info("b", TensorProto.FLOAT, b_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"a": _rand(*a_shape), "b": _rand(*b_shape, seed=1)}
+    outputs = []
+    for count in THREAD_COUNTS:
+        options = carrack.SessionOptions()
+        options.intra_op_num_threads = count
+        outputs.append(carrack.InferenceSession(model.SerializeToString(), options).run(None, feed)[0])
+    for other in outputs[1:]:
+        np.testing.assert_array_equal(other, outputs[0])
+    assert len(calls) == len(THREAD_COUNTS)
+    np.testing.assert_allclose(outputs[0], ort_run(model, feed)[0], rtol=1e-4, atol=1e-4)
 
 
 @needs_native
