@@ -97,6 +97,27 @@ class MLP(nn.Module):
         return torch.softmax(self.layers(x), -1)
 
 
+class WideBlocks(nn.Module):
+    """Layers wide and deep enough for every edge of the packed matrix product: a 3x3 convolution over 40 channels
+    (depth 360: two panels) with its residual added in place, a 1x1 convolution to 300 channels (row tiles with a
+    remainder), planes and linear widths that are not multiples of a vector tile nor of a panel block (130), and
+    a mean over the trailing axes (ReduceMean, mobilenet's head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 40, 3, padding=1)
+        self.body = nn.Conv2d(40, 40, 3, padding=1)
+        self.expand = nn.Conv2d(40, 300, 1)
+        self.fc1 = nn.Linear(300, 130)
+        self.fc2 = nn.Linear(130, 7)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.body(y) + y)
+        y = nn.functional.relu6(self.expand(y)).mean((2, 3))
+        return self.fc2(nn.functional.gelu(self.fc1(y)))
+
+
 def _randomize_batchnorm(module: nn.Module, rng: torch.Generator) -> None:
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -129,6 +150,8 @@ MODELS = {
     "mlp": (MLP, (2, 20), {0: "batch"}, {"batch": 5}),
     "fully_convolutional": (FullyConvolutional, (1, 3, 9, 12), {0: "batch", 2: "height", 3: "width"},
                             {"batch": 2, "height": 40, "width": 40}),
+    "wide_blocks": (WideBlocks, (1, 3, 13, 11), {0: "batch", 2: "height", 3: "width"},
+                    {"batch": 2, "height": 16, "width": 16}),
 }
 
 #: outputs' dynamic axes where they are not just the batch
@@ -141,6 +164,7 @@ SHAPES = {
     "sequence_mlp": [(1, 6, 1), (3, 6, 12), (2, 6, 5)],
     "mlp": [(1, 20), (5, 20), (2, 20)],
     "fully_convolutional": [(1, 3, 9, 12), (2, 3, 40, 33), (2, 3, 1, 2)],
+    "wide_blocks": [(1, 3, 13, 11), (2, 3, 16, 16), (1, 3, 1, 1)],
 }
 
 

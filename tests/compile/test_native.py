@@ -259,3 +259,31 @@ def test_outputs_passed_through_from_inputs_and_constants(tmp_path):
     got = carrack.CompiledModel(tmp_path / "out").run(None, {"x": x})
     for g, w in zip(got, session_outputs(path, {"x": x})):
         np.testing.assert_array_equal(g, w)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+#: -march -> the CPU flags it needs: 4 float lanes (SSE2), 8 (AVX2 + FMA), 16 (AVX-512)
+ARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64-v4": {"avx512f", "avx512bw", "avx512vl"}}
+
+
+@pytest.mark.parametrize("arch", list(ARCHES))
+@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp"])
+def test_every_vector_width_equals_the_session(exported, tmp_path, arch, name):
+    """The packed product's register tiles per target (4, 8 and 16 lanes) all give the session's results."""
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 Linux only")
+    if not ARCHES[arch] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ARCHES[arch] - _cpu_flags())} for -march={arch}")
+    path, maxima = exported[name]
+    compile_model(path, tmp_path, "native", max_dims=maxima, native_arch=arch)
+    model = carrack.CompiledModel(tmp_path)
+    for feed in feeds(name):
+        for got, want in zip(model.run(None, feed), session_outputs(path, feed)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

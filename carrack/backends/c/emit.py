@@ -36,6 +36,8 @@ RUNTIME_HEADER = "carrack_rt.h"
 CHANNEL_VECTORIZED_MIN = 16
 #: output rows shorter than this (or strided, or of run-time length) are not what a convolution vectorizes over
 SHORT_ROW = 32
+#: output channels per group from which a convolution runs as a packed matrix product (cr_conv2d_gemm)
+PACKED_GEMM_MIN = 8
 MAX_RANK = 6
 
 #: error codes of model_run, as the manifest tells the loaders
@@ -517,7 +519,9 @@ def _emit_conv(em, step, node, shapes, out_shape):
     oh, ow = _hw(out_shape, g["spatial"])
     groups = int(node.attrs.get("group", 1))
     short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
-    if w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
+    if w_array.shape[0] // groups >= PACKED_GEMM_MIN:  # weights as stored are the product's A
+        kernel, weights = "cr_conv2d_gemm", _pointer(em, w)
+    elif w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
         m_out, cg = w_array.shape[:2]
         reordered = w_array.reshape(groups, m_out // groups, cg, -1).transpose(0, 2, 3, 1)
         kernel, weights = "cr_conv2d_cm", em.constant(f"{w}::channels_last", reordered)
@@ -591,6 +595,28 @@ def _emit_global_pool(em, step, node, shapes, out_shape):
             f"{int(node.op_type == 'GlobalMaxPool')});"]
 
 
+def _emit_reduce_trailing(em, step, node, shapes, out_shape):
+    """ReduceMean/ReduceMax over trailing axes (a global pool of the leading dims' planes)."""
+    x = node.inputs[0]
+    _require_float(em, node, [x])
+    x_shape = shapes[x]
+    if len(node.inputs) > 1 and node.inputs[1]:
+        axes_array = _const(em, node.inputs[1])
+        if axes_array is None:
+            raise _Unsupported("axes that are not a constant")
+        axes = [int(a) for a in axes_array.reshape(-1)]
+    else:
+        axes = [int(a) for a in node.attrs.get("axes", [])]
+    rank = len(x_shape)
+    axes = sorted(a % rank for a in axes) if axes else list(range(rank))
+    if not axes or axes != list(range(rank - len(axes), rank)):
+        raise _Unsupported(f"axes {axes} are not the trailing dims of a rank-{rank} input")
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    planes, size = _elements(x_shape[:rank - len(axes)]), _elements(x_shape[rank - len(axes):])
+    return [f"cr_global_pool({_pointer(em, x)}, {y.pointer}, {em.c_dim(planes)}, {em.c_dim(size)}, "
+            f"{int(node.op_type == 'ReduceMax')});"]
+
+
 def _emit_gemm(em, step, node, shapes, out_shape):
     a, b = node.inputs[:2]
     c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
@@ -616,6 +642,11 @@ def _emit_gemm(em, step, node, shapes, out_shape):
         cs_row = "0" if c_shape[0] == 1 and m != 1 else em.c_dim(c_shape[1])
     act, fa, fb = _activation(node) if node.op_type == "FusedGemm" else ("CR_ACT_NONE", 0.0, 0.0)
     y = _output_value(em, step, node.outputs[0], out_shape)
+    if alpha == 1.0 and (not c or beta == 1.0 and cs_col == "1" and cs_row in ("0", em.c_dim(n))):
+        col_bias, z = (pc if cs_row == "0" else "NULL", pc if cs_row != "0" else "NULL") if c else ("NULL", "NULL")
+        return [f"cr_matmul_packed({_pointer(em, a)}, {pb}, {col_bias}, {z}, {y.pointer},",
+                f"                 1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, "
+                f"{b_col}, 0, 0, {act}, {_f(fa)}, {_f(fb)});"]
     return [f"cr_gemm({_pointer(em, a)}, {pb}, {pc}, {y.pointer},",
             f"        1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, {b_col}, 0, 0,",
             f"        {cs_row}, {cs_col}, {_f(alpha)}, {_f(beta)}, {act}, {_f(fa)}, {_f(fb)});"]
@@ -637,10 +668,9 @@ def _emit_matmul(em, step, node, shapes, out_shape):
         raise _Unsupported("MatMul with broadcast batch dims")
     act, fa, fb = _activation(node) if node.op_type == "FusedMatMul" else ("CR_ACT_NONE", 0.0, 0.0)
     y = _output_value(em, step, node.outputs[0], out_shape)
-    return [f"cr_gemm({_pointer(em, a)}, {_pointer(em, b)}, NULL, {y.pointer},",
+    return [f"cr_matmul_packed({_pointer(em, a)}, {_pointer(em, b)}, NULL, NULL, {y.pointer},",
             f"        {em.c_dim(batch)}, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {em.c_dim(k)}, 1, "
-            f"{em.c_dim(n)}, 1, {em.c_dim(a_batch)}, {em.c_dim(b_batch)},",
-            f"        0, 0, 1.0f, 0.0f, {act}, {_f(fa)}, {_f(fb)});"]
+            f"{em.c_dim(n)}, 1, {em.c_dim(a_batch)}, {em.c_dim(b_batch)}, {act}, {_f(fa)}, {_f(fb)});"]
 
 
 def _emit_softmax(em, step, node, shapes, out_shape):
@@ -705,6 +735,7 @@ _EMITTERS = {
     ("", "BatchNormalization"): _emit_batchnorm, ("carrack", "FusedBatchNormalization"): _emit_batchnorm,
     ("", "MaxPool"): _emit_pool, ("", "AveragePool"): _emit_pool,
     ("", "GlobalAveragePool"): _emit_global_pool, ("", "GlobalMaxPool"): _emit_global_pool,
+    ("", "ReduceMean"): _emit_reduce_trailing, ("", "ReduceMax"): _emit_reduce_trailing,
     ("", "Gemm"): _emit_gemm, ("com.microsoft", "FusedGemm"): _emit_gemm, ("carrack", "FusedGemm"): _emit_gemm,
     ("", "MatMul"): _emit_matmul, ("carrack", "FusedMatMul"): _emit_matmul,
     ("", "Softmax"): _emit_softmax, ("", "LogSoftmax"): _emit_softmax,

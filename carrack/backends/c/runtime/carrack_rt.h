@@ -341,6 +341,186 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
     }
 }
 
+/* ---- the packed matrix product: per-target register tiles over GCC/Clang vector extensions ------------------------
+ * CR_VW float lanes per vector: 16 with AVX-512, 8 with AVX/AVX2, else 4 (SSE, WebAssembly SIMD128 with -msimd128,
+ * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = 2 * CR_VW columns keeps
+ * its sums in registers; B is packed (zero-padded) into CR_GN-wide panels of CR_KC rows that stay in L1/L2 while
+ * every row tile of A streams past them (the blocking of carrack/native/convgemm.c). */
+#if defined(__AVX512F__)
+#define CR_VW 16
+#elif defined(__AVX__)
+#define CR_VW 8
+#else
+#define CR_VW 4
+#endif
+#if CR_VW == 4
+#define CR_GM 4 /* 8 accumulators: SIMD128 engines keep them in 16 xmm registers */
+#else
+#define CR_GM 6 /* 12 accumulators of the 16 (AVX2) or 32 (AVX-512) vector registers */
+#endif
+#define CR_GN (2 * CR_VW)
+#define CR_KC 256 /* depth per packed panel */
+#define CR_NC 128 /* columns per packed block (a multiple of CR_GN) */
+
+typedef float cr_vf __attribute__((vector_size(CR_VW * 4)));
+
+static inline cr_vf cr_vload(const float *p) {
+    cr_vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void cr_vstore(float *p, cr_vf v) { memcpy(p, &v, sizeof v); }
+
+/* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
+ * convolution's input group (k = (c, i, j) tap, column = output pixel) */
+typedef struct {
+    const float *b;
+    int64_t row, col;
+    int conv;
+    int64_t h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl;
+} cr_bsrc;
+
+static cr_vf cr_pack_buffer[CR_KC * CR_NC / CR_VW]; /* aligned as a vector; the model is single-threaded */
+
+/* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN */
+static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float *panel) {
+    for (int64_t t = 0; t * CR_GN < nc; t++) {
+        int64_t first = j0 + t * CR_GN, count = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
+        float *out = panel + t * kc * CR_GN;
+        for (int64_t kk = 0; kk < kc; kk++) {
+            float *o = out + kk * CR_GN;
+            int64_t k = k0 + kk;
+            if (!s->conv) {
+                const float *src = s->b + k * s->row + first * s->col;
+                if (s->col == 1) {
+                    memcpy(o, src, (size_t)count * sizeof(float));
+                } else {
+                    for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
+                }
+            } else {
+                int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
+                const float *xc = s->b + c * s->h * s->wd;
+                int64_t r = first / s->ow, q = first % s->ow;
+                for (int64_t p = 0; p < count; p++) {
+                    int64_t row = r * s->sh - s->pt + i * s->dh, col = q * s->sw - s->pl + j * s->dw;
+                    o[p] = row >= 0 && row < s->h && col >= 0 && col < s->wd ? xc[row * s->wd + col] : 0.0f;
+                    if (++q == s->ow) {
+                        q = 0;
+                        r++;
+                    }
+                }
+            }
+            for (int64_t q = count; q < CR_GN; q++) o[q] = 0.0f;
+        }
+    }
+}
+
+/* c[t, 0:nq] = prev[t, 0:nq] + sum_kk a[t * sa_m + kk * sa_k] * panel[kk, :] for the tile's mr rows (prev: NULL
+ * for zeros, else c itself or a residual laid out like c, which c may alias) */
+static inline void cr_gemm_tile(const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t kc, float *c,
+                                int64_t ldc, int64_t mr, int64_t nq, const float *prev) {
+    const float *rows[CR_GM];
+    for (int t = 0; t < CR_GM; t++) rows[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
+    cr_vf acc[CR_GM][2];
+    for (int t = 0; t < CR_GM; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
+    for (int64_t kk = 0; kk < kc; kk++) {
+        cr_vf b0 = cr_vload(panel + kk * CR_GN), b1 = cr_vload(panel + kk * CR_GN + CR_VW);
+        for (int t = 0; t < CR_GM; t++) {
+            cr_vf av = (cr_vf){0} + rows[t][kk * sa_k];
+            acc[t][0] += av * b0;
+            acc[t][1] += av * b1;
+        }
+    }
+    for (int64_t t = 0; t < mr; t++) {
+        float *ct = c + t * ldc;
+        const float *pt = prev ? prev + t * ldc : NULL;
+        if (nq == CR_GN) {
+            if (pt) {
+                acc[t][0] += cr_vload(pt);
+                acc[t][1] += cr_vload(pt + CR_VW);
+            }
+            cr_vstore(ct, acc[t][0]);
+            cr_vstore(ct + CR_VW, acc[t][1]);
+        } else {
+            float tile[CR_GN];
+            cr_vstore(tile, acc[t][0]);
+            cr_vstore(tile + CR_VW, acc[t][1]);
+            for (int64_t q = 0; q < nq; q++) ct[q] = pt ? pt[q] + tile[q] : tile[q];
+        }
+    }
+}
+
+/* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
+ * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place) */
+static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k, const cr_bsrc *b, float *c,
+                                     int64_t ldc, int64_t m, int64_t k, int64_t n, const float *row_bias,
+                                     const float *col_bias, const float *z, int act, float act_a, float act_b) {
+    float *panel = (float *)cr_pack_buffer;
+    for (int64_t j0 = 0; j0 < n; j0 += CR_NC) {
+        int64_t nc = n - j0 < CR_NC ? n - j0 : CR_NC;
+        for (int64_t k0 = 0; k0 < k; k0 += CR_KC) {
+            int64_t kc = k - k0 < CR_KC ? k - k0 : CR_KC;
+            cr_pack_b(b, k0, kc, j0, nc, panel);
+            for (int64_t i0 = 0; i0 < m; i0 += CR_GM) {
+                int64_t mr = m - i0 < CR_GM ? m - i0 : CR_GM;
+                for (int64_t t = 0; t * CR_GN < nc; t++) {
+                    int64_t nq = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
+                    int64_t at = i0 * ldc + j0 + t * CR_GN;
+                    cr_gemm_tile(a + i0 * sa_m + k0 * sa_k, sa_m, sa_k, panel + t * kc * CR_GN, kc, c + at, ldc,
+                                 mr, nq, k0 > 0 ? c + at : z ? z + at : NULL);
+                }
+            }
+        }
+        if (k == 0)
+            for (int64_t i = 0; i < m; i++) {
+                if (z) memmove(c + i * ldc + j0, z + i * ldc + j0, (size_t)nc * sizeof(float));
+                else memset(c + i * ldc + j0, 0, (size_t)nc * sizeof(float));
+            }
+        for (int64_t i = 0; i < m; i++) {
+            float *ci = c + i * ldc + j0;
+            if (row_bias) {
+                float rb = row_bias[i];
+                for (int64_t q = 0; q < nc; q++) ci[q] += rb;
+            }
+            if (col_bias)
+                for (int64_t q = 0; q < nc; q++) ci[q] += col_bias[j0 + q];
+            if (act != CR_ACT_NONE) cr_unary(ci, ci, nc, act, act_a, act_b);
+        }
+    }
+}
+
+/* a 2-D convolution (cr_conv2d's arguments) as one packed product per image and group: A = the group's weights
+ * [mg, cg * kh * kw] as stored, B = the im2col of its input channels (packed panel by panel, never whole) */
+static CR_UNUSED void cr_conv2d_gemm(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                     int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                     int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
+                                     int64_t dw, int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow, depth = cg * kh * kw;
+    int pointwise = kh == 1 && kw == 1 && sh == 1 && sw == 1 && pt == 0 && pl == 0 && oh == h && ow == wd;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            cr_bsrc src = {xg, plane, 1, !pointwise, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl};
+            int64_t first = (img * m_out + g * mg) * plane;
+            cr_gemm_packed(w + g * mg * depth, depth, 1, &src, y + first, plane, mg, depth, plane,
+                           bias ? bias + g * mg : NULL, NULL, z ? z + first : NULL, act, a, b);
+        }
+    }
+}
+
+/* y[bt] = act(a[bt] b[bt] + col_bias + z[bt]) through the packed product, for batches of [m, k] x [k, n] with
+ * element strides (a's rows a_row, columns a_col; b likewise); y and z are [batch, m, n] */
+static CR_UNUSED void cr_matmul_packed(const float *a, const float *b, const float *col_bias, const float *z, float *y,
+                                       int64_t batch, int64_t m, int64_t k, int64_t n, int64_t a_row, int64_t a_col,
+                                       int64_t b_row, int64_t b_col, int64_t a_batch, int64_t b_batch, int act,
+                                       float act_a, float act_b) {
+    for (int64_t bt = 0; bt < batch; bt++) {
+        cr_bsrc src = {.b = b + bt * b_batch, .row = b_row, .col = b_col};
+        cr_gemm_packed(a + bt * a_batch, a_row, a_col, &src, y + bt * m * n, n, m, k, n, NULL, col_bias,
+                       z ? z + bt * m * n : NULL, act, act_a, act_b);
+    }
+}
+
 /* y[o, c, i] = act(x[o, c, i] * scale[c] + shift[c]) (inference BatchNormalization folded at compile time) */
 static CR_UNUSED void cr_affine(const float *x, const float *scale, const float *shift, float *y, int64_t outer,
                                 int64_t channels, int64_t inner, int act, float a, float b) {
