@@ -371,6 +371,20 @@ static inline cr_vf cr_vload(const float *p) {
 }
 static inline void cr_vstore(float *p, cr_vf v) { memcpy(p, &v, sizeof v); }
 
+typedef int32_t cr_vi __attribute__((vector_size(CR_VW * 4)));
+
+/* lanes of a where `take` is set, else of b (max and min by compare and select: C has no vector ?:) */
+static inline cr_vf cr_vselect(cr_vi take, cr_vf a, cr_vf b) {
+    return (cr_vf)((take & (cr_vi)a) | (~take & (cr_vi)b));
+}
+
+/* the activations a tile applies in registers: relu and clip (mobilenet's relu6); others go through cr_unary */
+static inline cr_vf cr_vclamp(cr_vf v, float lo, float hi) {
+    cr_vf vlo = (cr_vf){0} + lo, vhi = (cr_vf){0} + hi;
+    v = cr_vselect(v < vlo, vlo, v);
+    return cr_vselect(v > vhi, vhi, v);
+}
+
 /* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
  * convolution's input group (k = (c, i, j) tap, column = output pixel) */
 typedef struct {
@@ -415,76 +429,131 @@ static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int6
     }
 }
 
-/* c[t, 0:nq] = prev[t, 0:nq] + sum_kk a[t * sa_m + kk * sa_k] * panel[kk, :] for the tile's mr rows (prev: NULL
- * for zeros, else c itself or a residual laid out like c, which c may alias) */
-static inline void cr_gemm_tile(const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t kc, float *c,
-                                int64_t ldc, int64_t mr, int64_t nq, const float *prev) {
-    const float *rows[CR_GM];
-    for (int t = 0; t < CR_GM; t++) rows[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
+/* what a tile adds on its last panel, before it is stored: per-row and per-column biases and an activation */
+typedef struct {
+    const float *row_bias, *col_bias; /* at the tile's first row / column; NULL for none */
+    int act;
+    float a, b;
+} cr_epilogue;
+
+/* c[t, 0:nq] = prev[t, 0:nq] + sum_kk a[t * sa_m + kk * sa_k] * panel[kk * ldp + 0:CR_GN] for the tile's mr rows
+ * (prev: NULL for zeros, else c itself or a residual laid out like c, which c may alias); `last`: the epilogue
+ * is applied while the tile is in registers and L1. `rows` is a constant where it is inlined (CR_GM, or 1 for a
+ * matrix-vector product), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void cr_gemm_tile(
+    const int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp, int64_t kc,
+    float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
+    const float *row[CR_GM];
+    for (int t = 0; t < rows; t++) row[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
     cr_vf acc[CR_GM][2];
-    for (int t = 0; t < CR_GM; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
-    for (int64_t kk = 0; kk < kc; kk++) {
-        cr_vf b0 = cr_vload(panel + kk * CR_GN), b1 = cr_vload(panel + kk * CR_GN + CR_VW);
-        for (int t = 0; t < CR_GM; t++) {
-            cr_vf av = (cr_vf){0} + rows[t][kk * sa_k];
-            acc[t][0] += av * b0;
-            acc[t][1] += av * b1;
+    for (int t = 0; t < rows; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
+    if (sa_k == 1) {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
+            for (int t = 0; t < rows; t++) {
+                cr_vf av = (cr_vf){0} + row[t][kk];
+                acc[t][0] += av * b0;
+                acc[t][1] += av * b1;
+            }
+        }
+    } else {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
+            for (int t = 0; t < rows; t++) {
+                cr_vf av = (cr_vf){0} + row[t][kk * sa_k];
+                acc[t][0] += av * b0;
+                acc[t][1] += av * b1;
+            }
         }
     }
-    for (int64_t t = 0; t < mr; t++) {
+    for (int64_t t = 0; t < mr && t < rows; t++) {
         float *ct = c + t * ldc;
         const float *pt = prev ? prev + t * ldc : NULL;
-        if (nq == CR_GN) {
-            if (pt) {
-                acc[t][0] += cr_vload(pt);
-                acc[t][1] += cr_vload(pt + CR_VW);
+        float tile[CR_GN];
+        if (pt && nq == CR_GN) {
+            acc[t][0] += cr_vload(pt);
+            acc[t][1] += cr_vload(pt + CR_VW);
+        }
+        if (last && last->row_bias) {
+            acc[t][0] += last->row_bias[t];
+            acc[t][1] += last->row_bias[t];
+        }
+        int in_registers = !last || (!last->col_bias && (last->act == CR_ACT_NONE || last->act == CR_ACT_RELU
+                                                         || last->act == CR_ACT_CLIP));
+        if (nq == CR_GN && in_registers) {
+            if (last && last->act != CR_ACT_NONE) {
+                float lo = last->act == CR_ACT_RELU ? 0.0f : last->a;
+                float hi = last->act == CR_ACT_RELU ? INFINITY : last->b;
+                acc[t][0] = cr_vclamp(acc[t][0], lo, hi);
+                acc[t][1] = cr_vclamp(acc[t][1], lo, hi);
             }
             cr_vstore(ct, acc[t][0]);
             cr_vstore(ct + CR_VW, acc[t][1]);
-        } else {
-            float tile[CR_GN];
-            cr_vstore(tile, acc[t][0]);
-            cr_vstore(tile + CR_VW, acc[t][1]);
-            for (int64_t q = 0; q < nq; q++) ct[q] = pt ? pt[q] + tile[q] : tile[q];
+            continue;
         }
+        cr_vstore(tile, acc[t][0]);
+        cr_vstore(tile + CR_VW, acc[t][1]);
+        if (pt && nq < CR_GN)
+            for (int64_t q = 0; q < nq; q++) tile[q] += pt[q];
+        if (last) {
+            if (last->col_bias)
+                for (int64_t q = 0; q < nq; q++) tile[q] += last->col_bias[q];
+            if (last->act != CR_ACT_NONE) cr_unary(tile, tile, nq, last->act, last->a, last->b);
+        }
+        memcpy(ct, tile, (size_t)nq * sizeof(float));
     }
 }
 
 /* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
- * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place) */
+ * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place). A strided B with
+ * contiguous rows is read where it lies (only a last, partial column tile is copied); an im2col or transposed B is
+ * packed panel by panel. */
 static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k, const cr_bsrc *b, float *c,
                                      int64_t ldc, int64_t m, int64_t k, int64_t n, const float *row_bias,
                                      const float *col_bias, const float *z, int act, float act_a, float act_b) {
     float *panel = (float *)cr_pack_buffer;
+    int direct = !b->conv && b->col == 1;
+    if (k == 0) {
+        for (int64_t i = 0; i < m; i++) {
+            float *ci = c + i * ldc;
+            if (z) memmove(ci, z + i * ldc, (size_t)n * sizeof(float));
+            else memset(ci, 0, (size_t)n * sizeof(float));
+            for (int64_t q = 0; q < n; q++) ci[q] += (row_bias ? row_bias[i] : 0.0f) + (col_bias ? col_bias[q] : 0.0f);
+            if (act != CR_ACT_NONE) cr_unary(ci, ci, n, act, act_a, act_b);
+        }
+        return;
+    }
     for (int64_t j0 = 0; j0 < n; j0 += CR_NC) {
         int64_t nc = n - j0 < CR_NC ? n - j0 : CR_NC;
         for (int64_t k0 = 0; k0 < k; k0 += CR_KC) {
-            int64_t kc = k - k0 < CR_KC ? k - k0 : CR_KC;
-            cr_pack_b(b, k0, kc, j0, nc, panel);
+            int64_t kc = k - k0 < CR_KC ? k - k0 : CR_KC, full = nc / CR_GN * CR_GN;
+            if (!direct) cr_pack_b(b, k0, kc, j0, nc, panel);
+            else if (full < nc) cr_pack_b(b, k0, kc, j0 + full, nc - full, panel); /* only the partial tile */
+            int is_last = k0 + kc >= k;
             for (int64_t i0 = 0; i0 < m; i0 += CR_GM) {
                 int64_t mr = m - i0 < CR_GM ? m - i0 : CR_GM;
+                cr_epilogue epilogue = {row_bias ? row_bias + i0 : NULL, NULL, act, act_a, act_b};
                 for (int64_t t = 0; t * CR_GN < nc; t++) {
-                    int64_t nq = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
-                    int64_t at = i0 * ldc + j0 + t * CR_GN;
-                    cr_gemm_tile(a + i0 * sa_m + k0 * sa_k, sa_m, sa_k, panel + t * kc * CR_GN, kc, c + at, ldc,
-                                 mr, nq, k0 > 0 ? c + at : z ? z + at : NULL);
+                    int64_t nq = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN, at = i0 * ldc + j0 + t * CR_GN;
+                    const float *p = panel + t * kc * CR_GN;
+                    int64_t ldp = CR_GN;
+                    if (direct && nq == CR_GN) {
+                        p = b->b + k0 * b->row + j0 + t * CR_GN;
+                        ldp = b->row;
+                    } else if (direct) {
+                        p = panel;
+                    }
+                    epilogue.col_bias = col_bias ? col_bias + j0 + t * CR_GN : NULL;
+                    const float *prev = k0 > 0 ? c + at : z ? z + at : NULL;
+                    const float *ai = a + i0 * sa_m + k0 * sa_k;
+                    if (mr == 1)
+                        cr_gemm_tile(1, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                     is_last ? &epilogue : NULL);
+                    else
+                        cr_gemm_tile(CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                     is_last ? &epilogue : NULL);
                 }
             }
-        }
-        if (k == 0)
-            for (int64_t i = 0; i < m; i++) {
-                if (z) memmove(c + i * ldc + j0, z + i * ldc + j0, (size_t)nc * sizeof(float));
-                else memset(c + i * ldc + j0, 0, (size_t)nc * sizeof(float));
-            }
-        for (int64_t i = 0; i < m; i++) {
-            float *ci = c + i * ldc + j0;
-            if (row_bias) {
-                float rb = row_bias[i];
-                for (int64_t q = 0; q < nc; q++) ci[q] += rb;
-            }
-            if (col_bias)
-                for (int64_t q = 0; q < nc; q++) ci[q] += col_bias[j0 + q];
-            if (act != CR_ACT_NONE) cr_unary(ci, ci, nc, act, act_a, act_b);
         }
     }
 }
