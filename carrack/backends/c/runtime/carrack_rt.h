@@ -577,6 +577,68 @@ static CR_UNUSED void cr_conv2d_gemm(const float *x, const float *w, const float
     }
 }
 
+/* one output pixel of a depthwise convolution, with the bounds checked (the plane's edges) */
+static inline float cr_dw_pixel(const float *xc, const float *wc, float start, int64_t r, int64_t q, int64_t h,
+                                int64_t wd, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                int64_t pt, int64_t pl) {
+    float sum = start;
+    for (int64_t i = 0; i < kh; i++) {
+        int64_t row = r * sh - pt + i * dh;
+        if (row < 0 || row >= h) continue;
+        for (int64_t j = 0; j < kw; j++) {
+            int64_t col = q * sw - pl + j * dw;
+            if (col >= 0 && col < wd) sum += wc[i * kw + j] * xc[row * wd + col];
+        }
+    }
+    return sum;
+}
+
+/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments, for stride 1 along
+ * the width: the columns whose taps are all inside the row are summed CR_VW at a time in registers over every tap,
+ * the few at the padded edges one by one */
+static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                  int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                  int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                  int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    (void)m_out, (void)groups, (void)sw; /* sw == 1, groups == m_out == c_in: the emitter's choice */
+    int64_t lo = pl < ow ? pl : ow, hi = wd - (kw - 1) * dw + pl; /* columns [lo, hi) read no padding */
+    hi = hi < lo ? lo : hi > ow ? ow : hi;
+    int fast_act = act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP;
+    float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
+    float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t ch = 0; ch < c_in; ch++) {
+            const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
+            const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
+            float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
+            for (int64_t r = 0; r < oh; r++) {
+                float *yr = yc + r * ow;
+                const float *zr = zc ? zc + r * ow : NULL;
+                int64_t q = lo;
+                if (fast_act) {
+                    for (; q + CR_VW <= hi; q += CR_VW) {
+                        cr_vf acc = (cr_vf){0} + start;
+                        for (int64_t i = 0; i < kh; i++) {
+                            int64_t row = r * sh - pt + i * dh;
+                            if (row < 0 || row >= h) continue;
+                            const float *xr = xc + row * wd + q - pl;
+                            for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + j * dw);
+                        }
+                        if (zr) acc += cr_vload(zr + q);
+                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                    }
+                }
+                for (int64_t k = 0; k < ow; k++) {
+                    if (k >= lo && k < q) k = q; /* the columns done in registers */
+                    if (k >= ow) break;
+                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, 1, dh, dw, pt, pl);
+                    yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
+                }
+            }
+        }
+    }
+}
+
 /* y[bt] = act(a[bt] b[bt] + col_bias + z[bt]) through the packed product, for batches of [m, k] x [k, n] with
  * element strides (a's rows a_row, columns a_col; b likewise); y and z are [batch, m, n] */
 static CR_UNUSED void cr_matmul_packed(const float *a, const float *b, const float *col_bias, const float *z, float *y,
