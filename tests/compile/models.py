@@ -122,6 +122,31 @@ class WideBlocks(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(y)))
 
 
+class NormalizedResiduals(nn.Module):
+    """A transformer's residual stream without attention: linear layers whose outputs are added to the stream and
+    layer-normalized (carrack's optimizer makes SkipLayerNormalization of the add and LayerNormalization, with
+    the sum kept for the next residual), GELU in between; batch and sequence dynamic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(24, 24)
+        self.fc2 = nn.Linear(24, 24)
+        self.norm1 = nn.LayerNorm(24)
+        self.norm2 = nn.LayerNorm(24, eps=1e-3)
+        self.norm3 = nn.LayerNorm(24)
+        with torch.no_grad():
+            for norm in (self.norm1, self.norm2, self.norm3):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        stream = self.norm1(x)
+        stream = self.fc1(stream) + stream
+        y = self.norm2(stream)
+        stream = self.fc2(nn.functional.gelu(y)) + stream
+        return self.norm3(stream)
+
+
 def _randomize_batchnorm(module: nn.Module, rng: torch.Generator) -> None:
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -156,6 +181,8 @@ MODELS = {
                             {"batch": 2, "height": 40, "width": 40}),
     "wide_blocks": (WideBlocks, (1, 3, 13, 11), {0: "batch", 2: "height", 3: "width"},
                     {"batch": 2, "height": 16, "width": 16}),
+    "normalized_residuals": (NormalizedResiduals, (2, 5, 24), {0: "batch", 1: "sequence"},
+                             {"batch": 3, "sequence": 9}),
 }
 
 #: outputs' dynamic axes where they are not just the batch
@@ -169,6 +196,7 @@ SHAPES = {
     "mlp": [(1, 20), (5, 20), (2, 20)],
     "fully_convolutional": [(1, 3, 9, 12), (2, 3, 40, 33), (2, 3, 1, 2)],
     "wide_blocks": [(1, 3, 13, 11), (2, 3, 16, 16), (1, 3, 1, 1)],
+    "normalized_residuals": [(2, 5, 24), (3, 9, 24), (1, 1, 24)],
 }
 
 

@@ -619,6 +619,36 @@ def _emit_reduce_trailing(em, step, node, shapes, out_shape):
             f"{int(node.op_type == 'ReduceMax')});"]
 
 
+def _emit_layer_norm(em, step, node, shapes, out_shape):
+    """LayerNormalization over the last axis, and com.microsoft's SkipLayerNormalization (x + skip + bias, with
+    the sum as an optional fourth output); the mean and inverse deviation outputs are not compiled."""
+    skip_form = node.op_type == "SkipLayerNormalization"
+    names = list(node.inputs) + [""] * 5
+    x, skip, gamma, beta, bias = (names[:5] if skip_form else [names[0], "", names[1], names[2], ""])
+    _require_float(em, node, [x, skip, gamma, beta, bias])
+    x_shape = tuple(shapes[x])
+    axis = int(node.attrs.get("axis", -1))
+    if not skip_form and axis % max(1, len(x_shape)) != len(x_shape) - 1:
+        raise _Unsupported(f"axis {axis}: only the last axis is compiled")
+    if any(node.outputs[1:3]):
+        raise _Unsupported("the mean and inverse standard deviation outputs")
+    hidden = x_shape[-1]
+    for name in (gamma, beta, bias):
+        if name and tuple(shapes.get(name, ())) not in ((hidden,), (1,) * (len(shapes.get(name, ())) - 1) + (hidden,)):
+            raise _Unsupported(f"'{name}' of shape {shapes.get(name)}: expected [{hidden}]")
+    if skip and tuple(shapes[skip]) != x_shape:
+        raise _Unsupported("a skip input broadcast to the input's shape")
+    epsilon = float(node.attrs.get("epsilon", 1e-12 if skip_form else 1e-5))
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    total = "NULL"
+    if skip_form and len(node.outputs) > 3 and node.outputs[3]:
+        total = _output_value(em, step, node.outputs[3], x_shape).pointer
+    pointers = [_pointer(em, n) if n else "NULL" for n in (x, skip, bias, gamma, beta)]
+    rows = _elements(x_shape[:-1])
+    return [f"cr_layer_norm({', '.join(pointers)},",
+            f"              {y.pointer}, {total}, {em.c_dim(rows)}, {em.c_dim(hidden)}, {_f(epsilon)});"]
+
+
 def _emit_gemm(em, step, node, shapes, out_shape):
     a, b = node.inputs[:2]
     c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
@@ -738,6 +768,8 @@ _EMITTERS = {
     ("", "MaxPool"): _emit_pool, ("", "AveragePool"): _emit_pool,
     ("", "GlobalAveragePool"): _emit_global_pool, ("", "GlobalMaxPool"): _emit_global_pool,
     ("", "ReduceMean"): _emit_reduce_trailing, ("", "ReduceMax"): _emit_reduce_trailing,
+    ("", "LayerNormalization"): _emit_layer_norm, ("com.microsoft", "LayerNormalization"): _emit_layer_norm,
+    ("com.microsoft", "SkipLayerNormalization"): _emit_layer_norm,
     ("", "Gemm"): _emit_gemm, ("com.microsoft", "FusedGemm"): _emit_gemm, ("carrack", "FusedGemm"): _emit_gemm,
     ("", "MatMul"): _emit_matmul, ("carrack", "FusedMatMul"): _emit_matmul,
     ("", "Softmax"): _emit_softmax, ("", "LogSoftmax"): _emit_softmax,

@@ -666,6 +666,34 @@ static CR_UNUSED void cr_affine(const float *x, const float *scale, const float 
     }
 }
 
+/* layer normalization over the last axis of `rows` rows of `hidden`: t = x + skip + bias (skip, bias may be NULL),
+ * y = (t - mean) / sqrt(var + eps) * gamma + beta (beta may be NULL), and t itself into `total` when not NULL
+ * (SkipLayerNormalization's fourth output). Statistics are summed in double; y and total may alias x or skip. */
+static CR_UNUSED void cr_layer_norm(const float *x, const float *skip, const float *bias, const float *gamma,
+                                    const float *beta, float *y, float *total, int64_t rows, int64_t hidden,
+                                    float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden, *sr = skip ? skip + r * hidden : NULL;
+        double sum = 0.0, squares = 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            float t = xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f);
+            sum += t;
+        }
+        double mean = hidden ? sum / (double)hidden : 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            double d = (double)(xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f)) - mean;
+            squares += d * d;
+        }
+        float inv = (float)(1.0 / sqrt(squares / (double)(hidden ? hidden : 1) + (double)eps)), m = (float)mean;
+        float *yr = y + r * hidden, *tr = total ? total + r * hidden : NULL;
+        for (int64_t i = 0; i < hidden; i++) {
+            float t = xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f);
+            yr[i] = (t - m) * inv * gamma[i] + (beta ? beta[i] : 0.0f);
+            if (tr) tr[i] = t;
+        }
+    }
+}
+
 /* 2-D max or average pooling over planes (n * c of them); padding is skipped by max and by average without
  * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule) */
 static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_t h, int64_t wd, int64_t oh, int64_t ow,
