@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,6 +148,29 @@ class NormalizedResiduals(nn.Module):
         return self.norm3(stream)
 
 
+class SelfAttention(nn.Module):
+    """An encoder's attention block written as transformers writes it (projections, heads split and transposed,
+    scaled scores, softmax, weighted values, heads merged; carrack's optimizer makes MultiHeadAttention of it),
+    then a residual and a layer norm; batch and sequence dynamic."""
+
+    def __init__(self, hidden: int = 40, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.size = heads, hidden // heads
+        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        batch, length, hidden = x.shape
+        size = self.size
+
+        def split(t):
+            return t.view(batch, length, self.heads, size).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(size), -1)
+        return self.norm(self.out((p @ v).transpose(1, 2).reshape(batch, length, hidden)) + x)
+
+
 def _randomize_batchnorm(module: nn.Module, rng: torch.Generator) -> None:
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -183,6 +207,7 @@ MODELS = {
                     {"batch": 2, "height": 16, "width": 16}),
     "normalized_residuals": (NormalizedResiduals, (2, 5, 24), {0: "batch", 1: "sequence"},
                              {"batch": 3, "sequence": 9}),
+    "self_attention": (SelfAttention, (2, 5, 40), {0: "batch", 1: "sequence"}, {"batch": 3, "sequence": 11}),
 }
 
 #: outputs' dynamic axes where they are not just the batch
@@ -197,6 +222,7 @@ SHAPES = {
     "fully_convolutional": [(1, 3, 9, 12), (2, 3, 40, 33), (2, 3, 1, 2)],
     "wide_blocks": [(1, 3, 13, 11), (2, 3, 16, 16), (1, 3, 1, 1)],
     "normalized_residuals": [(2, 5, 24), (3, 9, 24), (1, 1, 24)],
+    "self_attention": [(2, 5, 40), (3, 11, 40), (1, 1, 40)],
 }
 
 

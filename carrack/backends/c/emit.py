@@ -649,6 +649,39 @@ def _emit_layer_norm(em, step, node, shapes, out_shape):
             f"              {y.pointer}, {total}, {em.c_dim(rows)}, {em.c_dim(hidden)}, {_f(epsilon)});"]
 
 
+def _emit_attention(em, step, node, shapes, out_shape):
+    """com.microsoft MultiHeadAttention with separate 3-D query, key and value and an optional additive attention
+    bias; packed QKV, projection bias, key padding mask, past/present and unidirectional are not compiled."""
+    names = list(node.inputs) + [""] * 8
+    q, k, v, projection_bias, mask, attention_bias = names[:6]
+    if projection_bias or mask or any(names[6:8]) or any(node.outputs[1:]):
+        raise _Unsupported("projection bias, key padding mask or past/present key and value")
+    if int(node.attrs.get("unidirectional", 0)):
+        raise _Unsupported("unidirectional (causal) attention")
+    if not k or not v or any(len(shapes.get(n, ())) != 3 for n in (q, k, v)):
+        raise _Unsupported("query, key and value that are not all 3-D (batch, sequence, hidden)")
+    _require_float(em, node, [q, k, v, attention_bias])
+    heads = int(node.attrs["num_heads"])
+    (batch, s, d), (_, length, _), (_, _, dv) = shapes[q], shapes[k], shapes[v]
+    if not all(isinstance(x, int) and x % heads == 0 for x in (d, dv)):
+        raise _Unsupported(f"hidden sizes {d}, {dv} that are not fixed multiples of {heads} heads")
+    hd, hv = d // heads, dv // heads
+    bias_b = bias_h = "0"
+    if attention_bias:
+        b_shape = (1,) * (4 - len(shapes[attention_bias])) + tuple(shapes[attention_bias])
+        if tuple(b_shape[2:]) != (s, length) or b_shape[1] not in (1, heads) or b_shape[0] not in (1, batch):
+            raise _Unsupported(f"an attention bias of shape {list(shapes[attention_bias])}")
+        plane = symbolic.mul(s, length)
+        bias_h = em.c_dim(plane) if b_shape[1] == heads else "0"
+        bias_b = em.c_dim(symbolic.mul(plane, b_shape[1])) if b_shape[0] == batch and batch != 1 else "0"
+    scale = float(node.attrs.get("scale", 0.0)) or 1.0 / math.sqrt(hd)
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    pointers = [_pointer(em, n) for n in (q, k, v)] + [_pointer(em, attention_bias) if attention_bias else "NULL"]
+    return [f"cr_attention({', '.join(pointers)}, {bias_b}, {bias_h},",
+            f"             {y.pointer}, {em.c_dim(batch)}, {em.c_dim(s)}, {em.c_dim(length)}, {heads}, {hd}, {hv}, "
+            f"{_f(scale)});"]
+
+
 def _emit_gemm(em, step, node, shapes, out_shape):
     a, b = node.inputs[:2]
     c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
@@ -770,6 +803,7 @@ _EMITTERS = {
     ("", "ReduceMean"): _emit_reduce_trailing, ("", "ReduceMax"): _emit_reduce_trailing,
     ("", "LayerNormalization"): _emit_layer_norm, ("com.microsoft", "LayerNormalization"): _emit_layer_norm,
     ("com.microsoft", "SkipLayerNormalization"): _emit_layer_norm,
+    ("com.microsoft", "MultiHeadAttention"): _emit_attention,
     ("", "Gemm"): _emit_gemm, ("com.microsoft", "FusedGemm"): _emit_gemm, ("carrack", "FusedGemm"): _emit_gemm,
     ("", "MatMul"): _emit_matmul, ("carrack", "FusedMatMul"): _emit_matmul,
     ("", "Softmax"): _emit_softmax, ("", "LogSoftmax"): _emit_softmax,

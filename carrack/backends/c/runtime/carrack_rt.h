@@ -639,6 +639,53 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
     }
 }
 
+static inline float cr_dot(const float *a, const float *b, int64_t n) {
+    cr_vf acc = (cr_vf){0};
+    int64_t i = 0;
+    for (; i + CR_VW <= n; i += CR_VW) acc += cr_vload(a + i) * cr_vload(b + i);
+    float lanes[CR_VW], sum = 0.0f;
+    cr_vstore(lanes, acc);
+    for (int l = 0; l < CR_VW; l++) sum += lanes[l];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* multi-head attention (com.microsoft MultiHeadAttention with 3-D query, key and value): for each batch b, head h
+ * and query row i, y[b, i, h * hv:] = softmax_j(scale * q[b, i, h * hd:] . k[b, j, h * hd:] + bias[b, h, i, j])
+ * v[b, j, h * hv:]; `bias` (an additive attention bias, may be NULL) steps bias_b per batch and bias_h per head
+ * (0 where it is broadcast) and `l` per query row. One row of scores at a time, on the stack. */
+static CR_UNUSED void cr_attention(const float *q, const float *k, const float *v, const float *bias, int64_t bias_b,
+                                   int64_t bias_h, float *y, int64_t batch, int64_t s, int64_t l, int64_t heads,
+                                   int64_t hd, int64_t hv, float scale) {
+    float scores[l > 0 ? l : 1];
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float *kb = k + b * l * heads * hd + h * hd, *vb = v + b * l * heads * hv + h * hv;
+            for (int64_t i = 0; i < s; i++) {
+                const float *qi = q + (b * s + i) * heads * hd + h * hd;
+                const float *bi = bias ? bias + b * bias_b + h * bias_h + i * l : NULL;
+                float top = -INFINITY;
+                for (int64_t j = 0; j < l; j++) {
+                    scores[j] = scale * cr_dot(qi, kb + j * heads * hd, hd) + (bi ? bi[j] : 0.0f);
+                    top = scores[j] > top ? scores[j] : top;
+                }
+                float total = 0.0f;
+                for (int64_t j = 0; j < l; j++) {
+                    scores[j] = expf(scores[j] - top);
+                    total += scores[j];
+                }
+                float *yi = y + (b * s + i) * heads * hv + h * hv, inv = 1.0f / total;
+                for (int64_t e = 0; e < hv; e++) yi[e] = 0.0f;
+                for (int64_t j = 0; j < l; j++) {
+                    const float *vj = vb + j * heads * hv;
+                    float p = scores[j] * inv;
+                    for (int64_t e = 0; e < hv; e++) yi[e] += p * vj[e];
+                }
+            }
+        }
+    }
+}
+
 /* y[bt] = act(a[bt] b[bt] + col_bias + z[bt]) through the packed product, for batches of [m, k] x [k, n] with
  * element strides (a's rows a_row, columns a_col; b likewise); y and z are [batch, m, n] */
 static CR_UNUSED void cr_matmul_packed(const float *a, const float *b, const float *col_bias, const float *z, float *y,
