@@ -270,8 +270,48 @@ def _elements(shape: tuple[DimLike, ...]) -> DimLike:
     return n
 
 
+def _known_value(em: _Emitter, name: str, facts) -> np.ndarray | None:
+    """A value fixed at compile time: a constant, a folded node's output, or shape arithmetic at the fixed dims."""
+    array = _const(em, name)
+    if array is None and facts.get(name) is not None:
+        array = facts[name].value
+    if array is not None and array.dtype == object:  # dims as expressions: known once every symbol is fixed
+        fixed = {Sym(k): v for k, v in em.fixed.items()}
+        values = [symbolic.evaluate(v, fixed) if not isinstance(v, (int, np.integer)) else v for v in array.flat]
+        if not all(isinstance(v, (int, np.integer)) for v in values):
+            return None
+        array = np.array(values, dtype=np.int64).reshape(array.shape)
+    return array
+
+
+def _fold(em: _Emitter, node: Node, facts) -> bool:
+    """Evaluate a node whose inputs are all known at compile time with carrack's own kernel (a mask built from
+    the fixed sequence length, a class token expanded to the fixed batch): its outputs become constants, and only
+    the float32 ones that a compiled step reads reach the weights file."""
+    from carrack.ops.registry import resolve
+
+    inputs = [_known_value(em, name, facts) if name else None for name in node.inputs]
+    if not node.inputs or any(name and value is None for name, value in zip(node.inputs, inputs)):
+        return False
+    kernel_class, version = resolve(node.domain or "", node.op_type, em.plan.model.opsets.get(node.domain or "", 1))
+    if kernel_class is None or not kernel_class.pure:
+        return False
+    try:
+        results = kernel_class(node, version).run(*inputs)
+    except Exception:  # a kernel that needs a session's context: leave the node to its emitter
+        return False
+    results = results if isinstance(results, tuple) else (results,)
+    for name, value in zip(node.outputs, results):
+        if name and isinstance(value, np.ndarray):
+            em.constants[name] = value
+            em.values[name] = _Value(name, tuple(value.shape), "")
+    return True
+
+
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
     op = node.op_type
+    if op not in _VIEWS and op != "Constant" and _fold(em, node, facts):
+        return
     emitter = _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
     if emitter is None:
         em.missing.append((f"{op}" + (f" (domain '{node.domain}')" if node.domain else ""), node.label()))
