@@ -25,6 +25,8 @@ from carrack.backends.c.emit import RUNTIME_HEADER, Emitted, emit, manifest_json
 from carrack.errors import CarrackError
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
+#: the activations the native kernels and the compiled models' runtime share (carrack_rt.h includes it)
+ACTIVATIONS_HEADER = Path(__file__).parent.parent.parent / "native" / "activations.h"
 TARGETS = ("native", "wasm32")
 WASM_PAGE = 65536
 WASM_STACK = 1 << 20
@@ -78,9 +80,10 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
 def write_sources(emitted: Emitted, out: Path) -> list[str]:
     (out / "model.c").write_text(emitted.source)
     shutil.copyfile(RUNTIME_DIR / RUNTIME_HEADER, out / RUNTIME_HEADER)
+    shutil.copyfile(ACTIVATIONS_HEADER, out / ACTIVATIONS_HEADER.name)
     (out / "weights.bin").write_bytes(emitted.weights)
     (out / "model.json").write_text(manifest_json(emitted.manifest))
-    return ["model.c", RUNTIME_HEADER, "weights.bin", "model.json"]
+    return ["model.c", RUNTIME_HEADER, ACTIVATIONS_HEADER.name, "weights.bin", "model.json"]
 
 
 def native_compiler() -> list[str]:

@@ -15,11 +15,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "activations.h"
+
 #define CR_UNUSED __attribute__((unused))
 #define CR_ALIGN 64
 
-enum cr_act { CR_ACT_NONE, CR_ACT_RELU, CR_ACT_CLIP, CR_ACT_LEAKY, CR_ACT_SIGMOID, CR_ACT_TANH, CR_ACT_HARDSIGMOID,
-              CR_ACT_HARDSWISH, CR_ACT_GELU, CR_ACT_ELU, CR_ACT_EXP, CR_ACT_NEG, CR_ACT_SQRT, CR_ACT_ABS };
+/* the activations (numbering and scalar definitions) are the native kernels' own */
+enum cr_act { CR_ACT_NONE = ACT_NONE, CR_ACT_RELU = ACT_RELU, CR_ACT_CLIP = ACT_CLIP, CR_ACT_LEAKY = ACT_LEAKY,
+              CR_ACT_SIGMOID = ACT_SIGMOID, CR_ACT_TANH = ACT_TANH, CR_ACT_HARDSIGMOID = ACT_HARDSIGMOID,
+              CR_ACT_HARDSWISH = ACT_HARDSWISH, CR_ACT_GELU = ACT_GELU, CR_ACT_ELU = ACT_ELU, CR_ACT_EXP = ACT_EXP,
+              CR_ACT_NEG = ACT_NEG, CR_ACT_SQRT = ACT_SQRT, CR_ACT_ABS = ACT_ABS };
 
 enum cr_binop { CR_ADD, CR_SUB, CR_MUL, CR_DIV };
 
@@ -32,32 +37,7 @@ static inline int64_t cr_min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t cr_max(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t cr_align(int64_t n) { return (n + CR_ALIGN - 1) / CR_ALIGN * CR_ALIGN; }
 
-static inline float cr_act1(float v, int act, float a, float b) {
-    switch (act) {
-    case CR_ACT_RELU: return v < 0.0f ? 0.0f : v;
-    case CR_ACT_CLIP: v = v < a ? a : v; return v > b ? b : v;
-    case CR_ACT_LEAKY: return v < 0.0f ? v * a : v;
-    case CR_ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    case CR_ACT_TANH: return tanhf(v);
-    case CR_ACT_HARDSIGMOID: {
-        float s = v * a + b;
-        s = s < 0.0f ? 0.0f : s;
-        return s > 1.0f ? 1.0f : s;
-    }
-    case CR_ACT_HARDSWISH: {
-        float s = v * (1.0f / 6.0f) + 0.5f;
-        s = s < 0.0f ? 0.0f : s;
-        return v * (s > 1.0f ? 1.0f : s);
-    }
-    case CR_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case CR_ACT_ELU: return v < 0.0f ? a * (expf(v) - 1.0f) : v;
-    case CR_ACT_EXP: return expf(v);
-    case CR_ACT_NEG: return -v;
-    case CR_ACT_SQRT: return sqrtf(v);
-    case CR_ACT_ABS: return fabsf(v);
-    default: return v;
-    }
-}
+static inline float cr_act1(float v, int act, float a, float b) { return activation(v, act, a, b); }
 
 /* y = act(x) over n elements; the common activations get their own loop so it vectorizes */
 static CR_UNUSED void cr_unary(const float *x, float *y, int64_t n, int act, float a, float b) {
