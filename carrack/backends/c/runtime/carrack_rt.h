@@ -395,13 +395,28 @@ static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int6
                 int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
                 const float *xc = s->b + c * s->h * s->wd;
                 int64_t r = first / s->ow, q = first % s->ow;
-                for (int64_t p = 0; p < count; p++) {
-                    int64_t row = r * s->sh - s->pt + i * s->dh, col = q * s->sw - s->pl + j * s->dw;
-                    o[p] = row >= 0 && row < s->h && col >= 0 && col < s->wd ? xc[row * s->wd + col] : 0.0f;
-                    if (++q == s->ow) {
-                        q = 0;
-                        r++;
+                for (int64_t p = 0; p < count;) { /* one output row's run of pixels at a time */
+                    int64_t run = s->ow - q < count - p ? s->ow - q : count - p;
+                    int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
+                    if (row < 0 || row >= s->h) {
+                        memset(o + p, 0, (size_t)run * sizeof(float));
+                    } else if (s->sw == 1) { /* a contiguous piece of the input row, zeros where it pads */
+                        int64_t lo = col0 < 0 ? -col0 : 0, hi = s->wd - col0;
+                        lo = lo < run ? lo : run;
+                        hi = hi < lo ? lo : hi > run ? run : hi;
+                        memset(o + p, 0, (size_t)lo * sizeof(float));
+                        memcpy(o + p + lo, xc + row * s->wd + col0 + lo, (size_t)(hi - lo) * sizeof(float));
+                        memset(o + p + hi, 0, (size_t)(run - hi) * sizeof(float));
+                    } else {
+                        const float *xr = xc + row * s->wd;
+                        for (int64_t t = 0; t < run; t++) {
+                            int64_t col = col0 + t * s->sw;
+                            o[p + t] = col >= 0 && col < s->wd ? xr[col] : 0.0f;
+                        }
                     }
+                    p += run;
+                    q = 0;
+                    r++;
                 }
             }
             for (int64_t q = count; q < CR_GN; q++) o[q] = 0.0f;
