@@ -157,7 +157,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
     facts = plan.facts(fixed)
     graph = plan.graph
-    _check_inputs_outputs(plan, facts)
+    em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
     for k, node in enumerate(graph.nodes):
         _emit_node(em, k, node, facts)
@@ -197,20 +197,21 @@ def _check_symbols(plan: Plan, fixed: Mapping[str, int], maxima: Mapping[str, in
         raise CompileError(f"carrack compile: dim sizes must be at least 1, got {bad}")
 
 
-def _check_inputs_outputs(plan: Plan, facts) -> None:
+def _check_inputs_outputs(plan: Plan, facts) -> list[tuple[str, str]]:
     wrong = []
     for v in list(plan.inputs) + list(plan.graph.outputs):
         fact = facts.get(v.name)
         dtype = None if fact is None or fact.tensor is None else fact.elem_type
         if dtype != 1 or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
             wrong.append(f"'{v.name}' ({'unknown type' if dtype is None else f'element type {dtype}'})")
-    if wrong:
-        rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
-        raise UnsupportedOperators([("input/output", f"{w}: {rule}") for w in wrong])
+    rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
+    return [("input/output", f"{w}: {rule}") for w in wrong]
 
 
 def _place_inputs_outputs(em: _Emitter, facts) -> None:
     for k, v in enumerate(em.plan.inputs):
+        if facts.get(v.name) is None or facts[v.name].shape is None:
+            continue  # listed as unsupported already
         em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const float *)r->in[{k}]")
     for name, array in em.plan.graph.initializers.items():
         em.values[name] = _Value(name, tuple(array.shape), "")  # pointer made on first use (float32 only)
