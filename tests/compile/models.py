@@ -100,14 +100,16 @@ class MLP(nn.Module):
 
 class WideBlocks(nn.Module):
     """Layers wide and deep enough for every edge of the packed matrix product: a 3x3 convolution over 40 channels
-    (depth 360: two panels) with its residual added in place, a 1x1 convolution to 300 channels (row tiles with a
-    remainder), planes and linear widths that are not multiples of a vector tile nor of a panel block (130), and
-    a mean over the trailing axes (ReduceMean, mobilenet's head); depthwise convolutions at stride 1 along the
-    rows (3x3 with relu6, and 3x5 with a vertical stride and no bias), whose rows have vector and edge columns."""
+    (depth 360: two panels) with a fused residual (the first panel starts from it, the second adds to the sums),
+    a 1x1 convolution to 300 channels (row tiles with a remainder), planes and linear widths that are not
+    multiples of a vector tile nor of a panel block (130), and a mean over the trailing axes (ReduceMean,
+    mobilenet's head); depthwise convolutions at stride 1 along the rows (3x3 with relu6, and 3x5 with a
+    vertical stride and no bias), whose rows have vector and edge columns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 40, 3, padding=1)
+        self.mid = nn.Conv2d(40, 40, 1)
         self.body = nn.Conv2d(40, 40, 3, padding=1)
         self.depthwise = nn.Conv2d(40, 40, 3, padding=1, groups=40)
         self.depthwise_wide = nn.Conv2d(40, 40, (3, 5), stride=(2, 1), padding=(1, 2), groups=40, bias=False)
@@ -117,7 +119,7 @@ class WideBlocks(nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.stem(x))
-        y = torch.relu(self.body(y) + y)
+        y = torch.relu(self.body(torch.relu(self.mid(y))) + y)
         y = self.depthwise_wide(nn.functional.relu6(self.depthwise(y)))
         y = nn.functional.relu6(self.expand(y)).mean((2, 3))
         return self.fc2(nn.functional.gelu(self.fc1(y)))
