@@ -22,8 +22,7 @@
 #endif
 #include "threadpool.h"
 
-enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
-       ACT_SIGMOID = 6 };
+#include "activations.h"
 
 /* geometry, in the order of convgemm_f32's arguments: images, groups, output rows and depth per group,
  * pixels, and the strides (in floats) of x's images and depth rows, y's images and rows, and w's rows */
@@ -35,31 +34,6 @@ enum { G_N, G_GROUPS, G_MG, G_KG, G_P, G_XN, G_XK, G_YN, G_YM, G_WM, G_COUNT };
 #define ROWS_OUTER_BYTES (512 * 1024)
 #endif
 #define TAP_CACHE_BYTES (256 * 1024) /* a direct convolution's taps kept for all its pixel groups */
-
-typedef struct {
-    float a, b;
-    int act;
-} act_t;
-
-static inline float act_scalar(float v, act_t f) {
-    switch (f.act) {
-    case ACT_RELU: return v < 0.0f ? 0.0f : v;
-    case ACT_CLIP: v = v < f.a ? f.a : v; return v > f.b ? f.b : v;
-    case ACT_LEAKY: return v < 0.0f ? v * f.a : v;
-    case ACT_HARDSIGMOID: {
-        float s = v * f.a + f.b;
-        s = s < 0.0f ? 0.0f : s;
-        return s > 1.0f ? 1.0f : s;
-    }
-    case ACT_HARDSWISH: {
-        float s = v * (1.0f / 6.0f) + 0.5f;
-        s = s < 0.0f ? 0.0f : s;
-        return v * (s > 1.0f ? 1.0f : s);
-    }
-    case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    default: return v;
-    }
-}
 
 #if defined(__AVX512F__)
 /* e^x for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then scale by 2^n */

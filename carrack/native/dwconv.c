@@ -24,8 +24,7 @@
 #include <immintrin.h>
 #endif
 
-enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 2, ACT_LEAKY = 3, ACT_HARDSIGMOID = 4, ACT_HARDSWISH = 5,
-       ACT_SIGMOID = 6 };
+#include "activations.h"
 
 /* geometry, in the order of dwconv2d_f32's arguments */
 enum { G_C, G_MULT, G_H, G_W, G_KH, G_KW, G_OH, G_OW, G_SH, G_SW, G_DH, G_DW, G_PT, G_PL, G_COUNT };
@@ -36,31 +35,6 @@ enum { G_C, G_MULT, G_H, G_W, G_KH, G_KW, G_OH, G_OW, G_SH, G_SW, G_DH, G_DW, G_
 #define PREFETCH_ROWS_AHEAD 4 /* output rows */
 #define FLAT_MAX_TAPS 64        /* the flat depthwise path: its masks and offsets, for all the planes */
 #define FLAT_MAX_PIXELS 256 /* larger planes: the row kernels reuse each load for three taps */
-
-typedef struct {
-    float a, b;
-    int act;
-} act_t;
-
-static inline float act_scalar(float v, act_t f) {
-    switch (f.act) {
-    case ACT_RELU: return v < 0.0f ? 0.0f : v;
-    case ACT_CLIP: v = v < f.a ? f.a : v; return v > f.b ? f.b : v;
-    case ACT_LEAKY: return v < 0.0f ? v * f.a : v;
-    case ACT_HARDSIGMOID: {
-        float s = v * f.a + f.b;
-        s = s < 0.0f ? 0.0f : s;
-        return s > 1.0f ? 1.0f : s;
-    }
-    case ACT_HARDSWISH: {
-        float s = v * (1.0f / 6.0f) + 0.5f;
-        s = s < 0.0f ? 0.0f : s;
-        return v * (s > 1.0f ? 1.0f : s);
-    }
-    case ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    default: return v;
-    }
-}
 
 static void act_row(float *restrict y, int64_t n, act_t f) {
     if (f.act == ACT_NONE) return;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,6 +98,81 @@ class MLP(nn.Module):
         return torch.softmax(self.layers(x), -1)
 
 
+class WideBlocks(nn.Module):
+    """Layers wide and deep enough for every edge of the packed matrix product: a 3x3 convolution over 40 channels
+    (depth 360: two panels) with a fused residual (the first panel starts from it, the second adds to the sums),
+    a 1x1 convolution to 300 channels (row tiles with a remainder), planes and linear widths that are not
+    multiples of a vector tile nor of a panel block (130), and a mean over the trailing axes (ReduceMean,
+    mobilenet's head); depthwise convolutions at stride 1 along the rows (3x3 with relu6, and 3x5 with a
+    vertical stride and no bias), whose rows have vector and edge columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 40, 3, padding=1)
+        self.mid = nn.Conv2d(40, 40, 1)
+        self.body = nn.Conv2d(40, 40, 3, padding=1)
+        self.depthwise = nn.Conv2d(40, 40, 3, padding=1, groups=40)
+        self.depthwise_wide = nn.Conv2d(40, 40, (3, 5), stride=(2, 1), padding=(1, 2), groups=40, bias=False)
+        self.expand = nn.Conv2d(40, 300, 1)
+        self.fc1 = nn.Linear(300, 130)
+        self.fc2 = nn.Linear(130, 7)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.body(torch.relu(self.mid(y))) + y)
+        y = self.depthwise_wide(nn.functional.relu6(self.depthwise(y)))
+        y = nn.functional.relu6(self.expand(y)).mean((2, 3))
+        return self.fc2(nn.functional.gelu(self.fc1(y)))
+
+
+class NormalizedResiduals(nn.Module):
+    """A transformer's residual stream without attention: linear layers whose outputs are added to the stream and
+    layer-normalized (carrack's optimizer makes SkipLayerNormalization of the add and LayerNormalization, with
+    the sum kept for the next residual), GELU in between; batch and sequence dynamic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(24, 24)
+        self.fc2 = nn.Linear(24, 24)
+        self.norm1 = nn.LayerNorm(24)
+        self.norm2 = nn.LayerNorm(24, eps=1e-3)
+        self.norm3 = nn.LayerNorm(24)
+        with torch.no_grad():
+            for norm in (self.norm1, self.norm2, self.norm3):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        stream = self.norm1(x)
+        stream = self.fc1(stream) + stream
+        y = self.norm2(stream)
+        stream = self.fc2(nn.functional.gelu(y)) + stream
+        return self.norm3(stream)
+
+
+class SelfAttention(nn.Module):
+    """An encoder's attention block written as transformers writes it (projections, heads split and transposed,
+    scaled scores, softmax, weighted values, heads merged; carrack's optimizer makes MultiHeadAttention of it),
+    then a residual and a layer norm; batch and sequence dynamic."""
+
+    def __init__(self, hidden: int = 40, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.size = heads, hidden // heads
+        self.q, self.k, self.v, self.out = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        batch, length, hidden = x.shape
+        size = self.size
+
+        def split(t):
+            return t.view(batch, length, self.heads, size).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(size), -1)
+        return self.norm(self.out((p @ v).transpose(1, 2).reshape(batch, length, hidden)) + x)
+
+
 def _randomize_batchnorm(module: nn.Module, rng: torch.Generator) -> None:
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -129,6 +205,11 @@ MODELS = {
     "mlp": (MLP, (2, 20), {0: "batch"}, {"batch": 5}),
     "fully_convolutional": (FullyConvolutional, (1, 3, 9, 12), {0: "batch", 2: "height", 3: "width"},
                             {"batch": 2, "height": 40, "width": 40}),
+    "wide_blocks": (WideBlocks, (1, 3, 13, 11), {0: "batch", 2: "height", 3: "width"},
+                    {"batch": 2, "height": 16, "width": 16}),
+    "normalized_residuals": (NormalizedResiduals, (2, 5, 24), {0: "batch", 1: "sequence"},
+                             {"batch": 3, "sequence": 9}),
+    "self_attention": (SelfAttention, (2, 5, 40), {0: "batch", 1: "sequence"}, {"batch": 3, "sequence": 11}),
 }
 
 #: outputs' dynamic axes where they are not just the batch
@@ -141,6 +222,9 @@ SHAPES = {
     "sequence_mlp": [(1, 6, 1), (3, 6, 12), (2, 6, 5)],
     "mlp": [(1, 20), (5, 20), (2, 20)],
     "fully_convolutional": [(1, 3, 9, 12), (2, 3, 40, 33), (2, 3, 1, 2)],
+    "wide_blocks": [(1, 3, 13, 11), (2, 3, 16, 16), (1, 3, 1, 1)],
+    "normalized_residuals": [(2, 5, 24), (3, 9, 24), (1, 1, 24)],
+    "self_attention": [(2, 5, 40), (3, 11, 40), (1, 1, 40)],
 }
 
 

@@ -259,3 +259,60 @@ def test_outputs_passed_through_from_inputs_and_constants(tmp_path):
     got = carrack.CompiledModel(tmp_path / "out").run(None, {"x": x})
     for g, w in zip(got, session_outputs(path, {"x": x})):
         np.testing.assert_array_equal(g, w)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+#: -march -> the CPU flags it needs: 4 float lanes (SSE2), 8 (AVX2 + FMA), 16 (AVX-512)
+ARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64-v4": {"avx512f", "avx512bw", "avx512vl"}}
+
+
+@pytest.mark.parametrize("arch", list(ARCHES))
+@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp"])
+def test_every_vector_width_equals_the_session(exported, tmp_path, arch, name):
+    """The packed product's register tiles per target (4, 8 and 16 lanes) all give the session's results."""
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 Linux only")
+    if not ARCHES[arch] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ARCHES[arch] - _cpu_flags())} for -march={arch}")
+    path, maxima = exported[name]
+    compile_model(path, tmp_path, "native", max_dims=maxima, native_arch=arch)
+    model = carrack.CompiledModel(tmp_path)
+    for feed in feeds(name):
+        for got, want in zip(model.run(None, feed), session_outputs(path, feed)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _ClassToken(torch.nn.Module):
+    """ViT's head: a learned token expanded to the batch and put before the sequence, then attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = torch.nn.Parameter(torch.randn(1, 1, 40))
+        self.attention = MODELS["self_attention"][0]()
+
+    def forward(self, x):
+        return self.attention(torch.cat([self.token.expand(x.shape[0], -1, -1), x], 1))
+
+
+def test_nodes_known_at_the_fixed_dims_are_folded(tmp_path):
+    """The token's Expand to the batch (shape arithmetic from a symbolic dim) is evaluated at compile time when the
+    batch is fixed, and listed as unsupported when the batch is a run-time dim."""
+    torch.manual_seed(0)
+    path = tmp_path / "class_token.onnx"
+    torch.onnx.export(_ClassToken().eval(), (torch.randn(2, 5, 40),), str(path), input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "batch", 1: "sequence"}, "y": {0: "batch", 1: "seq"}},
+                      dynamo=False)
+    compile_model(path, tmp_path / "fixed", "native", dims={"batch": 2}, max_dims={"sequence": 7})
+    model = carrack.CompiledModel(tmp_path / "fixed")
+    for length in (1, 7):
+        feed = {"x": np.random.default_rng(length).standard_normal((2, length, 40)).astype(np.float32)}
+        np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(UnsupportedOperators, match="Expand"):
+        compile_model(path, tmp_path / "dynamic", "native", max_dims={"batch": 2, "sequence": 7})

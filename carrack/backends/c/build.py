@@ -25,6 +25,8 @@ from carrack.backends.c.emit import RUNTIME_HEADER, Emitted, emit, manifest_json
 from carrack.errors import CarrackError
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
+#: the activations the native kernels and the compiled models' runtime share (carrack_rt.h includes it)
+ACTIVATIONS_HEADER = Path(__file__).parent.parent.parent / "native" / "activations.h"
 TARGETS = ("native", "wasm32")
 WASM_PAGE = 65536
 WASM_STACK = 1 << 20
@@ -53,8 +55,9 @@ def library_name() -> str:
 
 
 def compile_model(model, directory: str | os.PathLike, target: str = "native", dims: Mapping[str, int] | None = None,
-                  max_dims: Mapping[str, int] | None = None, level: int = 99) -> Compiled:
-    """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`."""
+                  max_dims: Mapping[str, int] | None = None, level: int = 99, native_arch: str = "native") -> Compiled:
+    """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`; a native build
+    is for `native_arch` (the compiler's -march: "native", or e.g. "x86-64-v3" for AVX2 on another machine)."""
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
@@ -68,7 +71,7 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)
     if target == "native":
-        files.append(_build_native(compiler, out))
+        files.append(_build_native(compiler, out, native_arch))
     else:
         files += _build_wasm(compiler, out, emitted)
     return Compiled(out, target, files)
@@ -77,9 +80,10 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
 def write_sources(emitted: Emitted, out: Path) -> list[str]:
     (out / "model.c").write_text(emitted.source)
     shutil.copyfile(RUNTIME_DIR / RUNTIME_HEADER, out / RUNTIME_HEADER)
+    shutil.copyfile(ACTIVATIONS_HEADER, out / ACTIVATIONS_HEADER.name)
     (out / "weights.bin").write_bytes(emitted.weights)
     (out / "model.json").write_text(manifest_json(emitted.manifest))
-    return ["model.c", RUNTIME_HEADER, "weights.bin", "model.json"]
+    return ["model.c", RUNTIME_HEADER, ACTIVATIONS_HEADER.name, "weights.bin", "model.json"]
 
 
 def native_compiler() -> list[str]:
@@ -104,11 +108,11 @@ def _run(command: list[str], cwd: Path) -> None:
                           f"{(done.stdout + done.stderr)[-4000:]}")
 
 
-def _build_native(compiler: list[str], out: Path) -> str:
+def _build_native(compiler: list[str], out: Path, arch: str = "native") -> str:
     name = library_name()
-    flags = ["-std=c11", "-O3", "-fPIC", "-shared", "-Wall", "-Wno-unused-function"]
+    flags = ["-std=c11", "-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-Wall", "-Wno-unused-function"]
     if sys.platform != "win32":
-        flags.append("-march=native")
+        flags.append(f"-march={arch}")
     _run([*compiler, *flags, "-o", name, "model.c", "-lm"], out)
     return name
 

@@ -36,6 +36,8 @@ RUNTIME_HEADER = "carrack_rt.h"
 CHANNEL_VECTORIZED_MIN = 16
 #: output rows shorter than this (or strided, or of run-time length) are not what a convolution vectorizes over
 SHORT_ROW = 32
+#: output channels per group from which a convolution runs as a packed matrix product (cr_conv2d_gemm)
+PACKED_GEMM_MIN = 8
 MAX_RANK = 6
 
 #: error codes of model_run, as the manifest tells the loaders
@@ -155,7 +157,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
     facts = plan.facts(fixed)
     graph = plan.graph
-    _check_inputs_outputs(plan, facts)
+    em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
     for k, node in enumerate(graph.nodes):
         _emit_node(em, k, node, facts)
@@ -195,20 +197,21 @@ def _check_symbols(plan: Plan, fixed: Mapping[str, int], maxima: Mapping[str, in
         raise CompileError(f"carrack compile: dim sizes must be at least 1, got {bad}")
 
 
-def _check_inputs_outputs(plan: Plan, facts) -> None:
+def _check_inputs_outputs(plan: Plan, facts) -> list[tuple[str, str]]:
     wrong = []
     for v in list(plan.inputs) + list(plan.graph.outputs):
         fact = facts.get(v.name)
         dtype = None if fact is None or fact.tensor is None else fact.elem_type
         if dtype != 1 or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
             wrong.append(f"'{v.name}' ({'unknown type' if dtype is None else f'element type {dtype}'})")
-    if wrong:
-        rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
-        raise UnsupportedOperators([("input/output", f"{w}: {rule}") for w in wrong])
+    rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
+    return [("input/output", f"{w}: {rule}") for w in wrong]
 
 
 def _place_inputs_outputs(em: _Emitter, facts) -> None:
     for k, v in enumerate(em.plan.inputs):
+        if facts.get(v.name) is None or facts[v.name].shape is None:
+            continue  # listed as unsupported already
         em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const float *)r->in[{k}]")
     for name, array in em.plan.graph.initializers.items():
         em.values[name] = _Value(name, tuple(array.shape), "")  # pointer made on first use (float32 only)
@@ -268,8 +271,48 @@ def _elements(shape: tuple[DimLike, ...]) -> DimLike:
     return n
 
 
+def _known_value(em: _Emitter, name: str, facts) -> np.ndarray | None:
+    """A value fixed at compile time: a constant, a folded node's output, or shape arithmetic at the fixed dims."""
+    array = _const(em, name)
+    if array is None and facts.get(name) is not None:
+        array = facts[name].value
+    if array is not None and array.dtype == object:  # dims as expressions: known once every symbol is fixed
+        fixed = {Sym(k): v for k, v in em.fixed.items()}
+        values = [symbolic.evaluate(v, fixed) if not isinstance(v, (int, np.integer)) else v for v in array.flat]
+        if not all(isinstance(v, (int, np.integer)) for v in values):
+            return None
+        array = np.array(values, dtype=np.int64).reshape(array.shape)
+    return array
+
+
+def _fold(em: _Emitter, node: Node, facts) -> bool:
+    """Evaluate a node whose inputs are all known at compile time with carrack's own kernel (a mask built from
+    the fixed sequence length, a class token expanded to the fixed batch): its outputs become constants, and only
+    the float32 ones that a compiled step reads reach the weights file."""
+    from carrack.ops.registry import resolve
+
+    inputs = [_known_value(em, name, facts) if name else None for name in node.inputs]
+    if not node.inputs or any(name and value is None for name, value in zip(node.inputs, inputs)):
+        return False
+    kernel_class, version = resolve(node.domain or "", node.op_type, em.plan.model.opsets.get(node.domain or "", 1))
+    if kernel_class is None or not kernel_class.pure:
+        return False
+    try:
+        results = kernel_class(node, version).run(*inputs)
+    except Exception:  # a kernel that needs a session's context: leave the node to its emitter
+        return False
+    results = results if isinstance(results, tuple) else (results,)
+    for name, value in zip(node.outputs, results):
+        if name and isinstance(value, np.ndarray):
+            em.constants[name] = value
+            em.values[name] = _Value(name, tuple(value.shape), "")
+    return True
+
+
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
     op = node.op_type
+    if op not in _VIEWS and op != "Constant" and _fold(em, node, facts):
+        return
     emitter = _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
     if emitter is None:
         em.missing.append((f"{op}" + (f" (domain '{node.domain}')" if node.domain else ""), node.label()))
@@ -517,7 +560,11 @@ def _emit_conv(em, step, node, shapes, out_shape):
     oh, ow = _hw(out_shape, g["spatial"])
     groups = int(node.attrs.get("group", 1))
     short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
-    if w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
+    if groups == x_shape[1] == out_shape[1] and g["s"][1] == 1:  # depthwise, stride 1 along the rows
+        kernel, weights = "cr_dwconv2d", _pointer(em, w)
+    elif w_array.shape[0] // groups >= PACKED_GEMM_MIN:  # weights as stored are the product's A
+        kernel, weights = "cr_conv2d_gemm", _pointer(em, w)
+    elif w_array.shape[0] // groups >= CHANNEL_VECTORIZED_MIN and short_rows:  # vectorize over the channels
         m_out, cg = w_array.shape[:2]
         reordered = w_array.reshape(groups, m_out // groups, cg, -1).transpose(0, 2, 3, 1)
         kernel, weights = "cr_conv2d_cm", em.constant(f"{w}::channels_last", reordered)
@@ -591,6 +638,91 @@ def _emit_global_pool(em, step, node, shapes, out_shape):
             f"{int(node.op_type == 'GlobalMaxPool')});"]
 
 
+def _emit_reduce_trailing(em, step, node, shapes, out_shape):
+    """ReduceMean/ReduceMax over trailing axes (a global pool of the leading dims' planes)."""
+    x = node.inputs[0]
+    _require_float(em, node, [x])
+    x_shape = shapes[x]
+    if len(node.inputs) > 1 and node.inputs[1]:
+        axes_array = _const(em, node.inputs[1])
+        if axes_array is None:
+            raise _Unsupported("axes that are not a constant")
+        axes = [int(a) for a in axes_array.reshape(-1)]
+    else:
+        axes = [int(a) for a in node.attrs.get("axes", [])]
+    rank = len(x_shape)
+    axes = sorted(a % rank for a in axes) if axes else list(range(rank))
+    if not axes or axes != list(range(rank - len(axes), rank)):
+        raise _Unsupported(f"axes {axes} are not the trailing dims of a rank-{rank} input")
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    planes, size = _elements(x_shape[:rank - len(axes)]), _elements(x_shape[rank - len(axes):])
+    return [f"cr_global_pool({_pointer(em, x)}, {y.pointer}, {em.c_dim(planes)}, {em.c_dim(size)}, "
+            f"{int(node.op_type == 'ReduceMax')});"]
+
+
+def _emit_layer_norm(em, step, node, shapes, out_shape):
+    """LayerNormalization over the last axis, and com.microsoft's SkipLayerNormalization (x + skip + bias, with
+    the sum as an optional fourth output); the mean and inverse deviation outputs are not compiled."""
+    skip_form = node.op_type == "SkipLayerNormalization"
+    names = list(node.inputs) + [""] * 5
+    x, skip, gamma, beta, bias = (names[:5] if skip_form else [names[0], "", names[1], names[2], ""])
+    _require_float(em, node, [x, skip, gamma, beta, bias])
+    x_shape = tuple(shapes[x])
+    axis = int(node.attrs.get("axis", -1))
+    if not skip_form and axis % max(1, len(x_shape)) != len(x_shape) - 1:
+        raise _Unsupported(f"axis {axis}: only the last axis is compiled")
+    if any(node.outputs[1:3]):
+        raise _Unsupported("the mean and inverse standard deviation outputs")
+    hidden = x_shape[-1]
+    for name in (gamma, beta, bias):
+        if name and tuple(shapes.get(name, ())) not in ((hidden,), (1,) * (len(shapes.get(name, ())) - 1) + (hidden,)):
+            raise _Unsupported(f"'{name}' of shape {shapes.get(name)}: expected [{hidden}]")
+    if skip and tuple(shapes[skip]) != x_shape:
+        raise _Unsupported("a skip input broadcast to the input's shape")
+    epsilon = float(node.attrs.get("epsilon", 1e-12 if skip_form else 1e-5))
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    total = "NULL"
+    if skip_form and len(node.outputs) > 3 and node.outputs[3]:
+        total = _output_value(em, step, node.outputs[3], x_shape).pointer
+    pointers = [_pointer(em, n) if n else "NULL" for n in (x, skip, bias, gamma, beta)]
+    rows = _elements(x_shape[:-1])
+    return [f"cr_layer_norm({', '.join(pointers)},",
+            f"              {y.pointer}, {total}, {em.c_dim(rows)}, {em.c_dim(hidden)}, {_f(epsilon)});"]
+
+
+def _emit_attention(em, step, node, shapes, out_shape):
+    """com.microsoft MultiHeadAttention with separate 3-D query, key and value and an optional additive attention
+    bias; packed QKV, projection bias, key padding mask, past/present and unidirectional are not compiled."""
+    names = list(node.inputs) + [""] * 8
+    q, k, v, projection_bias, mask, attention_bias = names[:6]
+    if projection_bias or mask or any(names[6:8]) or any(node.outputs[1:]):
+        raise _Unsupported("projection bias, key padding mask or past/present key and value")
+    if int(node.attrs.get("unidirectional", 0)):
+        raise _Unsupported("unidirectional (causal) attention")
+    if not k or not v or any(len(shapes.get(n, ())) != 3 for n in (q, k, v)):
+        raise _Unsupported("query, key and value that are not all 3-D (batch, sequence, hidden)")
+    _require_float(em, node, [q, k, v, attention_bias])
+    heads = int(node.attrs["num_heads"])
+    (batch, s, d), (_, length, _), (_, _, dv) = shapes[q], shapes[k], shapes[v]
+    if not all(isinstance(x, int) and x % heads == 0 for x in (d, dv)):
+        raise _Unsupported(f"hidden sizes {d}, {dv} that are not fixed multiples of {heads} heads")
+    hd, hv = d // heads, dv // heads
+    bias_b = bias_h = "0"
+    if attention_bias:
+        b_shape = (1,) * (4 - len(shapes[attention_bias])) + tuple(shapes[attention_bias])
+        if tuple(b_shape[2:]) != (s, length) or b_shape[1] not in (1, heads) or b_shape[0] not in (1, batch):
+            raise _Unsupported(f"an attention bias of shape {list(shapes[attention_bias])}")
+        plane = symbolic.mul(s, length)
+        bias_h = em.c_dim(plane) if b_shape[1] == heads else "0"
+        bias_b = em.c_dim(symbolic.mul(plane, b_shape[1])) if b_shape[0] == batch and batch != 1 else "0"
+    scale = float(node.attrs.get("scale", 0.0)) or 1.0 / math.sqrt(hd)
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    pointers = [_pointer(em, n) for n in (q, k, v)] + [_pointer(em, attention_bias) if attention_bias else "NULL"]
+    return [f"cr_attention({', '.join(pointers)}, {bias_b}, {bias_h},",
+            f"             {y.pointer}, {em.c_dim(batch)}, {em.c_dim(s)}, {em.c_dim(length)}, {heads}, {hd}, {hv}, "
+            f"{_f(scale)});"]
+
+
 def _emit_gemm(em, step, node, shapes, out_shape):
     a, b = node.inputs[:2]
     c = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] else ""
@@ -616,6 +748,11 @@ def _emit_gemm(em, step, node, shapes, out_shape):
         cs_row = "0" if c_shape[0] == 1 and m != 1 else em.c_dim(c_shape[1])
     act, fa, fb = _activation(node) if node.op_type == "FusedGemm" else ("CR_ACT_NONE", 0.0, 0.0)
     y = _output_value(em, step, node.outputs[0], out_shape)
+    if alpha == 1.0 and (not c or beta == 1.0 and cs_col == "1" and cs_row in ("0", em.c_dim(n))):
+        col_bias, z = (pc if cs_row == "0" else "NULL", pc if cs_row != "0" else "NULL") if c else ("NULL", "NULL")
+        return [f"cr_matmul_packed({_pointer(em, a)}, {pb}, {col_bias}, {z}, {y.pointer},",
+                f"                 1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, "
+                f"{b_col}, 0, 0, {act}, {_f(fa)}, {_f(fb)});"]
     return [f"cr_gemm({_pointer(em, a)}, {pb}, {pc}, {y.pointer},",
             f"        1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, {b_col}, 0, 0,",
             f"        {cs_row}, {cs_col}, {_f(alpha)}, {_f(beta)}, {act}, {_f(fa)}, {_f(fb)});"]
@@ -637,10 +774,9 @@ def _emit_matmul(em, step, node, shapes, out_shape):
         raise _Unsupported("MatMul with broadcast batch dims")
     act, fa, fb = _activation(node) if node.op_type == "FusedMatMul" else ("CR_ACT_NONE", 0.0, 0.0)
     y = _output_value(em, step, node.outputs[0], out_shape)
-    return [f"cr_gemm({_pointer(em, a)}, {_pointer(em, b)}, NULL, {y.pointer},",
+    return [f"cr_matmul_packed({_pointer(em, a)}, {_pointer(em, b)}, NULL, NULL, {y.pointer},",
             f"        {em.c_dim(batch)}, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {em.c_dim(k)}, 1, "
-            f"{em.c_dim(n)}, 1, {em.c_dim(a_batch)}, {em.c_dim(b_batch)},",
-            f"        0, 0, 1.0f, 0.0f, {act}, {_f(fa)}, {_f(fb)});"]
+            f"{em.c_dim(n)}, 1, {em.c_dim(a_batch)}, {em.c_dim(b_batch)}, {act}, {_f(fa)}, {_f(fb)});"]
 
 
 def _emit_softmax(em, step, node, shapes, out_shape):
@@ -705,6 +841,10 @@ _EMITTERS = {
     ("", "BatchNormalization"): _emit_batchnorm, ("carrack", "FusedBatchNormalization"): _emit_batchnorm,
     ("", "MaxPool"): _emit_pool, ("", "AveragePool"): _emit_pool,
     ("", "GlobalAveragePool"): _emit_global_pool, ("", "GlobalMaxPool"): _emit_global_pool,
+    ("", "ReduceMean"): _emit_reduce_trailing, ("", "ReduceMax"): _emit_reduce_trailing,
+    ("", "LayerNormalization"): _emit_layer_norm, ("com.microsoft", "LayerNormalization"): _emit_layer_norm,
+    ("com.microsoft", "SkipLayerNormalization"): _emit_layer_norm,
+    ("com.microsoft", "MultiHeadAttention"): _emit_attention,
     ("", "Gemm"): _emit_gemm, ("com.microsoft", "FusedGemm"): _emit_gemm, ("carrack", "FusedGemm"): _emit_gemm,
     ("", "MatMul"): _emit_matmul, ("carrack", "FusedMatMul"): _emit_matmul,
     ("", "Softmax"): _emit_softmax, ("", "LogSoftmax"): _emit_softmax,

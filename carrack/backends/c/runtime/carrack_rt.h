@@ -15,11 +15,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "activations.h"
+
 #define CR_UNUSED __attribute__((unused))
 #define CR_ALIGN 64
 
-enum cr_act { CR_ACT_NONE, CR_ACT_RELU, CR_ACT_CLIP, CR_ACT_LEAKY, CR_ACT_SIGMOID, CR_ACT_TANH, CR_ACT_HARDSIGMOID,
-              CR_ACT_HARDSWISH, CR_ACT_GELU, CR_ACT_ELU, CR_ACT_EXP, CR_ACT_NEG, CR_ACT_SQRT, CR_ACT_ABS };
+/* the activations (numbering and scalar definitions) are the native kernels' own */
+enum cr_act { CR_ACT_NONE = ACT_NONE, CR_ACT_RELU = ACT_RELU, CR_ACT_CLIP = ACT_CLIP, CR_ACT_LEAKY = ACT_LEAKY,
+              CR_ACT_SIGMOID = ACT_SIGMOID, CR_ACT_TANH = ACT_TANH, CR_ACT_HARDSIGMOID = ACT_HARDSIGMOID,
+              CR_ACT_HARDSWISH = ACT_HARDSWISH, CR_ACT_GELU = ACT_GELU, CR_ACT_ELU = ACT_ELU, CR_ACT_EXP = ACT_EXP,
+              CR_ACT_NEG = ACT_NEG, CR_ACT_SQRT = ACT_SQRT, CR_ACT_ABS = ACT_ABS };
 
 enum cr_binop { CR_ADD, CR_SUB, CR_MUL, CR_DIV };
 
@@ -32,32 +37,7 @@ static inline int64_t cr_min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t cr_max(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline int64_t cr_align(int64_t n) { return (n + CR_ALIGN - 1) / CR_ALIGN * CR_ALIGN; }
 
-static inline float cr_act1(float v, int act, float a, float b) {
-    switch (act) {
-    case CR_ACT_RELU: return v < 0.0f ? 0.0f : v;
-    case CR_ACT_CLIP: v = v < a ? a : v; return v > b ? b : v;
-    case CR_ACT_LEAKY: return v < 0.0f ? v * a : v;
-    case CR_ACT_SIGMOID: return 1.0f / (1.0f + expf(-v));
-    case CR_ACT_TANH: return tanhf(v);
-    case CR_ACT_HARDSIGMOID: {
-        float s = v * a + b;
-        s = s < 0.0f ? 0.0f : s;
-        return s > 1.0f ? 1.0f : s;
-    }
-    case CR_ACT_HARDSWISH: {
-        float s = v * (1.0f / 6.0f) + 0.5f;
-        s = s < 0.0f ? 0.0f : s;
-        return v * (s > 1.0f ? 1.0f : s);
-    }
-    case CR_ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case CR_ACT_ELU: return v < 0.0f ? a * (expf(v) - 1.0f) : v;
-    case CR_ACT_EXP: return expf(v);
-    case CR_ACT_NEG: return -v;
-    case CR_ACT_SQRT: return sqrtf(v);
-    case CR_ACT_ABS: return fabsf(v);
-    default: return v;
-    }
-}
+static inline float cr_act1(float v, int act, float a, float b) { return activation(v, act, a, b); }
 
 /* y = act(x) over n elements; the common activations get their own loop so it vectorizes */
 static CR_UNUSED void cr_unary(const float *x, float *y, int64_t n, int act, float a, float b) {
@@ -341,6 +321,379 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
     }
 }
 
+/* ---- the packed matrix product: per-target register tiles over GCC/Clang vector extensions ------------------------
+ * CR_VW float lanes per vector: 16 with AVX-512, 8 with AVX/AVX2, else 4 (SSE, WebAssembly SIMD128 with -msimd128,
+ * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = 2 * CR_VW columns keeps
+ * its sums in registers; B is packed (zero-padded) into CR_GN-wide panels of CR_KC rows that stay in L1/L2 while
+ * every row tile of A streams past them (the blocking of carrack/native/convgemm.c). */
+#if defined(__AVX512F__)
+#define CR_VW 16
+#elif defined(__AVX__)
+#define CR_VW 8
+#else
+#define CR_VW 4
+#endif
+#if CR_VW == 4
+#define CR_GM 4 /* 8 accumulators: SIMD128 engines keep them in 16 xmm registers */
+#else
+#define CR_GM 6 /* 12 accumulators of the 16 (AVX2) or 32 (AVX-512) vector registers */
+#endif
+#define CR_GN (2 * CR_VW)
+#define CR_KC 256 /* depth per packed panel */
+#define CR_NC 128 /* columns per packed block (a multiple of CR_GN) */
+
+typedef float cr_vf __attribute__((vector_size(CR_VW * 4)));
+
+static inline cr_vf cr_vload(const float *p) {
+    cr_vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void cr_vstore(float *p, cr_vf v) { memcpy(p, &v, sizeof v); }
+
+typedef int32_t cr_vi __attribute__((vector_size(CR_VW * 4)));
+
+/* lanes of a where `take` is set, else of b (max and min by compare and select: C has no vector ?:) */
+static inline cr_vf cr_vselect(cr_vi take, cr_vf a, cr_vf b) {
+    return (cr_vf)((take & (cr_vi)a) | (~take & (cr_vi)b));
+}
+
+/* the activations a tile applies in registers: relu and clip (mobilenet's relu6); others go through cr_unary */
+static inline cr_vf cr_vclamp(cr_vf v, float lo, float hi) {
+    cr_vf vlo = (cr_vf){0} + lo, vhi = (cr_vf){0} + hi;
+    v = cr_vselect(v < vlo, vlo, v);
+    return cr_vselect(v > vhi, vhi, v);
+}
+
+/* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
+ * convolution's input group (k = (c, i, j) tap, column = output pixel) */
+typedef struct {
+    const float *b;
+    int64_t row, col;
+    int conv;
+    int64_t h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl;
+} cr_bsrc;
+
+static cr_vf cr_pack_buffer[CR_KC * CR_NC / CR_VW]; /* aligned as a vector; the model is single-threaded */
+
+/* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN */
+static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float *panel) {
+    for (int64_t t = 0; t * CR_GN < nc; t++) {
+        int64_t first = j0 + t * CR_GN, count = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
+        float *out = panel + t * kc * CR_GN;
+        for (int64_t kk = 0; kk < kc; kk++) {
+            float *o = out + kk * CR_GN;
+            int64_t k = k0 + kk;
+            if (!s->conv) {
+                const float *src = s->b + k * s->row + first * s->col;
+                if (s->col == 1) {
+                    memcpy(o, src, (size_t)count * sizeof(float));
+                } else {
+                    for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
+                }
+            } else {
+                int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
+                const float *xc = s->b + c * s->h * s->wd;
+                int64_t r = first / s->ow, q = first % s->ow;
+                for (int64_t p = 0; p < count;) { /* one output row's run of pixels at a time */
+                    int64_t run = s->ow - q < count - p ? s->ow - q : count - p;
+                    int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
+                    if (row < 0 || row >= s->h) {
+                        memset(o + p, 0, (size_t)run * sizeof(float));
+                    } else if (s->sw == 1) { /* a contiguous piece of the input row, zeros where it pads */
+                        int64_t lo = col0 < 0 ? -col0 : 0, hi = s->wd - col0;
+                        lo = lo < run ? lo : run;
+                        hi = hi < lo ? lo : hi > run ? run : hi;
+                        memset(o + p, 0, (size_t)lo * sizeof(float));
+                        memcpy(o + p + lo, xc + row * s->wd + col0 + lo, (size_t)(hi - lo) * sizeof(float));
+                        memset(o + p + hi, 0, (size_t)(run - hi) * sizeof(float));
+                    } else {
+                        const float *xr = xc + row * s->wd;
+                        for (int64_t t = 0; t < run; t++) {
+                            int64_t col = col0 + t * s->sw;
+                            o[p + t] = col >= 0 && col < s->wd ? xr[col] : 0.0f;
+                        }
+                    }
+                    p += run;
+                    q = 0;
+                    r++;
+                }
+            }
+            for (int64_t q = count; q < CR_GN; q++) o[q] = 0.0f;
+        }
+    }
+}
+
+/* what a tile adds on its last panel, before it is stored: per-row and per-column biases and an activation */
+typedef struct {
+    const float *row_bias, *col_bias; /* at the tile's first row / column; NULL for none */
+    int act;
+    float a, b;
+} cr_epilogue;
+
+/* c[t, 0:nq] = prev[t, 0:nq] + sum_kk a[t * sa_m + kk * sa_k] * panel[kk * ldp + 0:CR_GN] for the tile's mr rows
+ * (prev: NULL for zeros, else c itself or a residual laid out like c, which c may alias); `last`: the epilogue
+ * is applied while the tile is in registers and L1. `rows` is a constant where it is inlined (CR_GM, or 1 for a
+ * matrix-vector product), so the sums stay in registers. */
+static inline __attribute__((always_inline)) void cr_gemm_tile(
+    const int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp, int64_t kc,
+    float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
+    const float *row[CR_GM];
+    for (int t = 0; t < rows; t++) row[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
+    cr_vf acc[CR_GM][2];
+    for (int t = 0; t < rows; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
+    if (sa_k == 1) {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
+            for (int t = 0; t < rows; t++) {
+                cr_vf av = (cr_vf){0} + row[t][kk];
+                acc[t][0] += av * b0;
+                acc[t][1] += av * b1;
+            }
+        }
+    } else {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
+            for (int t = 0; t < rows; t++) {
+                cr_vf av = (cr_vf){0} + row[t][kk * sa_k];
+                acc[t][0] += av * b0;
+                acc[t][1] += av * b1;
+            }
+        }
+    }
+    for (int64_t t = 0; t < mr && t < rows; t++) {
+        float *ct = c + t * ldc;
+        const float *pt = prev ? prev + t * ldc : NULL;
+        float tile[CR_GN];
+        if (pt && nq == CR_GN) {
+            acc[t][0] += cr_vload(pt);
+            acc[t][1] += cr_vload(pt + CR_VW);
+        }
+        if (last && last->row_bias) {
+            acc[t][0] += last->row_bias[t];
+            acc[t][1] += last->row_bias[t];
+        }
+        int in_registers = !last || (!last->col_bias && (last->act == CR_ACT_NONE || last->act == CR_ACT_RELU
+                                                         || last->act == CR_ACT_CLIP));
+        if (nq == CR_GN && in_registers) {
+            if (last && last->act != CR_ACT_NONE) {
+                float lo = last->act == CR_ACT_RELU ? 0.0f : last->a;
+                float hi = last->act == CR_ACT_RELU ? INFINITY : last->b;
+                acc[t][0] = cr_vclamp(acc[t][0], lo, hi);
+                acc[t][1] = cr_vclamp(acc[t][1], lo, hi);
+            }
+            cr_vstore(ct, acc[t][0]);
+            cr_vstore(ct + CR_VW, acc[t][1]);
+            continue;
+        }
+        cr_vstore(tile, acc[t][0]);
+        cr_vstore(tile + CR_VW, acc[t][1]);
+        if (pt && nq < CR_GN)
+            for (int64_t q = 0; q < nq; q++) tile[q] += pt[q];
+        if (last) {
+            if (last->col_bias)
+                for (int64_t q = 0; q < nq; q++) tile[q] += last->col_bias[q];
+            if (last->act != CR_ACT_NONE) cr_unary(tile, tile, nq, last->act, last->a, last->b);
+        }
+        memcpy(ct, tile, (size_t)nq * sizeof(float));
+    }
+}
+
+/* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
+ * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place). A strided B with
+ * contiguous rows is read where it lies (only a last, partial column tile is copied); an im2col or transposed B is
+ * packed panel by panel. */
+static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k, const cr_bsrc *b, float *c,
+                                     int64_t ldc, int64_t m, int64_t k, int64_t n, const float *row_bias,
+                                     const float *col_bias, const float *z, int act, float act_a, float act_b) {
+    float *panel = (float *)cr_pack_buffer;
+    int direct = !b->conv && b->col == 1;
+    if (k == 0) {
+        for (int64_t i = 0; i < m; i++) {
+            float *ci = c + i * ldc;
+            if (z) memmove(ci, z + i * ldc, (size_t)n * sizeof(float));
+            else memset(ci, 0, (size_t)n * sizeof(float));
+            for (int64_t q = 0; q < n; q++) ci[q] += (row_bias ? row_bias[i] : 0.0f) + (col_bias ? col_bias[q] : 0.0f);
+            if (act != CR_ACT_NONE) cr_unary(ci, ci, n, act, act_a, act_b);
+        }
+        return;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += CR_NC) {
+        int64_t nc = n - j0 < CR_NC ? n - j0 : CR_NC;
+        for (int64_t k0 = 0; k0 < k; k0 += CR_KC) {
+            int64_t kc = k - k0 < CR_KC ? k - k0 : CR_KC, full = nc / CR_GN * CR_GN;
+            if (!direct) cr_pack_b(b, k0, kc, j0, nc, panel);
+            else if (full < nc) cr_pack_b(b, k0, kc, j0 + full, nc - full, panel); /* only the partial tile */
+            int is_last = k0 + kc >= k;
+            for (int64_t i0 = 0; i0 < m; i0 += CR_GM) {
+                int64_t mr = m - i0 < CR_GM ? m - i0 : CR_GM;
+                cr_epilogue epilogue = {row_bias ? row_bias + i0 : NULL, NULL, act, act_a, act_b};
+                for (int64_t t = 0; t * CR_GN < nc; t++) {
+                    int64_t nq = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN, at = i0 * ldc + j0 + t * CR_GN;
+                    const float *p = panel + t * kc * CR_GN;
+                    int64_t ldp = CR_GN;
+                    if (direct && nq == CR_GN) {
+                        p = b->b + k0 * b->row + j0 + t * CR_GN;
+                        ldp = b->row;
+                    } else if (direct) {
+                        p = panel;
+                    }
+                    epilogue.col_bias = col_bias ? col_bias + j0 + t * CR_GN : NULL;
+                    const float *prev = k0 > 0 ? c + at : z ? z + at : NULL;
+                    const float *ai = a + i0 * sa_m + k0 * sa_k;
+                    if (mr == 1)
+                        cr_gemm_tile(1, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                     is_last ? &epilogue : NULL);
+                    else
+                        cr_gemm_tile(CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                     is_last ? &epilogue : NULL);
+                }
+            }
+        }
+    }
+}
+
+/* a 2-D convolution (cr_conv2d's arguments) as one packed product per image and group: A = the group's weights
+ * [mg, cg * kh * kw] as stored, B = the im2col of its input channels (packed panel by panel, never whole) */
+static CR_UNUSED void cr_conv2d_gemm(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                     int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                     int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
+                                     int64_t dw, int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    int64_t cg = c_in / groups, mg = m_out / groups, plane = oh * ow, depth = cg * kh * kw;
+    int pointwise = kh == 1 && kw == 1 && sh == 1 && sw == 1 && pt == 0 && pl == 0 && oh == h && ow == wd;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + (img * c_in + g * cg) * h * wd;
+            cr_bsrc src = {xg, plane, 1, !pointwise, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl};
+            int64_t first = (img * m_out + g * mg) * plane;
+            cr_gemm_packed(w + g * mg * depth, depth, 1, &src, y + first, plane, mg, depth, plane,
+                           bias ? bias + g * mg : NULL, NULL, z ? z + first : NULL, act, a, b);
+        }
+    }
+}
+
+/* one output pixel of a depthwise convolution, with the bounds checked (the plane's edges) */
+static inline float cr_dw_pixel(const float *xc, const float *wc, float start, int64_t r, int64_t q, int64_t h,
+                                int64_t wd, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                int64_t pt, int64_t pl) {
+    float sum = start;
+    for (int64_t i = 0; i < kh; i++) {
+        int64_t row = r * sh - pt + i * dh;
+        if (row < 0 || row >= h) continue;
+        for (int64_t j = 0; j < kw; j++) {
+            int64_t col = q * sw - pl + j * dw;
+            if (col >= 0 && col < wd) sum += wc[i * kw + j] * xc[row * wd + col];
+        }
+    }
+    return sum;
+}
+
+/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments, for stride 1 along
+ * the width: the columns whose taps are all inside the row are summed CR_VW at a time in registers over every tap,
+ * the few at the padded edges one by one */
+static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
+                                  int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
+                                  int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                  int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
+    (void)m_out, (void)groups, (void)sw; /* sw == 1, groups == m_out == c_in: the emitter's choice */
+    int64_t lo = pl < ow ? pl : ow, hi = wd - (kw - 1) * dw + pl; /* columns [lo, hi) read no padding */
+    hi = hi < lo ? lo : hi > ow ? ow : hi;
+    int fast_act = act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP;
+    float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
+    float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    for (int64_t img = 0; img < n; img++) {
+        for (int64_t ch = 0; ch < c_in; ch++) {
+            const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
+            const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
+            float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
+            for (int64_t r = 0; r < oh; r++) {
+                float *yr = yc + r * ow;
+                const float *zr = zc ? zc + r * ow : NULL;
+                int64_t q = lo;
+                if (fast_act) {
+                    for (; q + CR_VW <= hi; q += CR_VW) {
+                        cr_vf acc = (cr_vf){0} + start;
+                        for (int64_t i = 0; i < kh; i++) {
+                            int64_t row = r * sh - pt + i * dh;
+                            if (row < 0 || row >= h) continue;
+                            const float *xr = xc + row * wd + q - pl;
+                            for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + j * dw);
+                        }
+                        if (zr) acc += cr_vload(zr + q);
+                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                    }
+                }
+                for (int64_t k = 0; k < ow; k++) {
+                    if (k >= lo && k < q) k = q; /* the columns done in registers */
+                    if (k >= ow) break;
+                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, 1, dh, dw, pt, pl);
+                    yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
+                }
+            }
+        }
+    }
+}
+
+static inline float cr_dot(const float *a, const float *b, int64_t n) {
+    cr_vf acc = (cr_vf){0};
+    int64_t i = 0;
+    for (; i + CR_VW <= n; i += CR_VW) acc += cr_vload(a + i) * cr_vload(b + i);
+    float lanes[CR_VW], sum = 0.0f;
+    cr_vstore(lanes, acc);
+    for (int l = 0; l < CR_VW; l++) sum += lanes[l];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* multi-head attention (com.microsoft MultiHeadAttention with 3-D query, key and value): for each batch b, head h
+ * and query row i, y[b, i, h * hv:] = softmax_j(scale * q[b, i, h * hd:] . k[b, j, h * hd:] + bias[b, h, i, j])
+ * v[b, j, h * hv:]; `bias` (an additive attention bias, may be NULL) steps bias_b per batch and bias_h per head
+ * (0 where it is broadcast) and `l` per query row. One row of scores at a time, on the stack. */
+static CR_UNUSED void cr_attention(const float *q, const float *k, const float *v, const float *bias, int64_t bias_b,
+                                   int64_t bias_h, float *y, int64_t batch, int64_t s, int64_t l, int64_t heads,
+                                   int64_t hd, int64_t hv, float scale) {
+    float scores[l > 0 ? l : 1];
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float *kb = k + b * l * heads * hd + h * hd, *vb = v + b * l * heads * hv + h * hv;
+            for (int64_t i = 0; i < s; i++) {
+                const float *qi = q + (b * s + i) * heads * hd + h * hd;
+                const float *bi = bias ? bias + b * bias_b + h * bias_h + i * l : NULL;
+                float top = -INFINITY;
+                for (int64_t j = 0; j < l; j++) {
+                    scores[j] = scale * cr_dot(qi, kb + j * heads * hd, hd) + (bi ? bi[j] : 0.0f);
+                    top = scores[j] > top ? scores[j] : top;
+                }
+                float total = 0.0f;
+                for (int64_t j = 0; j < l; j++) {
+                    scores[j] = expf(scores[j] - top);
+                    total += scores[j];
+                }
+                float *yi = y + (b * s + i) * heads * hv + h * hv, inv = 1.0f / total;
+                for (int64_t e = 0; e < hv; e++) yi[e] = 0.0f;
+                for (int64_t j = 0; j < l; j++) {
+                    const float *vj = vb + j * heads * hv;
+                    float p = scores[j] * inv;
+                    for (int64_t e = 0; e < hv; e++) yi[e] += p * vj[e];
+                }
+            }
+        }
+    }
+}
+
+/* y[bt] = act(a[bt] b[bt] + col_bias + z[bt]) through the packed product, for batches of [m, k] x [k, n] with
+ * element strides (a's rows a_row, columns a_col; b likewise); y and z are [batch, m, n] */
+static CR_UNUSED void cr_matmul_packed(const float *a, const float *b, const float *col_bias, const float *z, float *y,
+                                       int64_t batch, int64_t m, int64_t k, int64_t n, int64_t a_row, int64_t a_col,
+                                       int64_t b_row, int64_t b_col, int64_t a_batch, int64_t b_batch, int act,
+                                       float act_a, float act_b) {
+    for (int64_t bt = 0; bt < batch; bt++) {
+        cr_bsrc src = {.b = b + bt * b_batch, .row = b_row, .col = b_col};
+        cr_gemm_packed(a + bt * a_batch, a_row, a_col, &src, y + bt * m * n, n, m, k, n, NULL, col_bias,
+                       z ? z + bt * m * n : NULL, act, act_a, act_b);
+    }
+}
+
 /* y[o, c, i] = act(x[o, c, i] * scale[c] + shift[c]) (inference BatchNormalization folded at compile time) */
 static CR_UNUSED void cr_affine(const float *x, const float *scale, const float *shift, float *y, int64_t outer,
                                 int64_t channels, int64_t inner, int act, float a, float b) {
@@ -351,6 +704,34 @@ static CR_UNUSED void cr_affine(const float *x, const float *scale, const float 
             float s = scale[c], t = shift[c];
             for (int64_t i = 0; i < inner; i++) yp[i] = xp[i] * s + t;
             if (act != CR_ACT_NONE) cr_unary(yp, yp, inner, act, a, b);
+        }
+    }
+}
+
+/* layer normalization over the last axis of `rows` rows of `hidden`: t = x + skip + bias (skip, bias may be NULL),
+ * y = (t - mean) / sqrt(var + eps) * gamma + beta (beta may be NULL), and t itself into `total` when not NULL
+ * (SkipLayerNormalization's fourth output). Statistics are summed in double; y and total may alias x or skip. */
+static CR_UNUSED void cr_layer_norm(const float *x, const float *skip, const float *bias, const float *gamma,
+                                    const float *beta, float *y, float *total, int64_t rows, int64_t hidden,
+                                    float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden, *sr = skip ? skip + r * hidden : NULL;
+        double sum = 0.0, squares = 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            float t = xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f);
+            sum += t;
+        }
+        double mean = hidden ? sum / (double)hidden : 0.0;
+        for (int64_t i = 0; i < hidden; i++) {
+            double d = (double)(xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f)) - mean;
+            squares += d * d;
+        }
+        float inv = (float)(1.0 / sqrt(squares / (double)(hidden ? hidden : 1) + (double)eps)), m = (float)mean;
+        float *yr = y + r * hidden, *tr = total ? total + r * hidden : NULL;
+        for (int64_t i = 0; i < hidden; i++) {
+            float t = xr[i] + (sr ? sr[i] : 0.0f) + (bias ? bias[i] : 0.0f);
+            yr[i] = (t - m) * inv * gamma[i] + (beta ? beta[i] : 0.0f);
+            if (tr) tr[i] = t;
         }
     }
 }
