@@ -15,6 +15,7 @@ import numpy as np
 from carrack import native
 from carrack.native import data_address, intra_op
 from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run, _threads
+from carrack.native.packed import packed
 
 _F32 = np.dtype(np.float32)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -44,7 +45,16 @@ def _load():
         transposed.argtypes = [_ptr, _ptr, _ptr, *[_i64] * 8]
         transposed.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
+        # the same kernels called with one prepared pointer (packed.py): ctypes' conversion of 11-19 arguments
+        # costs more than the arithmetic of the small products of tiny transformers
+        lib.carrack_matmul_packed = (packed(fn, 13), packed(batched, 19), packed(transposed, 11))
     return lib.carrack_matmul or None
+
+
+def _packed_kernels():
+    """(matmul_f32_threads, matmul_f32_batched_threads, matmul_bt_f32_threads), called with plain ints; None when
+    the library is not there (call after `_load()` returned a function)."""
+    return getattr(native.library("convgemm"), "carrack_matmul_packed", None)
 
 
 def depth_block(depth: int) -> int:
@@ -93,7 +103,7 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
-    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
+    _run(_packed_kernels()[0], tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
     return True
 
 
@@ -108,8 +118,8 @@ def matmul_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     if fn is None:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
-    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, (data_address(a), data_address(b), data_address(out), t, k, n, k,
-                                                   n, n, depth_block(k)), ())
+    head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
+    _run(_packed_kernels()[0], tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
     return True
 
 
@@ -121,7 +131,6 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     fn = _load()
     if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
         return False
-    lib = native.library("convgemm")
     (t, k), n = a.shape[-2:], b.shape[-1]
     batch = a.shape[:-2]
     if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
@@ -140,9 +149,9 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
 
     items = outer * inner * -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     threads = _threads(items, GEMM_ROWS * GEMM_PIXELS * k)
-    lib.matmul_f32_batched_threads(data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
-                                   a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
-                                   *steps(a), *steps(b), *steps(out), threads)
+    _packed_kernels()[1](data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
+                         a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
+                         *steps(a), *steps(b), *steps(out), threads)
     return True
 
 
@@ -164,8 +173,8 @@ def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
             return False
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
-    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
-                                                      k, n, 0, n, _threads(n, t * k))
+    _packed_kernels()[2](data_address(a), data_address(b), data_address(out), t, k, k, k, n, 0, n,
+                         _threads(n, t * k))
     return True
 
 
@@ -177,6 +186,6 @@ def transposed_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bo
     if not 0 < t <= MAX_DOT_ROWS or _load() is None:
         return False
     n = b.shape[0]
-    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
-                                                      k, n, 0, n, _threads(n, t * k))
+    _packed_kernels()[2](data_address(a), data_address(b), data_address(out), t, k, k, k, n, 0, n,
+                         _threads(n, t * k))
     return True
