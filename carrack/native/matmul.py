@@ -53,8 +53,15 @@ def _load():
 
 def _packed_kernels():
     """(matmul_f32_threads, matmul_f32_batched_threads, matmul_bt_f32_threads), called with plain ints; None when
-    the library is not there (call after `_load()` returned a function)."""
-    return getattr(native.library("convgemm"), "carrack_matmul_packed", None)
+    the library is not there or its tile is not vectorized here (`_load()` is None)."""
+    lib = native.library("convgemm")
+    if lib is None:
+        return None
+    kernels = getattr(lib, "carrack_matmul_packed", None)
+    if kernels is None:
+        _load()
+        kernels = getattr(lib, "carrack_matmul_packed", None)
+    return kernels if lib.carrack_matmul else None
 
 
 def depth_block(depth: int) -> int:
@@ -114,12 +121,12 @@ def matmul_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     (t, k), n = a.shape, b.shape[1]
     if not chosen(t, k, n):
         return False
-    fn = _load()
-    if fn is None:
+    kernels = _packed_kernels()
+    if kernels is None:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
-    head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
-    _run(_packed_kernels()[0], tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
+    kernels[0](data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k), 0, tiles,
+               _threads(tiles, GEMM_ROWS * GEMM_PIXELS * k))
     return True
 
 

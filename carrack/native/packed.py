@@ -12,6 +12,8 @@ callers stay the same.
 from __future__ import annotations
 
 import ctypes
+import math
+import struct
 import threading
 from collections.abc import Callable
 
@@ -52,35 +54,63 @@ def _thread_packet():
     return _local.packet
 
 
+#: callpack.c's kinds for kernels with a float or int parameter: (kind, arity, position of the float or None)
+SOFTMAX = (-1, 14, 5)
+LAYER_NORM = (-2, 14, 12)
+GELU = (-3, 8, None)
+_FLOAT32 = struct.Struct("<f")
+_UINT32 = struct.Struct("<I")
+
+
+def float_bits(value: float) -> int:
+    """A float's float32 bits as an int (how a packet carries a float parameter), rounded as ctypes' c_float
+    would (a value beyond float32's range becomes an infinity)."""
+    try:
+        return _UINT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:
+        return _UINT32.unpack(_FLOAT32.pack(math.copysign(math.inf, value)))[0]
+
+
 class PackedKernel:
-    """A void native kernel of `arity` pointer/integer arguments, called with plain ints through the packet."""
+    """A void native kernel called with plain ints (floats where its kind has one) through the packet."""
 
-    __slots__ = ("address", "arity", "end", "name")
+    __slots__ = ("address", "kind", "end", "float_at", "name")
 
-    def __init__(self, fn: ctypes._CFuncPtr, arity: int):
+    def __init__(self, fn: ctypes._CFuncPtr, kind: int, arity: int, float_at: int | None = None):
         self.address = ctypes.cast(fn, ctypes.c_void_p).value
-        self.arity = arity
+        self.kind = kind
         self.end = 2 + arity
+        self.float_at = float_at
         self.name = getattr(fn, "__name__", "kernel")
 
-    def __call__(self, *args: int) -> None:
+    def __call__(self, *args) -> None:
         try:
             packet, pointer = _local.packet
         except AttributeError:
             packet, pointer = _thread_packet()
-        packet[0] = self.address
-        packet[1] = self.arity
+        if self.float_at is not None:
+            args = list(args)
+            args[self.float_at] = float_bits(args[self.float_at])
         packet[2:self.end] = args  # raises for a wrong count: never a call with stale arguments
+        packet[0] = self.address
+        packet[1] = self.kind
         _entry(pointer)
 
     def __repr__(self) -> str:
-        return f"PackedKernel({self.name}, {self.arity} arguments)"
+        return f"PackedKernel({self.name}, kind {self.kind})"
 
 
-def packed(fn: ctypes._CFuncPtr, arity: int) -> Callable[..., None]:
-    """`fn` (a ctypes function of `arity` pointer/integer arguments returning void, its argtypes set) as a callable
-    taking the same arguments as ints: through the packet where callpack loads, else `fn` itself."""
+def packed(fn: ctypes._CFuncPtr, arity: int, kind: tuple[int, int, int | None] | None = None
+           ) -> Callable[..., None]:
+    """`fn` (a ctypes function returning void, its argtypes set) as a callable taking the same arguments as plain
+    ints (and floats): through the packet where callpack loads, else `fn` itself. Without `kind` every parameter
+    must be a pointer or int64_t; with one (SOFTMAX, LAYER_NORM, GELU) the prototype is callpack.c's for it."""
     entry = _load_entry()
     if entry is None or arity > entry.carrack_limit or len(fn.argtypes or ()) != arity:
         return fn
-    return PackedKernel(fn, arity)
+    if kind is None:
+        return PackedKernel(fn, arity, arity)
+    code, kind_arity, float_at = kind
+    if kind_arity != arity:
+        raise ValueError(f"{fn.__name__}: packed kind {code} has {kind_arity} arguments, not {arity}")
+    return PackedKernel(fn, code, arity, float_at)

@@ -15,6 +15,7 @@ import numpy as np
 
 from carrack import native
 from carrack.native import data_address
+from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, packed
 
 #: elements per thread below which a call stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 14
@@ -45,6 +46,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.carrack_softmax_threads, lib.carrack_layer_norm_threads, lib.carrack_gelu_threads,
                lib.carrack_half_to_float, lib.carrack_float_to_half):
         fn.restype = None
+    # the row kernels called with one prepared pointer (packed.py): ctypes' conversion of their 8-14 arguments
+    # costs more than a small model's rows
+    lib.carrack_packed_softmax = packed(lib.carrack_softmax_threads, 14, SOFTMAX)
+    lib.carrack_packed_layer_norm = packed(lib.carrack_layer_norm_threads, 14, LAYER_NORM)
+    lib.carrack_packed_gelu = packed(lib.carrack_gelu_threads, 8, GELU)
 
 
 def _operand(a: np.ndarray | None) -> np.ndarray | None:
@@ -78,8 +84,8 @@ def _threads(rows: int, row_size: int) -> int:
     return min(native.threads(), rows, rows * row_size // PARALLEL_MIN)
 
 
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else data_address(a)
+def _ptr(a: np.ndarray | None) -> int:
+    return 0 if a is None else data_address(a)
 
 
 # -- softmax -----------------------------------------------------------------------------------------------------------
@@ -96,7 +102,7 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     n = x.shape[-1]
     rows = x.size // n
     b, dims, strides = _bias_layout(bias, x.shape)
-    lib.carrack_softmax_threads(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
+    lib.carrack_packed_softmax(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
                                 int(zero_masked), _threads(rows, n))
     return y
 
@@ -155,7 +161,7 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
     if x.size == 0:
         return y, mean, inv_std, summed
     args = [_ptr(a) for a in (x, skip, bias, gamma, beta, y, mean, inv_std, summed)]
-    lib.carrack_layer_norm_threads(*args, 0, rows, row_size, epsilon, _threads(rows, row_size))
+    lib.carrack_packed_layer_norm(*args, 0, rows, row_size, epsilon, _threads(rows, row_size))
     return y, mean, inv_std, summed
 
 
@@ -170,8 +176,8 @@ def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray 
         return False
     n = x.shape[-1]
     rows = x.size // n
-    lib.carrack_layer_norm_threads(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
-                                   data_address(out), None, None, None, 0, rows, n, epsilon, _threads(rows, n))
+    lib.carrack_packed_layer_norm(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
+                                   data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
     return True
 
 
@@ -183,7 +189,7 @@ def gelu_checked(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: 
         return False
     n = x.shape[-1]
     rows = x.size // n
-    lib.carrack_gelu_threads(data_address(x), data_address(bias), data_address(out), 0, rows, n, int(approximate),
+    lib.carrack_packed_gelu(data_address(x), data_address(bias), data_address(out), 0, rows, n, int(approximate),
                              _threads(rows, n))
     return True
 
@@ -201,7 +207,7 @@ def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = Fals
     # without a bias GELU is elementwise: any rows of the array will do, short ones merged into one long row
     n = x.shape[-1] if bias is not None or x.shape[-1] >= _GELU_MIN_ROW else x.size
     rows = x.size // n
-    lib.carrack_gelu_threads(_ptr(x), _ptr(bias), _ptr(y), 0, rows, n, int(approximate), _threads(rows, n))
+    lib.carrack_packed_gelu(_ptr(x), _ptr(bias), _ptr(y), 0, rows, n, int(approximate), _threads(rows, n))
     return y
 
 
