@@ -88,9 +88,25 @@ def blas_exceeds_run() -> bool:
     return allowed < (blas_threads() or 1)
 
 
+#: OpenBLAS runs a gemm of at most this many multiply-adds on one thread (its interface/gemm.c: 65536 x
+#: GEMM_MULTITHREAD_THRESHOLD 4), whatever its pool holds
+SINGLE_THREAD_BLAS_WORK = 1 << 18
+
+
+def numpy_is_faster(rows: int, depth: int, cols: int) -> bool:
+    """Whether numpy takes a [rows, depth] @ [depth, cols] float32 product on one thread and in less time than the
+    native tile: a matrix product (rows, cols >= 2: numpy calls gemm, not gemv) of at most SINGLE_THREAD_BLAS_WORK
+    multiply-adds. Measured at 1 thread (BLAS at 1 thread, 2-core AVX-512 machine, us): 16x64x64 3.2 native vs 1.4
+    numpy, 16x128x128 5.4 vs 3.8, 4 heads of 16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3,
+    16x256x256 18.8 vs 23.3."""
+    return rows >= 2 and cols >= 2 and rows * depth * cols <= SINGLE_THREAD_BLAS_WORK
+
+
 def chosen(rows: int, depth: int, cols: int) -> bool:
     """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`, and for any
-    non-empty shape while BLAS would use more threads than the run allows."""
+    non-empty shape while BLAS would use more threads than the run allows; not where `numpy_is_faster`."""
+    if numpy_is_faster(rows, depth, cols):
+        return False
     return pays(rows, depth, cols) or (rows * depth * cols > 0 and blas_exceeds_run())
 
 
@@ -175,6 +191,8 @@ def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     (t, k), n = a.shape, b.shape[0]
     if not 0 < t <= MAX_DOT_ROWS or b.shape[1] != k or out.shape != (t, n) or not out.flags.writeable or k == 0:
         return False
+    if numpy_is_faster(t, k, n):
+        return False
     for x in (a, b, out):
         if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
             return False
@@ -190,9 +208,9 @@ def transposed_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bo
     out [T, N] writable and apart from a and b, K > 0): only the row count and the library. For a Gemm's constant
     weight checked once (Gemm.prepare)."""
     t, k = a.shape
-    if not 0 < t <= MAX_DOT_ROWS or _load() is None:
-        return False
     n = b.shape[0]
+    if not 0 < t <= MAX_DOT_ROWS or numpy_is_faster(t, k, n) or _load() is None:
+        return False
     _packed_kernels()[2](data_address(a), data_address(b), data_address(out), t, k, k, k, n, 0, n,
                          _threads(n, t * k))
     return True
