@@ -114,13 +114,32 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
     lead = shape[:-1]
     if bias is None:
         return None, (1, 1, max(1, int(np.prod(lead)))), (0, 0, 0)
+    plain = type(bias) is np.ndarray and bias.dtype == _F32 and bias.flags.aligned
+    key = (shape, bias.shape, bias.strides) if plain else None
+    grid = _BIAS_GRIDS.get(key) if plain else None
+    if grid is not None:  # the broadcast view reads the bias in place, from its first element
+        return bias, grid[0], grid[1]
     b = np.broadcast_to(np.require(bias, _F32, ("ALIGNED",)), shape)
     grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
     if (shape[-1] > 1 and b.strides[-1] != _F32.itemsize) or grid is None:
         b = np.ascontiguousarray(b)
         grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
+    elif plain:
+        _remember_grid(key, grid)
     dims, strides = grid
     return b, dims, strides
+
+
+#: (scores shape, bias shape, bias strides) -> the grid `_bias_layout` found for a float32 aligned bias read in
+#: place: attention computes it for every call with the same shapes (~8 us of broadcasting and dims merging)
+_BIAS_GRIDS: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+_BIAS_GRIDS_MAX = 256
+
+
+def _remember_grid(key: tuple, grid: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+    if len(_BIAS_GRIDS) >= _BIAS_GRIDS_MAX:  # many shapes (a growing cache): start over rather than grow
+        _BIAS_GRIDS.clear()
+    _BIAS_GRIDS[key] = grid
 
 
 def _merge_dims(shape: tuple[int, ...], strides: list[int],

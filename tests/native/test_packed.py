@@ -219,3 +219,47 @@ def test_attention_products_around_the_floor_match_numpy():
         probs = _rand(1, heads, seq, seq)
         if native_matmul.batched_into(probs, q, view):
             np.testing.assert_allclose(view, probs @ q, rtol=1e-4, atol=1e-4)
+
+
+# -- attention's bias layout, found once per shapes --------------------------------------------------------------------
+def _softmax_reference(x: np.ndarray, scale: float, bias: np.ndarray) -> np.ndarray:
+    z = (x * np.float32(scale) + bias).astype(np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
+def test_bias_layouts_of_one_shape_are_each_read_right_on_every_call():
+    """Biases of one shape but other strides (a transposed view), broadcast forms, misaligned memory: each gets
+    its own grid, and the second call (the grid remembered) gives the first call's result."""
+    x = _rand(1, 4, 16, 16)
+    square = _rand(1, 1, 16, 16)
+    raw = np.zeros(16 * 16 * 4 + 1, np.uint8)
+    misaligned = raw[1:].view(np.float32).reshape(1, 1, 16, 16)
+    misaligned[...] = square
+    biases = [square, square.transpose(0, 1, 3, 2), _rand(16), _rand(1, 4, 1, 16), _rand(4, 1, 1), misaligned]
+    for bias in biases:
+        first = rowops.softmax(x, 0.25, bias)
+        again = rowops.softmax(x, 0.25, bias)
+        np.testing.assert_array_equal(again, first)
+        np.testing.assert_allclose(again, _softmax_reference(x, 0.25, bias), rtol=1e-5, atol=1e-6)
+    assert (x.shape, square.shape, square.strides) in rowops._BIAS_GRIDS  # the misaligned one (same key) is
+    # not read through it: it takes the copying path, and its results above are right
+
+
+@pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
+def test_remembered_bias_layouts_stay_bounded():
+    for length in range(1, rowops._BIAS_GRIDS_MAX + 40):  # a decoder's growing key length
+        x, bias = _rand(1, 2, 1, length), _rand(1, 1, 1, length)
+        np.testing.assert_allclose(rowops.softmax(x, 1.0, bias), _softmax_reference(x, 1.0, bias), rtol=1e-5,
+                                   atol=1e-6)
+    assert len(rowops._BIAS_GRIDS) <= rowops._BIAS_GRIDS_MAX
+
+
+@pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
+def test_a_bias_that_does_not_broadcast_is_still_refused():
+    with pytest.raises(ValueError):
+        rowops.softmax(_rand(1, 4, 16, 16), 1.0, _rand(1, 3, 16, 16))
+    with pytest.raises(ValueError):  # also after a grid for the scores' shape is remembered
+        rowops.softmax(_rand(1, 4, 16, 16), 1.0, _rand(1, 1, 16, 16))
+        rowops.softmax(_rand(1, 4, 16, 16), 1.0, _rand(1, 3, 16, 16))
