@@ -91,15 +91,20 @@ def blas_exceeds_run() -> bool:
 #: OpenBLAS runs a gemm of at most this many multiply-adds on one thread (its interface/gemm.c: 65536 x
 #: GEMM_MULTITHREAD_THRESHOLD 4), whatever its pool holds
 SINGLE_THREAD_BLAS_WORK = 1 << 18
+#: and a gemv (one row or one column) of a matrix under this many elements (interface/gemv.c: 2304 x 4)
+SINGLE_THREAD_GEMV_WORK = 2304 * 4
 
 
 def numpy_is_faster(rows: int, depth: int, cols: int) -> bool:
     """Whether numpy takes a [rows, depth] @ [depth, cols] float32 product on one thread and in less time than the
-    native tile: a matrix product (rows, cols >= 2: numpy calls gemm, not gemv) of at most SINGLE_THREAD_BLAS_WORK
-    multiply-adds. Measured at 1 thread (BLAS at 1 thread, 2-core AVX-512 machine, us): 16x64x64 3.2 native vs 1.4
-    numpy, 16x128x128 5.4 vs 3.8, 4 heads of 16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3,
-    16x256x256 18.8 vs 23.3."""
-    return rows >= 2 and cols >= 2 and rows * depth * cols <= SINGLE_THREAD_BLAS_WORK
+    native tile: a matrix product of at most SINGLE_THREAD_BLAS_WORK multiply-adds, or a product by a vector
+    (one row or one column) under SINGLE_THREAD_GEMV_WORK. Measured at 1 thread (BLAS at 1 thread, 2-core
+    AVX-512 machine, us): 16x64x64 3.2 native vs 1.4 numpy, 16x128x128 5.4 vs 3.8, 1x64x64 1.1 vs 0.7, 4 heads of
+    16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3, 16x256x256 18.8 vs 23.3."""
+    work = rows * depth * cols
+    if rows == 1 or cols == 1:
+        return work < SINGLE_THREAD_GEMV_WORK
+    return work <= SINGLE_THREAD_BLAS_WORK
 
 
 def chosen(rows: int, depth: int, cols: int) -> bool:

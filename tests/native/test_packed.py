@@ -171,8 +171,9 @@ def test_a_kind_of_another_arity_is_refused():
 
 # -- the size floor ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape,numpy", [((16, 64, 64), True), ((4, 16, 16), True), ((64, 64, 64), True),
-                                         ((64, 64, 65), False), ((1, 64, 64), False), ((16, 1, 16), True),
-                                         ((16, 256, 256), False), ((200, 64, 1), False)])
+                                         ((64, 64, 65), False), ((1, 64, 64), True), ((1, 64, 144), False),
+                                         ((1, 16, 17), True), ((16, 1, 16), True), ((16, 256, 256), False),
+                                         ((200, 64, 1), False), ((100, 64, 1), True), ((1, 768, 768), False)])
 def test_numpy_is_faster_below_single_thread_blas_work(shape, numpy):
     assert native_matmul.numpy_is_faster(*shape) is numpy
 
