@@ -15,6 +15,7 @@ import numpy as np
 from carrack import native
 from carrack.native import data_address, intra_op
 from carrack.native.convolution import GEMM_PIXELS, GEMM_ROWS, _run, _threads
+from carrack.native.packed import packed
 
 _F32 = np.dtype(np.float32)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -47,7 +48,23 @@ def _load():
         copy.argtypes = [_ptr, _ptr, *[_i64] * 9]
         copy.restype = None
         lib.carrack_matmul = fn if lib.matmul_f32_vectorized() else False
+        # the same kernels called with one prepared pointer (packed.py): ctypes' conversion of 11-19 arguments
+        # costs more than the arithmetic of the small products of tiny transformers
+        lib.carrack_matmul_packed = (packed(fn, 13), packed(batched, 19), packed(transposed, 11))
     return lib.carrack_matmul or None
+
+
+def _packed_kernels():
+    """(matmul_f32_threads, matmul_f32_batched_threads, matmul_bt_f32_threads), called with plain ints; None when
+    the library is not there or its tile is not vectorized here (`_load()` is None)."""
+    lib = native.library("convgemm")
+    if lib is None:
+        return None
+    kernels = getattr(lib, "carrack_matmul_packed", None)
+    if kernels is None:
+        _load()
+        kernels = getattr(lib, "carrack_matmul_packed", None)
+    return kernels if lib.carrack_matmul else None
 
 
 def depth_block(depth: int) -> int:
@@ -74,11 +91,33 @@ def blas_exceeds_run() -> bool:
     return allowed < (blas_threads() or 1)
 
 
+#: OpenBLAS runs a gemm of at most this many multiply-adds on one thread (its interface/gemm.c: 65536 x
+#: GEMM_MULTITHREAD_THRESHOLD 4), whatever its pool holds
+SINGLE_THREAD_BLAS_WORK = 1 << 18
+#: and a gemv (one row or one column) of a matrix under this many elements (interface/gemv.c: 2304 x 4)
+SINGLE_THREAD_GEMV_WORK = 2304 * 4
+
+
+def numpy_is_faster(rows: int, depth: int, cols: int) -> bool:
+    """Whether numpy takes a [rows, depth] @ [depth, cols] float32 product on one thread and in less time than the
+    native tile: a matrix product of at most SINGLE_THREAD_BLAS_WORK multiply-adds, or a product by a vector
+    (one row or one column) under SINGLE_THREAD_GEMV_WORK. Measured at 1 thread (BLAS at 1 thread, 2-core
+    AVX-512 machine, us): 16x64x64 3.2 native vs 1.4 numpy, 16x128x128 5.4 vs 3.8, 1x64x64 1.1 vs 0.7, 4 heads of
+    16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3, 16x256x256 18.8 vs 23.3."""
+    work = rows * depth * cols
+    if rows == 1 or cols == 1:
+        return work < SINGLE_THREAD_GEMV_WORK
+    return work <= SINGLE_THREAD_BLAS_WORK
+
+
 def chosen(rows: int, depth: int, cols: int) -> bool:
-    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: where it `pays`; for the few rows
-    of a token-by-token run when the run has threads (its pool then is the only one busy: OpenBLAS's threads,
-    spinning on beside it, made 1-token BERT-base 2.4x slower at 2 threads on the shared machine); and for any
-    non-empty shape while BLAS would use more threads than the run allows."""
+    """Whether a [rows, depth] @ [depth, cols] float32 product should run here: not where `numpy_is_faster` (BLAS
+    then runs it on one thread); where it `pays`; for the few rows of a token-by-token run when the run has threads
+    (its pool then is the only one busy: OpenBLAS's threads, spinning on beside it, made 1-token BERT-base 2.4x
+    slower at 2 threads on the shared machine); and for any non-empty shape while BLAS would use more threads than
+    the run allows."""
+    if numpy_is_faster(rows, depth, cols):
+        return False
     if pays(rows, depth, cols):
         return True
     if 0 < rows < MIN_ROWS and depth >= MIN_SIDE and cols >= MIN_SIDE and native.threads() > 1:
@@ -102,7 +141,7 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     head = (data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k))
-    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
+    _run(_packed_kernels()[0], tiles, GEMM_ROWS * GEMM_PIXELS * k, head, ())
     return True
 
 
@@ -113,12 +152,12 @@ def matmul_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     (t, k), n = a.shape, b.shape[1]
     if not chosen(t, k, n):
         return False
-    fn = _load()
-    if fn is None:
+    kernels = _packed_kernels()
+    if kernels is None:
         return False
     tiles = -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
-    _run(fn, tiles, GEMM_ROWS * GEMM_PIXELS * k, (data_address(a), data_address(b), data_address(out), t, k, n, k,
-                                                   n, n, depth_block(k)), ())
+    kernels[0](data_address(a), data_address(b), data_address(out), t, k, n, k, n, n, depth_block(k), 0, tiles,
+               _threads(tiles, GEMM_ROWS * GEMM_PIXELS * k))
     return True
 
 
@@ -130,7 +169,6 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     fn = _load()
     if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
         return False
-    lib = native.library("convgemm")
     (t, k), n = a.shape[-2:], b.shape[-1]
     batch = a.shape[:-2]
     if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
@@ -149,9 +187,9 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
 
     items = outer * inner * -(-t // GEMM_ROWS) * -(-n // GEMM_PIXELS)
     threads = _threads(items, GEMM_ROWS * GEMM_PIXELS * k)
-    lib.matmul_f32_batched_threads(data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
-                                   a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
-                                   *steps(a), *steps(b), *steps(out), threads)
+    _packed_kernels()[1](data_address(a), data_address(b), data_address(out), outer, inner, t, k, n,
+                         a.strides[-2] // 4, b.strides[-2] // 4, out.strides[-2] // 4, depth_block(k),
+                         *steps(a), *steps(b), *steps(out), threads)
     return True
 
 
@@ -193,13 +231,15 @@ def transposed_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     (t, k), n = a.shape, b.shape[0]
     if not 0 < t <= MAX_DOT_ROWS or b.shape[1] != k or out.shape != (t, n) or not out.flags.writeable or k == 0:
         return False
+    if numpy_is_faster(t, k, n):
+        return False
     for x in (a, b, out):
         if x.dtype is not _F32 or not x.flags.c_contiguous or not x.flags.aligned:
             return False
     if np.may_share_memory(out, a) or np.may_share_memory(out, b):
         return False
-    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
-                                                      k, n, 0, n, _threads(n, t * k))
+    _packed_kernels()[2](data_address(a), data_address(b), data_address(out), t, k, k, k, n, 0, n,
+                         _threads(n, t * k))
     return True
 
 
@@ -208,9 +248,9 @@ def transposed_checked_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bo
     out [T, N] writable and apart from a and b, K > 0): only the row count and the library. For a Gemm's constant
     weight checked once (Gemm.prepare)."""
     t, k = a.shape
-    if not 0 < t <= MAX_DOT_ROWS or _load() is None:
-        return False
     n = b.shape[0]
-    native.library("convgemm").matmul_bt_f32_threads(data_address(a), data_address(b), data_address(out), t, k, k,
-                                                      k, n, 0, n, _threads(n, t * k))
+    if not 0 < t <= MAX_DOT_ROWS or numpy_is_faster(t, k, n) or _load() is None:
+        return False
+    _packed_kernels()[2](data_address(a), data_address(b), data_address(out), t, k, k, k, n, 0, n,
+                         _threads(n, t * k))
     return True

@@ -15,6 +15,7 @@ import numpy as np
 
 from carrack import native
 from carrack.native import data_address
+from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, packed
 
 #: elements per thread below which a call stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 14
@@ -47,6 +48,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.carrack_softmax_threads, lib.carrack_layer_norm_threads, lib.carrack_gelu_threads,
                lib.carrack_half_to_float, lib.carrack_float_to_half):
         fn.restype = None
+    # the row kernels called with one prepared pointer (packed.py): ctypes' conversion of their 8-14 arguments
+    # costs more than a small model's rows
+    lib.carrack_packed_softmax = packed(lib.carrack_softmax_threads, 14, SOFTMAX)
+    lib.carrack_packed_layer_norm = packed(lib.carrack_layer_norm_threads, 14, LAYER_NORM)
+    lib.carrack_packed_gelu = packed(lib.carrack_gelu_threads, 8, GELU)
 
 
 def _operand(a: np.ndarray | None) -> np.ndarray | None:
@@ -80,8 +86,8 @@ def _threads(rows: int, row_size: int) -> int:
     return min(native.threads(), rows, rows * row_size // PARALLEL_MIN)
 
 
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else data_address(a)
+def _ptr(a: np.ndarray | None) -> int:
+    return 0 if a is None else data_address(a)
 
 
 # -- softmax -----------------------------------------------------------------------------------------------------------
@@ -98,7 +104,7 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     n = x.shape[-1]
     rows = x.size // n
     b, dims, strides = _bias_layout(bias, x.shape)
-    lib.carrack_softmax_threads(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
+    lib.carrack_packed_softmax(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
                                 int(zero_masked), _threads(rows, n))
     return y
 
@@ -110,13 +116,32 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
     lead = shape[:-1]
     if bias is None:
         return None, (1, 1, max(1, int(np.prod(lead)))), (0, 0, 0)
+    plain = type(bias) is np.ndarray and bias.dtype == _F32 and bias.flags.aligned
+    key = (shape, bias.shape, bias.strides) if plain else None
+    grid = _BIAS_GRIDS.get(key) if plain else None
+    if grid is not None:  # the broadcast view reads the bias in place, from its first element
+        return bias, grid[0], grid[1]
     b = np.broadcast_to(np.require(bias, _F32, ("ALIGNED",)), shape)
     grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
     if (shape[-1] > 1 and b.strides[-1] != _F32.itemsize) or grid is None:
         b = np.ascontiguousarray(b)
         grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
+    elif plain:
+        _remember_grid(key, grid)
     dims, strides = grid
     return b, dims, strides
+
+
+#: (scores shape, bias shape, bias strides) -> the grid `_bias_layout` found for a float32 aligned bias read in
+#: place: attention computes it for every call with the same shapes (~8 us of broadcasting and dims merging)
+_BIAS_GRIDS: dict[tuple, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+_BIAS_GRIDS_MAX = 256
+
+
+def _remember_grid(key: tuple, grid: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+    if len(_BIAS_GRIDS) >= _BIAS_GRIDS_MAX:  # many shapes (a growing cache): start over rather than grow
+        _BIAS_GRIDS.clear()
+    _BIAS_GRIDS[key] = grid
 
 
 def _merge_dims(shape: tuple[int, ...], strides: list[int],
@@ -157,7 +182,7 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
     if x.size == 0:
         return y, mean, inv_std, summed
     args = [_ptr(a) for a in (x, skip, bias, gamma, beta, y, mean, inv_std, summed)]
-    lib.carrack_layer_norm_threads(*args, 0, rows, row_size, epsilon, _threads(rows, row_size))
+    lib.carrack_packed_layer_norm(*args, 0, rows, row_size, epsilon, _threads(rows, row_size))
     return y, mean, inv_std, summed
 
 
@@ -172,8 +197,8 @@ def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray 
         return False
     n = x.shape[-1]
     rows = x.size // n
-    lib.carrack_layer_norm_threads(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
-                                   data_address(out), None, None, None, 0, rows, n, epsilon, _threads(rows, n))
+    lib.carrack_packed_layer_norm(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
+                                   data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
     return True
 
 
@@ -185,7 +210,7 @@ def gelu_checked(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: 
         return False
     n = x.shape[-1]
     rows = x.size // n
-    lib.carrack_gelu_threads(data_address(x), data_address(bias), data_address(out), 0, rows, n, int(approximate),
+    lib.carrack_packed_gelu(data_address(x), data_address(bias), data_address(out), 0, rows, n, int(approximate),
                              _threads(rows, n))
     return True
 
@@ -203,7 +228,7 @@ def gelu(x: np.ndarray, bias: np.ndarray | None = None, approximate: bool = Fals
     # without a bias GELU is elementwise: any rows of the array will do, short ones merged into one long row
     n = x.shape[-1] if bias is not None or x.shape[-1] >= _GELU_MIN_ROW else x.size
     rows = x.size // n
-    lib.carrack_gelu_threads(_ptr(x), _ptr(bias), _ptr(y), 0, rows, n, int(approximate), _threads(rows, n))
+    lib.carrack_packed_gelu(_ptr(x), _ptr(bias), _ptr(y), 0, rows, n, int(approximate), _threads(rows, n))
     return y
 
 

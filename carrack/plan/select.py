@@ -178,8 +178,11 @@ _CONV = _native_first(("convolution",), _float_or_unknown,
                       "per input shape by the plan's per-size evaluation")
 _PRODUCT = _native_first(("matmul",), _float_or_unknown,
                          "carrack.native.matmul.chosen(rows, depth, cols): 8-256 rows and sides >= 64, or any "
-                         "size while BLAS would use more threads than the run allows")
-_GEMM = _native_first(("matmul",), _float_or_unknown, "A @ B^T for at most 16 rows (transB)")
+                         "size while BLAS would use more threads than the run allows; numpy where BLAS stays on "
+                         "one thread (numpy_is_faster: 2^18 multiply-adds, 9216 for a vector)")
+_GEMM = _native_first(("matmul",), _float_or_unknown,
+                      "A @ B^T for at most 16 rows (transB), numpy where BLAS stays on one thread "
+                      "(numpy_is_faster)")
 _ROWS = _native_first(("rowops",), _float32_or_unknown())
 _ATTENTION = _native_first(("rowops", "matmul"), _float32_or_unknown(),
                            "scores and context products by the native tile where carrack.native.matmul.chosen")

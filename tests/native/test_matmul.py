@@ -17,6 +17,13 @@ from tests.helpers import ort_run
 pytestmark = pytest.mark.skipif(native_matmul._load() is None, reason="no vectorised native matmul here")
 
 
+@pytest.fixture(autouse=True)
+def _no_numpy_floor(monkeypatch):
+    """These tests check the native tile itself, at sizes numpy takes in a run (numpy_is_faster): no floor here."""
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_BLAS_WORK", 0)
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_GEMV_WORK", 0)
+
+
 def _check(t: int, k: int, n: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((t, k)).astype(np.float32)

@@ -36,6 +36,9 @@ def split_small(monkeypatch):
     monkeypatch.setattr(qgemm, "_QUANTIZE_MIN_ELEMENTS", 1)
     monkeypatch.setattr(qconv, "_ADD_SPLIT", 1)
     monkeypatch.setattr(qconv, "_ROW_ALIGN", 16)
+    # and keep the small products on the native tile (in a run numpy takes them: matmul.numpy_is_faster)
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_BLAS_WORK", 0)
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_GEMV_WORK", 0)
 
 
 def _at_each_thread_count(compute) -> list:
