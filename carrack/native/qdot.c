@@ -1,0 +1,387 @@
+/* Products of ggml block-quantized weights with activations quantized to 8 bits, in integer dot products:
+ * y[i, r] = sum_k x[i, k] * W[r, k] for every weight row r and the m rows of x, for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q2_K, Q3_K, Q4_K, Q5_K and Q6_K.
+ *
+ * Activations: each run of 32 values of a row of x becomes int8 codes xq = rint(x / dx) with dx = max|x| / 127
+ * (llama.cpp's Q8_0 activations, with a float32 scale where it keeps a half float), so x ~ dx * xq.
+ *
+ * Weights: every ggml type above decodes, per group of 16 values, as w = scale * code + offset with codes that fit
+ * in an unsigned byte (signed types are shifted: Q8_0's code is q + 128, with offset -128 * d). A weight row is
+ * decoded once into codes, per-lane scales and per-group offsets (a few KiB, kept in L1/L2) and multiplied there
+ * with every activation row:
+ *   y = sum_g dx_g * (scale_g * sum_{v in g} code_v * xq_v + offset_g * sum_{v in g} xq_v)
+ * The inner sums are exact integers (AVX-512 VNNI: vpdpbusd, 64 byte products per instruction); only the scaling
+ * is float. Against dequantize-then-matmul on the quantized activations the difference is float rounding; against
+ * float activations, the 8-bit activations' error (relative ~1e-2 of a row's scale at worst, see the tests).
+ *
+ * Rows of W are split over the thread pool; a prompt (m > 1) is a GEMM: a tile of decoded weight rows is reused by
+ * every activation row, each activation row (about 2.3 bytes per value) staying in L1 across the tile. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "threadpool.h"
+/* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CARRACK_PORTABLE)
+#define USE_VNNI 1
+#include <immintrin.h>
+#endif
+
+enum {
+    TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8,
+    TYPE_Q2_K = 10, TYPE_Q3_K = 11, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14
+};
+#define GROUP 16      /* values per weight scale / offset */
+#define LANE 4        /* values per int32 lane of a byte dot product */
+#define ABLOCK 32     /* values per activation scale */
+#define ROW_TILE 16   /* weight rows decoded together for a GEMM */
+
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exponent = 127 - 15 + 1;
+            while (!(mantissa & 0x400u)) { mantissa <<= 1; exponent--; }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* -- weight rows: codes[k] (bytes), scale[k / 16], offset[k / 16]; w = scale * code + offset ------------------- */
+typedef void (*row_decoder)(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset);
+
+static void set_groups(float *scale, float *offset, int groups, float s, float o) {
+    for (int g = 0; g < groups; g++) { scale[g] = s; offset[g] = o; }
+}
+
+static void decode_q4_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 32; b++, row += 18, codes += 32, scale += 2, offset += 2) {
+        const float d = half_to_float(row);
+        for (int j = 0; j < 16; j++) { codes[j] = row[2 + j] & 0x0f; codes[j + 16] = row[2 + j] >> 4; }
+        set_groups(scale, offset, 2, d, -8.0f * d);
+    }
+}
+
+static void decode_q4_1(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 32; b++, row += 20, codes += 32, scale += 2, offset += 2) {
+        for (int j = 0; j < 16; j++) { codes[j] = row[4 + j] & 0x0f; codes[j + 16] = row[4 + j] >> 4; }
+        set_groups(scale, offset, 2, half_to_float(row), half_to_float(row + 2));
+    }
+}
+
+/* Q5_0 / Q5_1: bit j of the little-endian u32 qh is the 5th bit of value j */
+static void five_bit_codes(const uint8_t *qh_bytes, const uint8_t *qs, uint8_t *codes) {
+    const uint32_t qh = (uint32_t)qh_bytes[0] | (uint32_t)qh_bytes[1] << 8 | (uint32_t)qh_bytes[2] << 16 |
+                        (uint32_t)qh_bytes[3] << 24;
+    for (int j = 0; j < 16; j++) {
+        codes[j] = (uint8_t)((qs[j] & 0x0f) | ((qh >> j) & 1) << 4);
+        codes[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+}
+
+static void decode_q5_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 32; b++, row += 22, codes += 32, scale += 2, offset += 2) {
+        const float d = half_to_float(row);
+        five_bit_codes(row + 2, row + 6, codes);
+        set_groups(scale, offset, 2, d, -16.0f * d);
+    }
+}
+
+static void decode_q5_1(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 32; b++, row += 24, codes += 32, scale += 2, offset += 2) {
+        five_bit_codes(row + 4, row + 8, codes);
+        set_groups(scale, offset, 2, half_to_float(row), half_to_float(row + 2));
+    }
+}
+
+static void decode_q8_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 32; b++, row += 34, codes += 32, scale += 2, offset += 2) {
+        const float d = half_to_float(row);
+        for (int j = 0; j < 32; j++) codes[j] = (uint8_t)(row[2 + j] ^ 0x80); /* int8 q -> q + 128 */
+        set_groups(scale, offset, 2, d, -128.0f * d);
+    }
+}
+
+/* Q2_K / Q3_K low bits: two halves of 128 values; 2-bit field s of byte qs[l] of a half is its value 32 * s + l */
+static void two_bit_codes(const uint8_t *qs, uint8_t *codes) {
+    for (int half = 0; half < 2; half++, qs += 32, codes += 128)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) codes[32 * s + l] = (qs[l] >> (2 * s)) & 3;
+}
+
+/* block_q2_K: scales[16] (4-bit scale | 4-bit min << 4), qs[64], fp16 d, fp16 dmin */
+static void decode_q2_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 256; b++, row += 84, codes += 256, scale += 16, offset += 16) {
+        const float d = half_to_float(row + 80), dmin = half_to_float(row + 82);
+        two_bit_codes(row + 16, codes);
+        for (int g = 0; g < 16; g++) { scale[g] = d * (float)(row[g] & 0x0f); offset[g] = -dmin * (float)(row[g] >> 4); }
+    }
+}
+
+/* block_q3_K: hmask[32] (bit g of hmask[l]: 3rd bit of value 32 * g + l, set means "no -4"), qs[64] as Q2_K,
+ * scales[12] (16 6-bit scales, biased by 32), fp16 d */
+static void decode_q3_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 256; b++, row += 110, codes += 256, scale += 16, offset += 16) {
+        const uint8_t *hmask = row, *packed = row + 96;
+        const float d = half_to_float(row + 108);
+        two_bit_codes(row + 32, codes);
+        for (int g = 0; g < 8; g++)
+            for (int l = 0; l < 32; l++) codes[32 * g + l] |= (uint8_t)(((hmask[l] >> g) & 1) << 2);
+        for (int g = 0; g < 16; g++) {
+            const int low = g < 8 ? packed[g] & 0x0f : packed[g - 8] >> 4;
+            const int high = (packed[8 + g % 4] >> (2 * (g / 4))) & 3;
+            scale[g] = d * (float)((low | high << 4) - 32);
+            offset[g] = -4.0f * scale[g];
+        }
+    }
+}
+
+static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K / Q5_K scales: 8 6-bit scales and mins, 32 values each; w = d * scale * code - dmin * min */
+static void k4_scales(const uint8_t *block, float *scale, float *offset) {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        scale_min_k4(j, block + 4, &s, &m);
+        set_groups(scale + 2 * j, offset + 2 * j, 2, d * (float)s, -dmin * (float)m);
+    }
+}
+
+/* block_q4_K: fp16 d, fp16 dmin, scales[12], qs[128]: 4 runs of 32 bytes, low nibbles then high nibbles */
+static void decode_q4_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 256; b++, row += 144, codes += 256, scale += 16, offset += 16) {
+        k4_scales(row, scale, offset);
+        for (int part = 0; part < 4; part++)
+            for (int l = 0; l < 32; l++) {
+                codes[64 * part + l] = row[16 + 32 * part + l] & 0x0f;
+                codes[64 * part + 32 + l] = row[16 + 32 * part + l] >> 4;
+            }
+    }
+}
+
+/* block_q5_K: as Q4_K with qh[32] before qs: bit g of qh[l] is the 5th bit of value 32 * g + l */
+static void decode_q5_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 256; b++, row += 176, codes += 256, scale += 16, offset += 16) {
+        const uint8_t *qh = row + 16, *qs = row + 48;
+        k4_scales(row, scale, offset);
+        for (int part = 0; part < 4; part++)
+            for (int l = 0; l < 32; l++) {
+                codes[64 * part + l] = (uint8_t)((qs[32 * part + l] & 0x0f) | ((qh[l] >> (2 * part)) & 1) << 4);
+                codes[64 * part + 32 + l] = (uint8_t)((qs[32 * part + l] >> 4) | ((qh[l] >> (2 * part + 1)) & 1) << 4);
+            }
+    }
+}
+
+/* block_q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16], fp16 d; w = d * scale * (code - 32).
+ * Per half of 128 values: low nibbles of ql[0:64] are values 0-63, high nibbles 64-127; 2-bit field s of qh[l] is
+ * the top of value 32 * s + l */
+static void decode_q6_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+    for (int64_t b = 0; b < k / 256; b++, row += 210, codes += 256, scale += 16, offset += 16) {
+        const float d = half_to_float(row + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
+            uint8_t *out = codes + 128 * half;
+            for (int l = 0; l < 64; l++) {
+                out[l] = ql[l] & 0x0f;
+                out[l + 64] = ql[l] >> 4;
+            }
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) out[32 * s + l] |= (uint8_t)(((qh[l] >> (2 * s)) & 3) << 4);
+        }
+        const int8_t *sc = (const int8_t *)(row + 192);
+        for (int g = 0; g < 16; g++) {
+            scale[g] = d * (float)sc[g];
+            offset[g] = -32.0f * scale[g];
+        }
+    }
+}
+
+static row_decoder decoder_for(int type, int64_t *block_values, int64_t *block_bytes) {
+    switch (type) {
+        case TYPE_Q4_0: *block_values = 32; *block_bytes = 18; return decode_q4_0;
+        case TYPE_Q4_1: *block_values = 32; *block_bytes = 20; return decode_q4_1;
+        case TYPE_Q5_0: *block_values = 32; *block_bytes = 22; return decode_q5_0;
+        case TYPE_Q5_1: *block_values = 32; *block_bytes = 24; return decode_q5_1;
+        case TYPE_Q8_0: *block_values = 32; *block_bytes = 34; return decode_q8_0;
+        case TYPE_Q2_K: *block_values = 256; *block_bytes = 84; return decode_q2_k;
+        case TYPE_Q3_K: *block_values = 256; *block_bytes = 110; return decode_q3_k;
+        case TYPE_Q4_K: *block_values = 256; *block_bytes = 144; return decode_q4_k;
+        case TYPE_Q5_K: *block_values = 256; *block_bytes = 176; return decode_q5_k;
+        case TYPE_Q6_K: *block_values = 256; *block_bytes = 210; return decode_q6_k;
+        default: return NULL;
+    }
+}
+
+/* -- activations: per row, codes[k] (int8), lane_scale[k / 4] (dx of the lane's 32-value block), group_sum[k / 16]
+ * (dx * sum of the group's codes: what a weight group's offset multiplies) ---------------------------------- */
+typedef struct {
+    int8_t *codes;
+    float *lane_scale, *group_sum;
+} activations_t;
+
+static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++, x += ABLOCK, codes += ABLOCK) {
+        float amax = 0.0f;
+        for (int j = 0; j < ABLOCK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < ABLOCK; j++) codes[j] = (int8_t)nearbyintf(x[j] * inverse);
+        for (int l = 0; l < ABLOCK / LANE; l++) lane_scale[b * (ABLOCK / LANE) + l] = d;
+        for (int g = 0; g < ABLOCK / GROUP; g++) {
+            int sum = 0;
+            for (int j = 0; j < GROUP; j++) sum += codes[g * GROUP + j];
+            group_sum[b * (ABLOCK / GROUP) + g] = d * (float)sum;
+        }
+    }
+}
+
+/* -- one decoded weight row (codes, lane_scale[k / 4] = its groups' scales per lane, offset[k / 16]) times one
+ * activation row --------------------------------------------------------------------------------------------- */
+static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const float *w_offset, const int8_t *x_codes,
+                     const float *x_lane_scale, const float *x_group_sum, int64_t k) {
+    float total = 0.0f;
+    int64_t i = 0;
+#ifdef USE_VNNI
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 64 <= k; i += 64) {
+        const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w_codes + i),
+                                                     _mm512_loadu_si512(x_codes + i));
+        const __m512 scales = _mm512_mul_ps(_mm512_loadu_ps(w_lane_scale + i / LANE),
+                                            _mm512_loadu_ps(x_lane_scale + i / LANE));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc);
+    }
+    __m512 offsets = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= k / GROUP; g += 16)
+        offsets = _mm512_fmadd_ps(_mm512_loadu_ps(w_offset + g), _mm512_loadu_ps(x_group_sum + g), offsets);
+    total = _mm512_reduce_add_ps(_mm512_add_ps(acc, offsets));
+    for (; g < k / GROUP; g++) total += w_offset[g] * x_group_sum[g];
+#else
+    for (int64_t g = 0; g < k / GROUP; g++) total += w_offset[g] * x_group_sum[g];
+#endif
+    for (; i < k; i += LANE) {
+        int sum = 0;
+        for (int j = 0; j < LANE; j++) sum += (int)w_codes[i + j] * (int)x_codes[i + j];
+        total += (float)sum * w_lane_scale[i / LANE] * x_lane_scale[i / LANE];
+    }
+    return total;
+}
+
+static void expand_to_lanes(const float *group_scale, int64_t groups, float *lane_scale) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int l = 0; l < GROUP / LANE; l++) lane_scale[g * (GROUP / LANE) + l] = group_scale[g];
+}
+
+/* 1 when `type` is one this file decodes */
+int carrack_qdot_supports(int type) {
+    int64_t values, bytes;
+    return decoder_for(type, &values, &bytes) != NULL;
+}
+
+/* xq (m, k) int8 and the per-32 scales dx (m, k / 32) of x (m, k): what the products multiply (for tests).
+ * Returns 0, or -1 for a k that is not a multiple of 32. */
+int carrack_qdot_quantize(const float *x, int64_t m, int64_t k, int8_t *codes, float *block_scale) {
+    if (k % ABLOCK != 0) return -1;
+    float *lane_scale = malloc((size_t)(k / LANE) * sizeof(float)), *group_sum = malloc((size_t)(k / GROUP) * sizeof(float));
+    if (lane_scale == NULL || group_sum == NULL) { free(lane_scale); free(group_sum); return -2; }
+    for (int64_t i = 0; i < m; i++) {
+        quantize_activation_row(x + i * k, k, codes + i * k, lane_scale, group_sum);
+        for (int64_t b = 0; b < k / ABLOCK; b++) block_scale[i * (k / ABLOCK) + b] = lane_scale[b * (ABLOCK / LANE)];
+    }
+    free(lane_scale);
+    free(group_sum);
+    return 0;
+}
+
+/* aligned_alloc wants a multiple of the alignment */
+static size_t padded(int64_t bytes) { return (size_t)((bytes + 63) / 64 * 64); }
+
+typedef struct {
+    const uint8_t *w;
+    row_decoder decode;
+    int64_t row_bytes, n, k, m;
+    activations_t x;
+    float *y;
+    _Atomic int status;
+} qdot_call_t;
+
+/* the weight rows [begin, end), a tile of ROW_TILE decoded rows at a time, times every activation row */
+static void qdot_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    qdot_call_t *c = p;
+    (void)slot;
+    const int64_t k = c->k, tile = c->m > 1 ? ROW_TILE : 1;
+    uint8_t *codes = aligned_alloc(64, padded(tile * k));
+    float *group_scale = malloc((size_t)(k / GROUP) * sizeof(float));
+    float *lane_scale = aligned_alloc(64, padded(tile * (k / LANE) * 4));
+    float *offset = malloc((size_t)(tile * (k / GROUP)) * sizeof(float));
+    if (codes == NULL || group_scale == NULL || lane_scale == NULL || offset == NULL) {
+        atomic_store(&c->status, -2);
+    } else {
+        for (int64_t r0 = begin; r0 < end; r0 += tile) {
+            const int64_t rows = end - r0 < tile ? end - r0 : tile;
+            for (int64_t t = 0; t < rows; t++) {
+                c->decode(c->w + (r0 + t) * c->row_bytes, k, codes + t * k, group_scale, offset + t * (k / GROUP));
+                expand_to_lanes(group_scale, k / GROUP, lane_scale + t * (k / LANE));
+            }
+            for (int64_t i = 0; i < c->m; i++) {
+                const int8_t *x_codes = c->x.codes + i * k;
+                const float *x_lanes = c->x.lane_scale + i * (k / LANE), *x_sums = c->x.group_sum + i * (k / GROUP);
+                for (int64_t t = 0; t < rows; t++)
+                    c->y[i * c->n + r0 + t] = dot_row(codes + t * k, lane_scale + t * (k / LANE),
+                                                      offset + t * (k / GROUP), x_codes, x_lanes, x_sums, k);
+            }
+        }
+    }
+    free(codes);
+    free(group_scale);
+    free(lane_scale);
+    free(offset);
+}
+
+CARRACK_POOL_CLIENT(qdot)
+
+/* y (m, n) = x (m, k) @ W.T for W's n rows of `row_bytes` bytes of ggml blocks, x quantized to 8 bits per 32
+ * values, on up to `threads` threads. Returns 0, -1 for an unknown type or a k that is not a whole number of blocks,
+ * -2 when out of memory. */
+int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                        int64_t m, float *y, int64_t threads) {
+    int64_t block_values, block_bytes;
+    row_decoder decode = decoder_for(type, &block_values, &block_bytes);
+    if (decode == NULL || k % block_values != 0 || k % ABLOCK != 0 || row_bytes != k / block_values * block_bytes)
+        return -1;
+    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL}, y, 0};
+    c.x.codes = aligned_alloc(64, padded(m * k));
+    c.x.lane_scale = aligned_alloc(64, padded(m * (k / LANE) * 4));
+    c.x.group_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(float));
+    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL) {
+        atomic_store(&c.status, -2);
+    } else {
+        for (int64_t i = 0; i < m; i++)
+            quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
+                                    c.x.group_sum + i * (k / GROUP));
+        const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
+        parallel_for(qdot_piece, &c, 0, n, pieces_for(tiles, threads), threads);
+    }
+    free(c.x.codes);
+    free(c.x.lane_scale);
+    free(c.x.group_sum);
+    return atomic_load(&c.status);
+}
