@@ -35,8 +35,9 @@ def model_dir() -> str:
     return path
 
 
-def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0) -> str:
-    """A llama GGUF with N(0, 0.02) weights (norms 1), written tensor by tensor (never the whole model in RAM)."""
+def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0, extra_metadata=None) -> str:
+    """A llama GGUF with N(0, 0.02) weights (norms 1), written tensor by tensor (never the whole model in RAM);
+    `extra_metadata(writer)`, when given, adds keys (a vocabulary) before the tensors."""
     import gguf
 
     from carrack.llm.convert import _LLAMA_FILE_TYPE, encode_tensor, write_hparams
@@ -46,6 +47,8 @@ def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0) -
     writer = gguf.GGUFWriter(path, "llama")
     write_hparams(writer, "llama", cfg)
     writer.add_file_type(_LLAMA_FILE_TYPE[file_type])
+    if extra_metadata is not None:
+        extra_metadata(writer)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head_dim
     shapes = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), "output_norm.weight": (cfg.hidden_size,),
