@@ -24,6 +24,8 @@
 /* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CARRACK_PORTABLE)
 #define USE_VNNI 1
+#endif
+#if (defined(USE_VNNI) || defined(__F16C__)) && !defined(CARRACK_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -36,7 +38,10 @@ enum {
 #define ABLOCK 32     /* values per activation scale */
 #define ROW_TILE 16   /* weight rows decoded together for a GEMM */
 
-static float half_to_float(const uint8_t *p) {
+static inline float half_to_float(const uint8_t *p) {
+#if defined(__F16C__) && !defined(CARRACK_PORTABLE)
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+#endif
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
     if (exponent == 0) {
@@ -58,38 +63,51 @@ static float half_to_float(const uint8_t *p) {
 }
 
 /* -- weight rows: codes[k] (bytes), scale[k / 16], offset[k / 16]; w = scale * code + offset ------------------- */
-typedef void (*row_decoder)(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset);
+typedef void (*row_decoder)(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes,
+                            float *restrict scale, float *restrict offset);
 
 static void set_groups(float *scale, float *offset, int groups, float s, float o) {
     for (int g = 0; g < groups; g++) { scale[g] = s; offset[g] = o; }
 }
 
-static void decode_q4_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+/* 16 bytes -> their 16 low nibbles, then their 16 high nibbles */
+static inline void split_nibbles16(const uint8_t *restrict q, uint8_t *restrict out) {
+#ifdef USE_VNNI
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(0x0f);
+    _mm_storeu_si128((__m128i *)out, _mm_and_si128(bytes, low));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+#else
+    for (int j = 0; j < 16; j++) { out[j] = q[j] & 0x0f; out[j + 16] = q[j] >> 4; }
+#endif
+}
+
+static void decode_q4_0(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 32; b++, row += 18, codes += 32, scale += 2, offset += 2) {
         const float d = half_to_float(row);
-        for (int j = 0; j < 16; j++) { codes[j] = row[2 + j] & 0x0f; codes[j + 16] = row[2 + j] >> 4; }
+        split_nibbles16(row + 2, codes);
         set_groups(scale, offset, 2, d, -8.0f * d);
     }
 }
 
-static void decode_q4_1(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q4_1(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 32; b++, row += 20, codes += 32, scale += 2, offset += 2) {
-        for (int j = 0; j < 16; j++) { codes[j] = row[4 + j] & 0x0f; codes[j + 16] = row[4 + j] >> 4; }
+        split_nibbles16(row + 4, codes);
         set_groups(scale, offset, 2, half_to_float(row), half_to_float(row + 2));
     }
 }
 
 /* Q5_0 / Q5_1: bit j of the little-endian u32 qh is the 5th bit of value j */
-static void five_bit_codes(const uint8_t *qh_bytes, const uint8_t *qs, uint8_t *codes) {
+static void five_bit_codes(const uint8_t *restrict qh_bytes, const uint8_t *restrict qs, uint8_t *restrict codes) {
     const uint32_t qh = (uint32_t)qh_bytes[0] | (uint32_t)qh_bytes[1] << 8 | (uint32_t)qh_bytes[2] << 16 |
                         (uint32_t)qh_bytes[3] << 24;
-    for (int j = 0; j < 16; j++) {
-        codes[j] = (uint8_t)((qs[j] & 0x0f) | ((qh >> j) & 1) << 4);
-        codes[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
-    }
+    split_nibbles16(qs, codes);
+    for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((qh >> j) & 1) << 4);
 }
 
-static void decode_q5_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q5_0(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 32; b++, row += 22, codes += 32, scale += 2, offset += 2) {
         const float d = half_to_float(row);
         five_bit_codes(row + 2, row + 6, codes);
@@ -97,14 +115,16 @@ static void decode_q5_0(const uint8_t *row, int64_t k, uint8_t *codes, float *sc
     }
 }
 
-static void decode_q5_1(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q5_1(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 32; b++, row += 24, codes += 32, scale += 2, offset += 2) {
         five_bit_codes(row + 4, row + 8, codes);
         set_groups(scale, offset, 2, half_to_float(row), half_to_float(row + 2));
     }
 }
 
-static void decode_q8_0(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q8_0(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 32; b++, row += 34, codes += 32, scale += 2, offset += 2) {
         const float d = half_to_float(row);
         for (int j = 0; j < 32; j++) codes[j] = (uint8_t)(row[2 + j] ^ 0x80); /* int8 q -> q + 128 */
@@ -113,14 +133,15 @@ static void decode_q8_0(const uint8_t *row, int64_t k, uint8_t *codes, float *sc
 }
 
 /* Q2_K / Q3_K low bits: two halves of 128 values; 2-bit field s of byte qs[l] of a half is its value 32 * s + l */
-static void two_bit_codes(const uint8_t *qs, uint8_t *codes) {
+static void two_bit_codes(const uint8_t *restrict qs, uint8_t *restrict codes) {
     for (int half = 0; half < 2; half++, qs += 32, codes += 128)
         for (int s = 0; s < 4; s++)
             for (int l = 0; l < 32; l++) codes[32 * s + l] = (qs[l] >> (2 * s)) & 3;
 }
 
 /* block_q2_K: scales[16] (4-bit scale | 4-bit min << 4), qs[64], fp16 d, fp16 dmin */
-static void decode_q2_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q2_k(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 256; b++, row += 84, codes += 256, scale += 16, offset += 16) {
         const float d = half_to_float(row + 80), dmin = half_to_float(row + 82);
         two_bit_codes(row + 16, codes);
@@ -130,7 +151,8 @@ static void decode_q2_k(const uint8_t *row, int64_t k, uint8_t *codes, float *sc
 
 /* block_q3_K: hmask[32] (bit g of hmask[l]: 3rd bit of value 32 * g + l, set means "no -4"), qs[64] as Q2_K,
  * scales[12] (16 6-bit scales, biased by 32), fp16 d */
-static void decode_q3_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q3_k(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 256; b++, row += 110, codes += 256, scale += 16, offset += 16) {
         const uint8_t *hmask = row, *packed = row + 96;
         const float d = half_to_float(row + 108);
@@ -167,7 +189,8 @@ static void k4_scales(const uint8_t *block, float *scale, float *offset) {
 }
 
 /* block_q4_K: fp16 d, fp16 dmin, scales[12], qs[128]: 4 runs of 32 bytes, low nibbles then high nibbles */
-static void decode_q4_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q4_k(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 256; b++, row += 144, codes += 256, scale += 16, offset += 16) {
         k4_scales(row, scale, offset);
         for (int part = 0; part < 4; part++)
@@ -179,7 +202,8 @@ static void decode_q4_k(const uint8_t *row, int64_t k, uint8_t *codes, float *sc
 }
 
 /* block_q5_K: as Q4_K with qh[32] before qs: bit g of qh[l] is the 5th bit of value 32 * g + l */
-static void decode_q5_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q5_k(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 256; b++, row += 176, codes += 256, scale += 16, offset += 16) {
         const uint8_t *qh = row + 16, *qs = row + 48;
         k4_scales(row, scale, offset);
@@ -194,7 +218,8 @@ static void decode_q5_k(const uint8_t *row, int64_t k, uint8_t *codes, float *sc
 /* block_q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16], fp16 d; w = d * scale * (code - 32).
  * Per half of 128 values: low nibbles of ql[0:64] are values 0-63, high nibbles 64-127; 2-bit field s of qh[l] is
  * the top of value 32 * s + l */
-static void decode_q6_k(const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *offset) {
+static void decode_q6_k(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
+                        float *restrict offset) {
     for (int64_t b = 0; b < k / 256; b++, row += 210, codes += 256, scale += 16, offset += 16) {
         const float d = half_to_float(row + 208);
         for (int half = 0; half < 2; half++) {
@@ -285,6 +310,41 @@ static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const fl
     return total;
 }
 
+#ifdef USE_VNNI
+/* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per 64
+ * values, the 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two
+ * sub-blocks' d * scale * dx applied to their 8 lanes each. */
+static float dot_q4_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
+                      const float *x_group_sum) {
+    const __m256i low_mask = _mm256_set1_epi8(0x0f);
+    __m512 acc = _mm512_setzero_ps();
+    float offsets = 0.0f;
+    for (int64_t b = 0; b < k / 256; b++, row += 144, x_codes += 256, x_lane_scale += 64, x_group_sum += 16) {
+        _mm_prefetch((const char *)row + 1024, _MM_HINT_T0);
+        const float d = half_to_float(row), dmin = half_to_float(row + 2);
+        float factor[8];
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, row + 4, &sc, &mn);
+            const float dx = x_lane_scale[8 * j];
+            factor[j] = d * (float)sc * dx;
+            offsets -= dmin * (float)mn * (x_group_sum[2 * j] + x_group_sum[2 * j + 1]);
+        }
+        for (int part = 0; part < 4; part++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * part));
+            const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low_mask)),
+                                                     _mm256_and_si256(_mm256_srli_epi16(q, 4), low_mask), 1);
+            const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                                                         _mm512_loadu_si512(x_codes + 64 * part));
+            const __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(factor[2 * part]),
+                                                     _mm256_set1_ps(factor[2 * part + 1]), 1);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc) + offsets;
+}
+#endif
+
 static void expand_to_lanes(const float *group_scale, int64_t groups, float *lane_scale) {
     for (int64_t g = 0; g < groups; g++)
         for (int l = 0; l < GROUP / LANE; l++) lane_scale[g * (GROUP / LANE) + l] = group_scale[g];
@@ -328,6 +388,13 @@ static void qdot_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     qdot_call_t *c = p;
     (void)slot;
     const int64_t k = c->k, tile = c->m > 1 ? ROW_TILE : 1;
+#ifdef USE_VNNI
+    if (c->m == 1 && c->decode == decode_q4_k) {
+        for (int64_t r = begin; r < end; r++)
+            c->y[r] = dot_q4_k(c->w + r * c->row_bytes, k, c->x.codes, c->x.lane_scale, c->x.group_sum);
+        return;
+    }
+#endif
     uint8_t *codes = aligned_alloc(64, padded(tile * k));
     float *group_scale = malloc((size_t)(k / GROUP) * sizeof(float));
     float *lane_scale = aligned_alloc(64, padded(tile * (k / LANE) * 4));
