@@ -311,6 +311,30 @@ static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const fl
 }
 
 #ifdef USE_VNNI
+/* Four consecutive decoded weight rows times one activation row (a prompt's GEMM): the activation codes and lane
+ * scales are loaded once for the four, and the four accumulators are independent chains (one chain waits on the
+ * latency of its fused multiply-add every step). k is a multiple of 64. */
+static void dot_rows4(const uint8_t *w_codes, const float *w_lane_scale, const float *w_offset, const int8_t *x_codes,
+                      const float *x_lane_scale, const float *x_group_sum, int64_t k, float *out, int64_t out_stride) {
+    const int64_t lanes = k / LANE, groups = k / GROUP;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < k; i += 64) {
+        const __m512i x = _mm512_loadu_si512(x_codes + i);
+        const __m512 x_scale = _mm512_loadu_ps(x_lane_scale + i / LANE);
+        for (int r = 0; r < 4; r++) {
+            const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                         _mm512_loadu_si512(w_codes + r * k + i), x);
+            const __m512 scales = _mm512_mul_ps(_mm512_loadu_ps(w_lane_scale + r * lanes + i / LANE), x_scale);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc[r]);
+        }
+    }
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __m512 sums = _mm512_loadu_ps(x_group_sum + g);
+        for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w_offset + r * groups + g), sums, acc[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
+}
+
 /* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per 64
  * values, the 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two
  * sub-blocks' d * scale * dx applied to their 8 lanes each. */
@@ -383,11 +407,13 @@ typedef struct {
     _Atomic int status;
 } qdot_call_t;
 
-/* the weight rows [begin, end), a tile of ROW_TILE decoded rows at a time, times every activation row */
-static void qdot_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+/* the weight rows of tiles [first_tile, end_tile), a tile of decoded rows at a time, times every activation row
+ * (pieces are whole tiles, so which rows share a tile, and so every sum's order, does not depend on the threads) */
+static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t slot) {
     qdot_call_t *c = p;
     (void)slot;
     const int64_t k = c->k, tile = c->m > 1 ? ROW_TILE : 1;
+    const int64_t begin = first_tile * tile, end = end_tile * tile < c->n ? end_tile * tile : c->n;
 #ifdef USE_VNNI
     if (c->m == 1 && c->decode == decode_q4_k) {
         for (int64_t r = begin; r < end; r++)
@@ -411,7 +437,14 @@ static void qdot_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
             for (int64_t i = 0; i < c->m; i++) {
                 const int8_t *x_codes = c->x.codes + i * k;
                 const float *x_lanes = c->x.lane_scale + i * (k / LANE), *x_sums = c->x.group_sum + i * (k / GROUP);
-                for (int64_t t = 0; t < rows; t++)
+                int64_t t = 0;
+#ifdef USE_VNNI
+                if (k % 256 == 0)
+                    for (; t + 4 <= rows; t += 4)
+                        dot_rows4(codes + t * k, lane_scale + t * (k / LANE), offset + t * (k / GROUP), x_codes,
+                                  x_lanes, x_sums, k, c->y + i * c->n + r0 + t, 1);
+#endif
+                for (; t < rows; t++)
                     c->y[i * c->n + r0 + t] = dot_row(codes + t * k, lane_scale + t * (k / LANE),
                                                       offset + t * (k / GROUP), x_codes, x_lanes, x_sums, k);
             }
@@ -445,7 +478,7 @@ int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n
             quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
                                     c.x.group_sum + i * (k / GROUP));
         const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
-        parallel_for(qdot_piece, &c, 0, n, pieces_for(tiles, threads), threads);
+        parallel_for(qdot_piece, &c, 0, tiles, pieces_for(tiles, threads), threads);
     }
     free(c.x.codes);
     free(c.x.lane_scale);
