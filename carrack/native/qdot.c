@@ -311,30 +311,6 @@ static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const fl
 }
 
 #ifdef USE_VNNI
-/* Four consecutive decoded weight rows times one activation row (a prompt's GEMM): the activation codes and lane
- * scales are loaded once for the four, and the four accumulators are independent chains (one chain waits on the
- * latency of its fused multiply-add every step). k is a multiple of 64. */
-static void dot_rows4(const uint8_t *w_codes, const float *w_lane_scale, const float *w_offset, const int8_t *x_codes,
-                      const float *x_lane_scale, const float *x_group_sum, int64_t k, float *out, int64_t out_stride) {
-    const int64_t lanes = k / LANE, groups = k / GROUP;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t i = 0; i < k; i += 64) {
-        const __m512i x = _mm512_loadu_si512(x_codes + i);
-        const __m512 x_scale = _mm512_loadu_ps(x_lane_scale + i / LANE);
-        for (int r = 0; r < 4; r++) {
-            const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                         _mm512_loadu_si512(w_codes + r * k + i), x);
-            const __m512 scales = _mm512_mul_ps(_mm512_loadu_ps(w_lane_scale + r * lanes + i / LANE), x_scale);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc[r]);
-        }
-    }
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __m512 sums = _mm512_loadu_ps(x_group_sum + g);
-        for (int r = 0; r < 4; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w_offset + r * groups + g), sums, acc[r]);
-    }
-    for (int r = 0; r < 4; r++) out[r * out_stride] = _mm512_reduce_add_ps(acc[r]);
-}
-
 /* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per 64
  * values, the 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two
  * sub-blocks' d * scale * dx applied to their 8 lanes each. */
@@ -407,6 +383,100 @@ typedef struct {
     _Atomic int status;
 } qdot_call_t;
 
+#ifdef USE_VNNI
+/* -- a prompt's GEMM (AVX-512 VNNI): ROW_TILE = 16 weight rows decoded, then interleaved so that one 64-byte vector
+ * holds 4 consecutive codes of each of the 16 rows; a vpdpbusd with 4 activation codes broadcast then adds to the
+ * 16 rows' sums at once. Each group of 16 values is summed in int32 and scaled once (weight scale x activation
+ * scale, per row in the 16 lanes), for up to 4 activation rows sharing every weight load. -------------------- */
+typedef struct {
+    uint8_t *codes;      /* [k / 4][16 rows][4] */
+    float *scale, *offset; /* [k / 16][16 rows] */
+} interleaved_tile_t;
+
+static void interleave_tile(const uint8_t *codes, const float *scale, const float *offset, int64_t rows, int64_t k,
+                            interleaved_tile_t *tile) {
+    memset(tile->codes, 0, (size_t)(16 * k));
+    memset(tile->scale, 0, (size_t)(k / GROUP * 16) * sizeof(float));
+    memset(tile->offset, 0, (size_t)(k / GROUP * 16) * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < k / 4; c++) memcpy(tile->codes + (c * 16 + r) * 4, codes + r * k + c * 4, 4);
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            tile->scale[g * 16 + r] = scale[r * (k / GROUP) + g];
+            tile->offset[g * 16 + r] = offset[r * (k / GROUP) + g];
+        }
+    }
+}
+
+static inline __m512i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* y[i, r0 + 0..rows) for the activation rows i in [i0, i0 + count), count <= 4 */
+static inline void tile_times_rows(const interleaved_tile_t *tile, const activations_t *x, int64_t k, int64_t i0,
+                                   int count, float *y, int64_t n, int64_t r0, int64_t rows) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int8_t *x_codes[4];
+    const float *x_lanes[4], *x_sums[4];
+    for (int t = 0; t < count; t++) {
+        x_codes[t] = x->codes + (i0 + t) * k;
+        x_lanes[t] = x->lane_scale + (i0 + t) * (k / LANE);
+        x_sums[t] = x->group_sum + (i0 + t) * (k / GROUP);
+    }
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        __m512i sums[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                           _mm512_setzero_si512()};
+        for (int q = 0; q < GROUP / 4; q++) {
+            const __m512i w = _mm512_loadu_si512(tile->codes + (g * 4 + q) * 64);
+            for (int t = 0; t < count; t++)
+                sums[t] = _mm512_dpbusd_epi32(sums[t], w, broadcast4(x_codes[t] + g * GROUP + q * 4));
+        }
+        const __m512 scale = _mm512_loadu_ps(tile->scale + g * 16), offset = _mm512_loadu_ps(tile->offset + g * 16);
+        for (int t = 0; t < count; t++) {
+            const __m512 lane = _mm512_mul_ps(scale, _mm512_set1_ps(x_lanes[t][g * (GROUP / LANE)]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), lane, acc[t]);
+            acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[t][g]), acc[t]);
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+    for (int t = 0; t < count; t++) _mm512_mask_storeu_ps(y + (i0 + t) * n + r0, mask, acc[t]);
+}
+
+static void gemm_tiles(qdot_call_t *c, int64_t begin, int64_t end, uint8_t *codes, float *group_scale,
+                       float *offset, interleaved_tile_t *tile) {
+    const int64_t k = c->k;
+    for (int64_t r0 = begin; r0 < end; r0 += 16) {
+        const int64_t rows = end - r0 < 16 ? end - r0 : 16;
+        for (int64_t t = 0; t < rows; t++)
+            c->decode(c->w + (r0 + t) * c->row_bytes, k, codes + t * k, group_scale + t * (k / GROUP),
+                      offset + t * (k / GROUP));
+        interleave_tile(codes, group_scale, offset, rows, k, tile);
+        int64_t i = 0;
+        for (; i + 4 <= c->m; i += 4) tile_times_rows(tile, &c->x, k, i, 4, c->y, c->n, r0, rows);
+        for (; i < c->m; i++) tile_times_rows(tile, &c->x, k, i, 1, c->y, c->n, r0, rows);
+    }
+}
+
+static int gemm_piece(qdot_call_t *c, int64_t begin, int64_t end) {
+    const int64_t k = c->k;
+    interleaved_tile_t tile = {aligned_alloc(64, padded(16 * k)), malloc((size_t)(k / GROUP * 16) * sizeof(float)),
+                               malloc((size_t)(k / GROUP * 16) * sizeof(float))};
+    uint8_t *codes = aligned_alloc(64, padded(16 * k));
+    float *group_scale = malloc((size_t)(16 * (k / GROUP)) * sizeof(float));
+    float *offset = malloc((size_t)(16 * (k / GROUP)) * sizeof(float));
+    const int ok = tile.codes && tile.scale && tile.offset && codes && group_scale && offset;
+    if (ok) gemm_tiles(c, begin, end, codes, group_scale, offset, &tile);
+    free(tile.codes);
+    free(tile.scale);
+    free(tile.offset);
+    free(codes);
+    free(group_scale);
+    free(offset);
+    return ok ? 0 : -2;
+}
+#endif
+
 /* the weight rows of tiles [first_tile, end_tile), a tile of decoded rows at a time, times every activation row
  * (pieces are whole tiles, so which rows share a tile, and so every sum's order, does not depend on the threads) */
 static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t slot) {
@@ -418,6 +488,11 @@ static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t sl
     if (c->m == 1 && c->decode == decode_q4_k) {
         for (int64_t r = begin; r < end; r++)
             c->y[r] = dot_q4_k(c->w + r * c->row_bytes, k, c->x.codes, c->x.lane_scale, c->x.group_sum);
+        return;
+    }
+    if (c->m > 1) {
+        const int status = gemm_piece(c, begin, end);
+        if (status) atomic_store(&c->status, status);
         return;
     }
 #endif
@@ -437,14 +512,7 @@ static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t sl
             for (int64_t i = 0; i < c->m; i++) {
                 const int8_t *x_codes = c->x.codes + i * k;
                 const float *x_lanes = c->x.lane_scale + i * (k / LANE), *x_sums = c->x.group_sum + i * (k / GROUP);
-                int64_t t = 0;
-#ifdef USE_VNNI
-                if (k % 256 == 0)
-                    for (; t + 4 <= rows; t += 4)
-                        dot_rows4(codes + t * k, lane_scale + t * (k / LANE), offset + t * (k / GROUP), x_codes,
-                                  x_lanes, x_sums, k, c->y + i * c->n + r0 + t, 1);
-#endif
-                for (; t < rows; t++)
+                for (int64_t t = 0; t < rows; t++)
                     c->y[i * c->n + r0 + t] = dot_row(codes + t * k, lane_scale + t * (k / LANE),
                                                       offset + t * (k / GROUP), x_codes, x_lanes, x_sums, k);
             }
