@@ -311,6 +311,51 @@ static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const fl
 }
 
 #ifdef USE_VNNI
+/* One Q6_K row times one activation row without the decoded buffer: per half of 128 values, four runs of 32 codes
+ * from the low/high nibbles and 2-bit fields, two vpdpbusd of 64 codes each; the 16 groups' d * scale * dx are one
+ * vector per block, spread to the lanes of each 64 values by a permutation. */
+static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
+                      const float *x_group_sum) {
+    const __m256i low_mask = _mm256_set1_epi8(0x0f), two_bits = _mm256_set1_epi8(3);
+    const __m512i group_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i every_fourth = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+    __m512 acc = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++, row += 210, x_codes += 256, x_lane_scale += 64, x_group_sum += 16) {
+        _mm_prefetch((const char *)row + 1024, _MM_HINT_T0);
+        const __m512 weight_scales = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))),
+            _mm512_set1_ps(half_to_float(row + 208)));
+        const __m512 scales = _mm512_mul_ps(weight_scales, _mm512_i32gather_ps(every_fourth, x_lane_scale, 4));
+        /* w = d * sc * (code - 32): the -32 meets dx * sum(xq) of each group */
+        offsets = _mm512_fmadd_ps(weight_scales, _mm512_loadu_ps(x_group_sum), offsets);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
+            const __m256i low0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i low1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i c[4];
+            c[0] = _mm256_or_si256(_mm256_and_si256(low0, low_mask),
+                                   _mm256_slli_epi16(_mm256_and_si256(high, two_bits), 4));
+            c[1] = _mm256_or_si256(_mm256_and_si256(low1, low_mask),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), two_bits), 4));
+            c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low_mask),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), two_bits), 4));
+            c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low_mask),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), two_bits), 4));
+            for (int pair = 0; pair < 2; pair++) {
+                const int chunk = 2 * half + pair; /* 64 values: groups 4 * chunk .. 4 * chunk + 3 */
+                const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(c[2 * pair]), c[2 * pair + 1], 1);
+                const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                                                             _mm512_loadu_si512(x_codes + 64 * chunk));
+                const __m512 lane_scales = _mm512_permutexvar_ps(
+                    _mm512_add_epi32(group_of_lane, _mm512_set1_epi32(4 * chunk)), scales);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), lane_scales, acc);
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_fnmadd_ps(_mm512_set1_ps(32.0f), offsets, acc));
+}
+
 /* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per 64
  * values, the 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two
  * sub-blocks' d * scale * dx applied to their 8 lanes each. */
@@ -485,9 +530,11 @@ static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t sl
     const int64_t k = c->k, tile = c->m > 1 ? ROW_TILE : 1;
     const int64_t begin = first_tile * tile, end = end_tile * tile < c->n ? end_tile * tile : c->n;
 #ifdef USE_VNNI
-    if (c->m == 1 && c->decode == decode_q4_k) {
+    if (c->m == 1 && (c->decode == decode_q4_k || c->decode == decode_q6_k)) {
+        float (*dot)(const uint8_t *, int64_t, const int8_t *, const float *, const float *) =
+            c->decode == decode_q4_k ? dot_q4_k : dot_q6_k;
         for (int64_t r = begin; r < end; r++)
-            c->y[r] = dot_q4_k(c->w + r * c->row_bytes, k, c->x.codes, c->x.lane_scale, c->x.group_sum);
+            c->y[r] = dot(c->w + r * c->row_bytes, k, c->x.codes, c->x.lane_scale, c->x.group_sum);
         return;
     }
     if (c->m > 1) {
