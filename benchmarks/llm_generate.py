@@ -8,8 +8,7 @@ and generation with the native quantized kernels and with the numpy fallback (CA
 interleaved in one run, and reports tokens/s and the weight bytes streamed per second against this machine's
 measured copy bandwidth (the physical limit of generation).
 
-llama.cpp (llama-cpp-python built from source) is not part of this script yet: the side-by-side table the issue
-asks for is left for a machine where that 26-minute build does not starve other work.
+The side-by-side run with llama.cpp on the same files is benchmarks/llm_vs_llamacpp.py.
 """
 
 from __future__ import annotations
