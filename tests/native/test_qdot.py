@@ -113,3 +113,16 @@ def test_refusals_name_the_problem():
         qdot.matmul(np.zeros((2, 20), np.uint8), GGMLType.Q4_0, np.zeros((1, 64), np.float32))
     with pytest.raises(ValueError, match="32-value blocks"):
         qdot.quantize_activations(np.zeros((1, 40), np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("ggml_type", TYPES[:5], ids=lambda t: t.name)
+def test_rows_of_an_odd_number_of_32_value_blocks(build, ggml_type, m):
+    """k = 96: the vector loops' 64-value steps leave one block over."""
+    n, k = 21, 96
+    rows = random_blocks(ggml_type, n, k, seed=8)
+    x = np.random.default_rng(9).standard_normal((m, k)).astype(np.float32)
+    codes, scales = qdot.quantize_activations(x)
+    x_quantized = (codes.reshape(m, -1, 32) * scales[:, :, None].astype(np.float64)).reshape(m, k)
+    expected = x_quantized @ gguf_dequantized(rows, ggml_type).T
+    np.testing.assert_allclose(qdot.matmul(rows, ggml_type, x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
