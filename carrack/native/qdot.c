@@ -103,7 +103,12 @@ static void five_bit_codes(const uint8_t *restrict qh_bytes, const uint8_t *rest
     const uint32_t qh = (uint32_t)qh_bytes[0] | (uint32_t)qh_bytes[1] << 8 | (uint32_t)qh_bytes[2] << 16 |
                         (uint32_t)qh_bytes[3] << 24;
     split_nibbles16(qs, codes);
+#ifdef USE_VNNI
+    const __m256i low = _mm256_loadu_si256((const __m256i *)codes);
+    _mm256_storeu_si256((__m256i *)codes, _mm256_mask_add_epi8(low, (__mmask32)qh, low, _mm256_set1_epi8(16)));
+#else
     for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((qh >> j) & 1) << 4);
+#endif
 }
 
 static void decode_q5_0(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes, float *restrict scale,
@@ -132,6 +137,21 @@ static void decode_q8_0(const uint8_t *restrict row, int64_t k, uint8_t *restric
     }
 }
 
+/* codes[32 * g + l] += add where bit g of bits[l] is set, for g < groups (Q3_K's hmask, Q5_K's qh) */
+static inline void add_bit_planes(const uint8_t *restrict bits, int groups, uint8_t add, uint8_t *restrict codes) {
+#ifdef USE_VNNI
+    const __m256i planes = _mm256_loadu_si256((const __m256i *)bits), value = _mm256_set1_epi8((char)add);
+    for (int g = 0; g < groups; g++) {
+        const __mmask32 set = _mm256_test_epi8_mask(planes, _mm256_set1_epi8((char)(1 << g)));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 32 * g));
+        _mm256_storeu_si256((__m256i *)(codes + 32 * g), _mm256_mask_add_epi8(c, set, c, value));
+    }
+#else
+    for (int g = 0; g < groups; g++)
+        for (int l = 0; l < 32; l++) codes[32 * g + l] += (uint8_t)(((bits[l] >> g) & 1) * add);
+#endif
+}
+
 /* Q2_K / Q3_K low bits: two halves of 128 values; 2-bit field s of byte qs[l] of a half is its value 32 * s + l */
 static void two_bit_codes(const uint8_t *restrict qs, uint8_t *restrict codes) {
     for (int half = 0; half < 2; half++, qs += 32, codes += 128)
@@ -157,8 +177,7 @@ static void decode_q3_k(const uint8_t *restrict row, int64_t k, uint8_t *restric
         const uint8_t *hmask = row, *packed = row + 96;
         const float d = half_to_float(row + 108);
         two_bit_codes(row + 32, codes);
-        for (int g = 0; g < 8; g++)
-            for (int l = 0; l < 32; l++) codes[32 * g + l] |= (uint8_t)(((hmask[l] >> g) & 1) << 2);
+        add_bit_planes(hmask, 8, 4, codes);
         for (int g = 0; g < 16; g++) {
             const int low = g < 8 ? packed[g] & 0x0f : packed[g - 8] >> 4;
             const int high = (packed[8 + g % 4] >> (2 * (g / 4))) & 3;
@@ -209,9 +228,10 @@ static void decode_q5_k(const uint8_t *restrict row, int64_t k, uint8_t *restric
         k4_scales(row, scale, offset);
         for (int part = 0; part < 4; part++)
             for (int l = 0; l < 32; l++) {
-                codes[64 * part + l] = (uint8_t)((qs[32 * part + l] & 0x0f) | ((qh[l] >> (2 * part)) & 1) << 4);
-                codes[64 * part + 32 + l] = (uint8_t)((qs[32 * part + l] >> 4) | ((qh[l] >> (2 * part + 1)) & 1) << 4);
+                codes[64 * part + l] = qs[32 * part + l] & 0x0f;
+                codes[64 * part + 32 + l] = qs[32 * part + l] >> 4;
             }
+        add_bit_planes(qh, 8, 16, codes);
     }
 }
 
