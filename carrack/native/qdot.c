@@ -12,10 +12,12 @@
  *   y = sum_g dx_g * (scale_g * sum_{v in g} code_v * xq_v + offset_g * sum_{v in g} xq_v)
  * The inner sums are exact integers (AVX-512 VNNI: vpdpbusd, 64 byte products per instruction); only the scaling
  * is float. Against dequantize-then-matmul on the quantized activations the difference is float rounding; against
- * float activations, the 8-bit activations' error (relative ~1e-2 of a row's scale at worst, see the tests).
+ * float activations, at most half an activation step per value weighted by |w| (the bound the tests check).
  *
- * Rows of W are split over the thread pool; a prompt (m > 1) is a GEMM: a tile of decoded weight rows is reused by
- * every activation row, each activation row (about 2.3 bytes per value) staying in L1 across the tile. */
+ * Rows of W are split over the thread pool in whole tiles. With AVX-512 VNNI, generation (m = 1) runs fused kernels
+ * for Q4_0, Q8_0, Q4_K and Q6_K (codes assembled in registers, no buffer) and a prompt (m > 1) is a GEMM over tiles
+ * of 16 decoded rows interleaved 4 codes at a time (gemm_piece). The other cases, and the portable and AVX2 builds,
+ * decode a row (or a tile of rows) into a buffer and take dot_row. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
