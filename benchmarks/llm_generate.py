@@ -8,8 +8,7 @@ and generation with the native quantized kernels and with the numpy fallback (CA
 interleaved in one run, and reports tokens/s and the weight bytes streamed per second against this machine's
 measured copy bandwidth (the physical limit of generation).
 
-llama.cpp (llama-cpp-python built from source) is not part of this script yet: the side-by-side table the issue
-asks for is left for a machine where that 26-minute build does not starve other work.
+The side-by-side run with llama.cpp on the same files is benchmarks/llm_vs_llamacpp.py.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ def model_dir() -> str:
     return path
 
 
-def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0) -> str:
-    """A llama GGUF with N(0, 0.02) weights (norms 1), written tensor by tensor (never the whole model in RAM)."""
+def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0, extra_metadata=None) -> str:
+    """A llama GGUF with N(0, 0.02) weights (norms 1), written tensor by tensor (never the whole model in RAM);
+    `extra_metadata(writer)`, when given, adds keys (a vocabulary) before the tensors."""
     import gguf
 
     from carrack.llm.convert import _LLAMA_FILE_TYPE, encode_tensor, write_hparams
@@ -46,6 +46,8 @@ def write_random_llama(path: str, config: dict, file_type: str, seed: int = 0) -
     writer = gguf.GGUFWriter(path, "llama")
     write_hparams(writer, "llama", cfg)
     writer.add_file_type(_LLAMA_FILE_TYPE[file_type])
+    if extra_metadata is not None:
+        extra_metadata(writer)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * head_dim
     shapes = {"token_embd.weight": (cfg.vocab_size, cfg.hidden_size), "output_norm.weight": (cfg.hidden_size,),

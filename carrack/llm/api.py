@@ -39,13 +39,14 @@ class Llama:
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 512, n_batch: int = 512,
                  n_threads: int | None = None, seed: int = DEFAULT_SEED, verbose: bool = False,
-                 memory_limit_bytes: int | None = None, dequantize: bool = False):
+                 memory_limit_bytes: int | None = None, dequantize: bool = False, activations: str = "int8"):
         self.model_path = os.fspath(model_path)
         # native kernels and numpy's BLAS both run on this many threads during evaluation
         self.n_threads = n_threads or os.cpu_count() or 1
         self.verbose = verbose
         self.decoder = Decoder(self.model_path, n_ctx=n_ctx, n_batch=n_batch, dequantize=dequantize,
-                               memory_limit_bytes=memory_limit_bytes, n_threads=self.n_threads)
+                               memory_limit_bytes=memory_limit_bytes, n_threads=self.n_threads,
+                               activations=activations)
         metadata = self.decoder.gguf.metadata
         self.metadata = metadata
         self._tokenizer = Tokenizer(metadata, self.model_path) if "tokenizer.ggml.model" in metadata else None

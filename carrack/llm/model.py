@@ -84,11 +84,12 @@ class Decoder:
     """A decoder-only transformer read from a GGUF file (architectures in carrack.llm.hparams.ARCHITECTURES)."""
 
     def __init__(self, model: str | os.PathLike[str] | GGUFFile, n_ctx: int = 0, n_batch: int = 512,
-                 dequantize: bool = False, memory_limit_bytes: int | None = None, n_threads: int | None = None):
+                 dequantize: bool = False, memory_limit_bytes: int | None = None, n_threads: int | None = None,
+                 activations: str = "int8"):
         self.gguf = model if isinstance(model, GGUFFile) else read_gguf(model)
         metadata = self.gguf.metadata
         store = WeightStore(self.gguf, str(metadata.get("general.architecture")), dequantize_all=dequantize,
-                            threads=n_threads)
+                            threads=n_threads, activations=activations)
         self.token_embd = store.tensor("token_embd.weight")
         if len(self.token_embd.shape) != 2:
             raise InvalidModel(f"{self.gguf.path}: token_embd.weight must be 2-D, got {list(self.token_embd.shape)}")

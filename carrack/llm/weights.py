@@ -4,6 +4,11 @@ F32 tensors stay zero-copy views of the memory-mapped file. F16 / BF16 matrices 
 BLAS-speed product; it doubles their memory, noted in the memory plan). Block-quantized matrices stay as their ggml
 blocks and are multiplied straight from them (`QuantizedLinear`); with ``dequantize=True`` every matrix is decoded
 to float32 at load instead, which is the reference path the quantized products are checked against.
+
+``activations`` picks how a quantized product treats x: ``"int8"`` (the default, as llama.cpp) quantizes each
+32 values of x to 8 bits and multiplies in integer dot products (carrack/native/qdot.c); ``"float"`` keeps x
+float32 (carrack/native/qmatvec.c while generating, decode + BLAS for prompts), which differs from
+dequantize-then-matmul only in the order of float additions.
 """
 
 from __future__ import annotations
@@ -15,12 +20,20 @@ from carrack.gguf.dequant import dequantize, supported_types
 from carrack.gguf.matmul import chunk_rows, quantized_matmul
 from carrack.gguf.reader import GGUFFile, GGUFTensor
 from carrack.gguf.types import GGMLType
-from carrack.native import qmatvec
+from carrack.native import qdot, qmatvec
 
 #: rows of x up to which a quantized product runs in the native kernel rather than decode + BLAS
 NATIVE_MAX_ROWS = 8
 
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+#: how a quantized product may treat its activations (see the module docstring)
+ACTIVATION_MODES = ("int8", "float")
+
+
+def checked_activations(activations: str) -> str:
+    if activations not in ACTIVATION_MODES:
+        raise ValueError(f"activations={activations!r}: expected one of {', '.join(map(repr, ACTIVATION_MODES))}")
+    return activations
 
 
 class FloatLinear:
@@ -45,12 +58,14 @@ class FloatLinear:
 class QuantizedLinear:
     """``x @ W.T`` for a weight kept as ggml blocks (Q8_0, Q4_0, K-quants, ...).
 
-    A few rows of x (generation, small batches) go to the native kernel (carrack/native/qmatvec.c: each weight row
-    decoded in L1 and multiplied there, one call per matrix) for the types it decodes; larger batches and the other
-    types are decoded a chunk of rows at a time into a float32 buffer for a BLAS product (quantized_matmul).
+    With int8 activations, every product of a type qdot.c decodes is one native call (a matrix-vector product while
+    generating, a GEMM over the blocks for a prompt). With float activations, a few rows of x (generation, small
+    batches) go to carrack/native/qmatvec.c (each weight row decoded in L1 and multiplied there) for the types it
+    decodes; larger batches and the other types are decoded a chunk of rows at a time into a float32 buffer for a
+    BLAS product (quantized_matmul).
     """
 
-    def __init__(self, tensor: GGUFTensor, threads: int | None = None):
+    def __init__(self, tensor: GGUFTensor, threads: int | None = None, activations: str = "int8"):
         self.name = tensor.name
         self.ggml_type = tensor.type
         self.out_features, self.in_features = tensor.shape
@@ -60,8 +75,13 @@ class QuantizedLinear:
         self.rows_2d = self.raw.reshape(self.out_features, self.row_bytes)
         self.threads = threads
         self.native = qmatvec.supports(self.ggml_type)
+        self.int8 = checked_activations(activations) == "int8" and qdot.supports(self.ggml_type)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.int8 and x.ndim == 2:
+            y = qdot.matmul(self.rows_2d, self.ggml_type, x, self.threads)
+            if y is not None:
+                return y
         if self.native and x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
             y = qmatvec.matvec(self.rows_2d, self.ggml_type, x, self.threads)
             if y is not None:
@@ -92,6 +112,9 @@ class QuantizedLinear:
         return dequantize(rows, self.ggml_type, (len(ids), self.in_features))
 
     def scratch_bytes(self, n_rows: int) -> int:
+        if self.int8:  # quantized activations (2.25 bytes a value) + per-thread decoded row tiles + the result
+            k = self.in_features
+            return n_rows * k * 9 // 4 + (self.threads or 1) * qdot.ROW_TILE * k * 3 + n_rows * self.out_features * 4
         step = min(self.out_features, chunk_rows(self.in_features))
         return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
 
@@ -102,8 +125,10 @@ Linear = FloatLinear | QuantizedLinear
 class WeightStore:
     """Looks tensors up by llama.cpp name; a missing required tensor is an InvalidModel naming it."""
 
-    def __init__(self, gguf: GGUFFile, arch_name: str, dequantize_all: bool = False, threads: int | None = None):
+    def __init__(self, gguf: GGUFFile, arch_name: str, dequantize_all: bool = False, threads: int | None = None,
+                 activations: str = "int8"):
         self.gguf = gguf
+        self.activations = checked_activations(activations)
         self.threads = threads
         self.arch_name = arch_name
         self.dequantize_all = dequantize_all
@@ -141,4 +166,4 @@ class WeightStore:
                 self.float_copies.append(name)
             weight = dequantize(tensor.raw(), tensor.type, shape)
             return FloatLinear(weight, name)
-        return QuantizedLinear(tensor, self.threads)
+        return QuantizedLinear(tensor, self.threads, self.activations)

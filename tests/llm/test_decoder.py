@@ -51,7 +51,7 @@ def test_incremental_decoding_equals_one_batch(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantized_file_matches_its_dequantized_float_path(arch, file_type, tmp_path):
     path = write_gguf(tiny_model(arch), tmp_path, file_type)
-    quantized = Decoder(path, n_ctx=64)
+    quantized = Decoder(path, n_ctx=64, activations="float")
     reference = Decoder(path, n_ctx=64, dequantize=True)
     assert any(type(m).__name__ == "QuantizedLinear" for m in vars(quantized.layers[0]).values())
     ids = prompt_ids()
@@ -64,8 +64,11 @@ def test_q8_0_file_stays_close_to_the_float_model(tmp_path):
     ids = prompt_ids()
     with torch.no_grad():
         expected = model(torch.tensor(ids)[None]).logits[0].numpy()
-    got = Decoder(write_gguf(model, tmp_path, "Q8_0"), n_ctx=64).forward(ids, 0)
+    path = write_gguf(model, tmp_path, "Q8_0")
+    got = Decoder(path, n_ctx=64, activations="float").forward(ids, 0)
     assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
+    got_int8 = Decoder(path, n_ctx=64).forward(ids, 0)  # 8-bit activations on top of 8-bit weights
+    assert np.abs(got_int8 - expected).max() < 0.1 * np.abs(expected).max()
 
 
 def test_llama_rope_permutation_matters(tmp_path):
@@ -197,7 +200,7 @@ def test_tied_embeddings_serve_as_the_output(tmp_path):
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.15)
-    decoder = Decoder(write_gguf(model, tmp_path, "Q8_0"), n_ctx=64)
+    decoder = Decoder(write_gguf(model, tmp_path, "Q8_0"), n_ctx=64, activations="float")
     assert "output.weight" not in decoder.gguf.tensors and decoder.output is decoder.embeddings
     ids = prompt_ids()
     reference = Decoder(decoder.gguf.path, n_ctx=64, dequantize=True)
@@ -234,9 +237,40 @@ def test_k_quant_file_matches_its_dequantized_float_path(ggml_type, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     path = str(tmp_path / f"{ggml_type}.gguf")
-    quantized, reference = Decoder(path, n_ctx=64), Decoder(path, n_ctx=64, dequantize=True)
+    quantized, reference = Decoder(path, n_ctx=64, activations="float"), Decoder(path, n_ctx=64, dequantize=True)
     assert quantized.layers[0].w_up.ggml_type == kind
     ids = prompt_ids()
     expected = reference.forward(ids, 0)
     np.testing.assert_allclose(quantized.forward(ids, 0), expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
     assert greedy(quantized, ids, 16) == greedy(reference, ids, 16)
+    # the default, 8-bit activations: the prompt's GEMM and the token-by-token fused matrix-vector kernels compute
+    # the same products (their precision against float is checked per kernel in tests/native/test_qdot.py: these
+    # random K-quant blocks make weights up to ~8 in size, which amplify any activation rounding layer by layer)
+    int8 = Decoder(path, n_ctx=64)
+    assert int8.layers[0].w_up.int8
+    batch = int8.forward(ids, 0)
+    int8.reset()
+    steps = np.stack([int8.forward([t])[-1] for t in ids])
+    # (not bit for bit: the two orders of float additions can put an activation on either side of a rounding step)
+    np.testing.assert_allclose(steps, batch, atol=5e-3 * np.abs(batch).max(), rtol=0)
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_int8_activations_stay_near_the_dequantized_float_path(arch, file_type, tmp_path):
+    """The default, 8-bit activations (llama.cpp's scheme; the kernels themselves are checked exactly in
+    tests/native/test_qdot.py): on these tiny random models (hidden 64, weights N(0, 0.15)) every logit stays within
+    6% of the largest, and the top token agrees at most positions."""
+    path = write_gguf(tiny_model(arch), tmp_path, file_type)
+    quantized = Decoder(path, n_ctx=64)
+    assert quantized.layers[0].w_up.int8
+    reference = Decoder(path, n_ctx=64, dequantize=True)
+    ids = prompt_ids()
+    got, expected = quantized.forward(ids, 0), reference.forward(ids, 0)
+    assert np.abs(got - expected).max() < 0.06 * np.abs(expected).max()
+    assert (got.argmax(axis=1) == expected.argmax(axis=1)).mean() >= 0.9
+
+
+def test_activation_mode_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="activations='int4': expected one of 'int8', 'float'"):
+        Decoder(write_gguf(tiny_model("llama"), tmp_path, "Q8_0"), n_ctx=64, activations="int4")
