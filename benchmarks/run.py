@@ -11,6 +11,10 @@ Before each run the driver waits until the other engine's process is idle (at mo
 onnxruntime's intra-op threads spin on for a while after its run and would otherwise take a core from carrack's
 next run (and carrack's pool workers, more briefly, from onnxruntime's).
 
+--alone instead times each engine with no other engine's process alive (two rounds of fresh processes, carrack
+then onnxruntime, then the reverse): what a user running one engine sees at several threads, where idle threads of
+the other engine's process can still take a core from the alternating runs.
+
 Memory mode: per model, a fresh process per engine loads the model and runs one inference; reported: the process's
 peak RSS (VmHWM), its RSS before loading (imports only), and carrack's static memory plan (weights, arena, planned
 peak, arena / sum of intermediates).
@@ -134,6 +138,51 @@ def measure_peak(threads: int) -> dict:
     return msg
 
 
+def time_model_alone(path: Path, threads: int, iters: int, warmup: int, timeout: float) -> dict[str, dict]:
+    """Latency of each engine with no other engine's process alive: two rounds (carrack, ort, then ort, carrack),
+    each a fresh process making `warmup` runs and half the timed runs, so that slow drift of the machine falls on
+    both. What a user running one engine sees; idle threads of the other cannot take a core."""
+    results: dict[str, dict] = {e: {"times_ms": [], "cpu_ms": [], "settle_ms": []} for e in ENGINES}
+    for order in (ENGINES, ENGINES[::-1]):
+        for engine in order:
+            r = results[engine]
+            if "error" in r:
+                continue
+            w = Worker("serve", [engine, str(path)], threads)
+            msg = w.receive(timeout)
+            if msg["event"] != "ready":
+                r.update(error=msg["error"], phase=msg["phase"])
+                w.close()
+                continue
+            r.setdefault("load_s", msg["load_s"])
+            r.setdefault("baseline_rss", msg["baseline_rss"])
+            deadline = time.monotonic() + timeout
+            for i in range(warmup + (iters + 1) // 2):
+                w.send("run")
+                msg = w.receive(deadline - time.monotonic())
+                if msg["event"] != "ran":
+                    r.update(error=msg["error"], phase=msg["phase"])
+                    break
+                r.setdefault("first_ms", msg["ms"])
+                if i >= warmup:
+                    r["times_ms"].append(msg["ms"])
+                    r["cpu_ms"].append(msg["cpu_ms"])
+            if "error" not in r:
+                w.send("stats")
+                r["peak_rss"] = max(r.get("peak_rss") or 0, w.receive(30).get("peak_rss") or 0)
+            w.close()
+    _summarize(results)
+    return results
+
+
+def _summarize(results: dict[str, dict]) -> None:
+    for r in results.values():
+        if r.get("times_ms") and "error" not in r:
+            r.update(median_ms=median(r["times_ms"]), min_ms=min(r["times_ms"]), max_ms=max(r["times_ms"]),
+                     cpu_per_wall=sum(r["cpu_ms"]) / sum(r["times_ms"]),
+                     settle_median_ms=median(r["settle_ms"]) if r["settle_ms"] else 0.0)
+
+
 def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float,
                settle: bool = True) -> dict[str, dict]:
     """Interleaved latency of every engine on one model; per engine a dict of results or an error. With
@@ -173,11 +222,7 @@ def time_model(path: Path, threads: int, iters: int, warmup: int, timeout: float
         msg = w.receive(30)
         results[engine]["peak_rss"] = msg.get("peak_rss")
         w.close()
-    for r in results.values():
-        if r.get("times_ms"):
-            r.update(median_ms=median(r["times_ms"]), min_ms=min(r["times_ms"]), max_ms=max(r["times_ms"]),
-                     cpu_per_wall=sum(r["cpu_ms"]) / sum(r["times_ms"]),
-                     settle_median_ms=median(r["settle_ms"]) if r["settle_ms"] else 0.0)
+    _summarize(results)
     return results
 
 
@@ -376,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per engine and model (default 600)")
     p.add_argument("--memory", action="store_true", help="peak-memory comparison instead of latency")
     p.add_argument("--json", help="where to write the JSON results")
+    p.add_argument("--alone", action="store_true", help="time each engine with no other engine's process alive "
+                   "(two rounds of fresh processes, alternating order) instead of alternating runs")
     p.add_argument("--no-settle", action="store_true", help="start each run right after the other engine's "
                    "(by default a run waits until the other engine's process is idle: onnxruntime's threads spin "
                    "on after its runs)")
@@ -409,8 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         print(memory_table(rows))
     else:
         print(f"Threads: {', '.join(map(str, thread_counts))}; {args.iters} timed runs per engine after "
-              f"{args.warmup} warm-up, engines alternating run by run in fresh processes"
-              f"{'' if args.no_settle else ', each run once the other engine is idle'}; GFLOP = 2 x "
+              f"{args.warmup} warm-up, "
+              + ("each engine alone (two rounds of fresh processes, no other engine alive)" if args.alone else
+                 "engines alternating run by run in fresh processes"
+                 f"{'' if args.no_settle else ', each run once the other engine is idle'}")
+              + "; GFLOP = 2 x "
               "MatMul/Gemm/Conv MACs (>= where some shapes were unknown); % peak is relative to numpy's sgemm rate "
               "(onnxruntime's own kernels can beat it); CPU/wall = process CPU time / latency (threads kept busy)\n",
               flush=True)
@@ -423,8 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}, {threads} thread(s) ...", file=sys.stderr, flush=True)
                 count, partial, flop_error = flops[name]
                 row = {"model": name, "threads": threads, "flops": count, "flops_partial": partial,
-                       "engines": time_model(path, threads, args.iters, args.warmup, args.timeout,
-                                             not args.no_settle)}
+                       "engines": (time_model_alone(path, threads, args.iters, args.warmup, args.timeout)
+                                   if args.alone else
+                                   time_model(path, threads, args.iters, args.warmup, args.timeout,
+                                              not args.no_settle))}
                 if flop_error:
                     row["flops_error"] = flop_error
                 block.append(row)

@@ -48,3 +48,34 @@ def test_a_busy_process_is_waited_for_until_the_limit(child):
 
 def test_no_process_means_no_wait():
     assert run.wait_until_idle([]) == 0.0
+
+
+def test_alone_mode_never_has_two_engines_alive(monkeypatch):
+    """--alone: each engine's process runs with no other engine's process alive, in two rounds of opposite order."""
+    alive: list[str] = []
+    log: list[tuple[str, str]] = []
+
+    class FakeWorker:
+        def __init__(self, mode, args, threads):
+            assert not alive, f"{args[0]} started while {alive} was alive"
+            self.engine = args[0]
+            alive.append(self.engine)
+            self.replies = [{"event": "ready", "load_s": 0.1, "baseline_rss": 1}]
+
+        def send(self, command):
+            log.append((self.engine, command))
+            self.replies.append({"event": "ran", "ms": 2.0 if self.engine == "carrack" else 3.0, "cpu_ms": 2.0}
+                                if command == "run" else {"event": "stats", "peak_rss": 5})
+
+        def receive(self, timeout):
+            return self.replies.pop(0)
+
+        def close(self):
+            alive.remove(self.engine)
+
+    monkeypatch.setattr(run, "Worker", FakeWorker)
+    results = run.time_model_alone(Path("model.onnx"), threads=2, iters=6, warmup=1, timeout=10)
+    assert [e for e, c in log if c == "stats"] == ["carrack", "ort", "ort", "carrack"]
+    assert len(results["carrack"]["times_ms"]) == len(results["ort"]["times_ms"]) == 6
+    assert results["carrack"]["median_ms"] == 2.0 and results["ort"]["median_ms"] == 3.0
+    assert results["ort"]["peak_rss"] == 5 and not alive
