@@ -68,6 +68,48 @@ static inline __m256 load8(const uint16_t *p, int bf16) {
 }
 #endif
 
+/* dot(w, x) over k values: generation's case, kept apart so its four accumulators stay in registers */
+static float dot_one(const uint16_t *w, int bf16, int64_t k, const float *x) {
+    int64_t c = 0;
+    float sum = 0.0f;
+#ifdef USE_AVX512
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
+           acc3 = _mm512_setzero_ps();
+    for (; c + 64 <= k; c += 64) {
+        acc0 = _mm512_fmadd_ps(load16(w + c, bf16), _mm512_loadu_ps(x + c), acc0);
+        acc1 = _mm512_fmadd_ps(load16(w + c + 16, bf16), _mm512_loadu_ps(x + c + 16), acc1);
+        acc2 = _mm512_fmadd_ps(load16(w + c + 32, bf16), _mm512_loadu_ps(x + c + 32), acc2);
+        acc3 = _mm512_fmadd_ps(load16(w + c + 48, bf16), _mm512_loadu_ps(x + c + 48), acc3);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
+#endif
+    for (; c < k; c++) sum += widen(w[c], bf16) * x[c];
+    return sum;
+}
+
+#ifdef USE_AVX512
+/* dot_one for four consecutive weight rows at once: four memory streams in flight lift one core's bandwidth
+ * (about 16 -> 26 GB/s here); each row's sum is dot_one's, in the same order */
+static void dot_four(const uint16_t *w, int bf16, int64_t k, const float *x, float *out) {
+    int64_t c = 0;
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (; c + 64 <= k; c += 64) {
+        const __m512 xs[4] = {_mm512_loadu_ps(x + c), _mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c + 32),
+                              _mm512_loadu_ps(x + c + 48)};
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < 4; r++)
+                acc[r][j] = _mm512_fmadd_ps(load16(w + r * k + c + 16 * j, bf16), xs[j], acc[r][j]);
+    }
+    for (int r = 0; r < 4; r++) {
+        const __m512 pairs = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+        float s = _mm512_reduce_add_ps(pairs);
+        for (int64_t t = c; t < k; t++) s += widen(w[r * k + t], bf16) * x[t];
+        out[r] = s;
+    }
+}
+#endif
+
 /* y[i * ldy] = dot(w, x[i * k]) for the rows i < rows (<= ROW_GROUP) of x */
 static void dot_group(const uint16_t *w, int bf16, int64_t k, const float *x, int64_t rows, float *y, int64_t ldy) {
     int64_t c = 0;
@@ -118,6 +160,14 @@ static void dot_group(const uint16_t *w, int bf16, int64_t k, const float *x, in
 
 void carrack_halfmat(const uint16_t *w, int bf16, int64_t n, int64_t k, const float *x, int64_t m, float *y,
                      int64_t row_start, int64_t row_end) {
+#ifdef USE_AVX512
+    if (m == 1) {
+        int64_t r = row_start;
+        for (; r + 4 <= row_end; r += 4) dot_four(w + r * k, bf16, k, x, y + r);
+        for (; r < row_end; r++) y[r] = dot_one(w + r * k, bf16, k, x);
+        return;
+    }
+#endif
     for (int64_t r = row_start; r < row_end; r++)
         for (int64_t i = 0; i < m; i += ROW_GROUP)
             dot_group(w + r * k, bf16, k, x + i * k, m - i < ROW_GROUP ? m - i : ROW_GROUP, y + i * n + r, n);
