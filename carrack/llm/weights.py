@@ -29,6 +29,9 @@ NATIVE_MAX_ROWS = 8
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 #: 16-bit float types kept as 16 bits (HalfLinear), with the numpy dtype that views their bytes
 _HALF_TYPES = {GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+#: float32 bytes of the panel of widened F16/BF16 rows per BLAS call on prompts: large, because each multithreaded
+#: BLAS call pays a synchronisation that a loaded machine makes costly (4 MiB panels ran 3x slower at 2 threads)
+HALF_PANEL_BYTES = 16 << 20
 #: how a quantized product may treat its activations (see the module docstring)
 ACTIVATION_MODES = ("int8", "float")
 
@@ -80,7 +83,7 @@ class HalfLinear:
                 return y
         n, k = self.out_features, self.in_features
         x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
-        step = min(n, chunk_rows(k))
+        step = self._panel_rows()
         panel = np.empty((step, k), dtype=np.float32)
         result_t = np.empty((n, x2.shape[0]), dtype=np.float32)
         for start in range(0, n, step):
@@ -98,8 +101,11 @@ class HalfLinear:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return self._widen(self.weight[ids])
 
+    def _panel_rows(self) -> int:
+        return max(1, min(self.out_features, HALF_PANEL_BYTES // (4 * self.in_features)))
+
     def scratch_bytes(self, n_rows: int) -> int:  # the float32 panel, the transposed result and its copy
-        step = min(self.out_features, chunk_rows(self.in_features))
+        step = self._panel_rows()
         return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
 
 
