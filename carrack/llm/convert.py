@@ -39,9 +39,9 @@ HF_ARCHITECTURES = {
 }
 
 FILE_TYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "Q8_0": GGMLType.Q8_0, "Q4_0": GGMLType.Q4_0,
-              "Q4_1": GGMLType.Q4_1, "Q5_0": GGMLType.Q5_0, "Q5_1": GGMLType.Q5_1}
+              "Q4_1": GGMLType.Q4_1, "Q5_0": GGMLType.Q5_0, "Q5_1": GGMLType.Q5_1, "BF16": GGMLType.BF16}
 # general.file_type (llama.cpp's LlamaFileType) of each
-_LLAMA_FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}
+_LLAMA_FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
 
 _LAYER_TENSORS = {
     "self_attn.q_proj": "attn_q",
@@ -208,6 +208,10 @@ def encode_tensor(data: np.ndarray, file_type: str) -> tuple[np.ndarray, GGMLTyp
         return data.astype(np.float32), GGMLType.F32
     if target == GGMLType.F16:
         return data.astype(np.float16), GGMLType.F16
+    if target == GGMLType.BF16:  # the upper 16 bits of float32, rounded to nearest even; as bytes for the writer
+        bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return rounded.view(np.uint8), GGMLType.BF16
     if data.shape[-1] % GGML_BLOCK_SIZES[target][0]:
         return data.astype(np.float16), GGMLType.F16
     return quantize(data, target), target

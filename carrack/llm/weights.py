@@ -1,8 +1,9 @@
 """Weights of a GGUF language model as carrack holds them in memory.
 
-F32 tensors stay zero-copy views of the memory-mapped file. F16 / BF16 matrices are converted once to float32 (a
-BLAS-speed product; it doubles their memory, noted in the memory plan). Block-quantized matrices stay as their ggml
-blocks and are multiplied straight from them (`QuantizedLinear`); with ``dequantize=True`` every matrix is decoded
+F32 tensors stay zero-copy views of the memory-mapped file. F16 / BF16 matrices stay 16-bit views of the file too
+(`HalfLinear`: carrack/native/halfmat.c widens them in registers while generating, a panel at a time into a float32
+buffer for a BLAS product on prompts). Block-quantized matrices stay as their ggml blocks and are multiplied
+straight from them (`QuantizedLinear`); with ``dequantize=True`` every matrix is decoded
 to float32 at load instead, which is the reference path the quantized products are checked against.
 
 ``activations`` picks how a quantized product treats x: ``"int8"`` (the default, as llama.cpp) quantizes each
@@ -20,12 +21,17 @@ from carrack.gguf.dequant import dequantize, supported_types
 from carrack.gguf.matmul import chunk_rows, quantized_matmul
 from carrack.gguf.reader import GGUFFile, GGUFTensor
 from carrack.gguf.types import GGMLType
-from carrack.native import qdot, qmatvec
+from carrack.native import halfmat, qdot, qmatvec
 
 #: rows of x up to which a quantized product runs in the native kernel rather than decode + BLAS
 NATIVE_MAX_ROWS = 8
 
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+#: 16-bit float types kept as 16 bits (HalfLinear), with the numpy dtype that views their bytes
+_HALF_TYPES = {GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+#: float32 bytes of the panel of widened F16/BF16 rows per BLAS call on prompts: large, because each multithreaded
+#: BLAS call pays a synchronisation that a loaded machine makes costly (4 MiB panels ran 3x slower at 2 threads)
+HALF_PANEL_BYTES = 16 << 20
 #: how a quantized product may treat its activations (see the module docstring)
 ACTIVATION_MODES = ("int8", "float")
 
@@ -53,6 +59,54 @@ class FloatLinear:
 
     def scratch_bytes(self, n_rows: int) -> int:
         return 0
+
+
+class HalfLinear:
+    """``x @ W.T`` for an F16 or BF16 weight W of shape (N, K) kept as 16 bits a value: float16, or BF16's bits as
+    uint16. A few rows of x run in halfmat.c's matrix-vector kernel (the weights read once at 2 bytes a value);
+    more rows widen a panel of weight rows at a time into one reused float32 buffer for a BLAS product."""
+
+    def __init__(self, weight: np.ndarray, name: str, threads: int | None = None):
+        if weight.dtype not in (np.float16, np.uint16) or weight.ndim != 2:
+            raise ValueError(f"HalfLinear {name}: weight must be 2-D float16 or uint16 (BF16 bits), got "
+                             f"{weight.ndim}-D {weight.dtype}")
+        self.weight = weight
+        self.name = name
+        self.threads = threads
+        self.out_features, self.in_features = weight.shape
+        self.nbytes = weight.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
+            y = halfmat.matvec(self.weight, x, self.threads)
+            if y is not None:
+                return y
+        n, k = self.out_features, self.in_features
+        x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
+        step = self._panel_rows()
+        panel = np.empty((step, k), dtype=np.float32)
+        result_t = np.empty((n, x2.shape[0]), dtype=np.float32)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            if not halfmat.decode_rows(self.weight, start, stop, panel[:stop - start], self.threads):
+                panel[:stop - start] = self._widen(self.weight[start:stop])
+            np.dot(panel[:stop - start], x2.T, out=result_t[start:stop])
+        return np.ascontiguousarray(result_t.T).reshape(*x.shape[:-1], n)
+
+    def _widen(self, rows: np.ndarray) -> np.ndarray:
+        if rows.dtype == np.uint16:  # BF16: the upper 16 bits of a float32
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        return rows.astype(np.float32)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return self._widen(self.weight[ids])
+
+    def _panel_rows(self) -> int:
+        return max(1, min(self.out_features, HALF_PANEL_BYTES // (4 * self.in_features)))
+
+    def scratch_bytes(self, n_rows: int) -> int:  # the float32 panel, the transposed result and its copy
+        step = self._panel_rows()
+        return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
 
 
 class QuantizedLinear:
@@ -119,7 +173,7 @@ class QuantizedLinear:
         return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
 
 
-Linear = FloatLinear | QuantizedLinear
+Linear = FloatLinear | HalfLinear | QuantizedLinear
 
 
 class WeightStore:
@@ -132,7 +186,7 @@ class WeightStore:
         self.threads = threads
         self.arch_name = arch_name
         self.dequantize_all = dequantize_all
-        self.float_copies: list[str] = []  # F16/BF16 matrices converted to float32 at load
+        self.float_copies: list[str] = []  # F16/BF16 matrices converted to float32 at load (dequantize_all)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -161,6 +215,9 @@ class WeightStore:
         if tuple(tensor.shape) != shape:
             raise InvalidModel(f"{self.gguf.path}: tensor '{name}' has shape {list(tensor.shape)}, expected "
                                f"{list(shape)} (rows = outputs, columns = inputs)")
+        if tensor.type in _HALF_TYPES and not self.dequantize_all:
+            bits = tensor.data().view(_HALF_TYPES[tensor.type])  # native byte order, zero-copy when it can be
+            return HalfLinear(bits.reshape(shape), name, self.threads)
         if tensor.type in _FLOAT_TYPES or self.dequantize_all:
             if tensor.type != GGMLType.F32:
                 self.float_copies.append(name)

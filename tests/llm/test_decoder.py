@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from carrack.errors import InvalidModel, UnsupportedModel
-from carrack.llm.model import Decoder
+from carrack.llm.model import Decoder, _layer_matrices
 from tests.llm.tiny_models import ARCHITECTURES, prompt_ids, tiny_model, torch, transformers_greedy, write_gguf
 
 STEPS = 32
@@ -274,3 +274,33 @@ def test_int8_activations_stay_near_the_dequantized_float_path(arch, file_type, 
 def test_activation_mode_is_checked(tmp_path):
     with pytest.raises(ValueError, match="activations='int4': expected one of 'int8', 'float'"):
         Decoder(write_gguf(tiny_model("llama"), tmp_path, "Q8_0"), n_ctx=64, activations="int4")
+
+
+def test_bf16_file_matches_transformers(tmp_path):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:  # what a BF16 file holds (round to nearest even, as torch rounds)
+                param.copy_(param.bfloat16().float())
+    decoder = Decoder(write_gguf(model, tmp_path, "BF16"), n_ctx=64)
+    assert decoder.layers[0].wq.weight.dtype == np.uint16
+    ids = prompt_ids()
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(decoder.forward(ids, 0), expected, atol=1e-3, rtol=0)
+    assert greedy(decoder, ids, STEPS) == transformers_greedy(model, ids, STEPS)
+
+
+def test_f16_weights_stay_16_bit_in_memory_and_plan(tmp_path):
+    model = tiny_model("llama", f16_weights=True)
+    f16 = Decoder(write_gguf(model, tmp_path, "F16"), n_ctx=64)
+    reference = Decoder(write_gguf(model, tmp_path, "F16"), n_ctx=64, dequantize=True)
+    matrices = {id(m): m for layer in f16.layers for m in _layer_matrices(layer)}
+    matrices.update({id(f16.embeddings): f16.embeddings, id(f16.output): f16.output})
+    assert all(m.weight.dtype == np.float16 for m in matrices.values())
+    assert f16.memory_plan().float_copies == () and reference.memory_plan().float_copies
+    matrix_bytes = sum(m.nbytes for m in matrices.values())
+    assert reference.memory_plan().weight_bytes - f16.memory_plan().weight_bytes == matrix_bytes
+    ids = prompt_ids(20)  # more rows than the matrix-vector kernel takes: the widened-panel BLAS product
+    np.testing.assert_allclose(f16.forward(ids, 0), reference.forward(ids, 0), atol=1e-4, rtol=0)
+    assert greedy(f16, ids, 8) == greedy(reference, ids, 8)

@@ -1,0 +1,79 @@
+"""The Python side of halfmat.c: float32 activations times F16 or BF16 weights kept as 16-bit values.
+
+`matvec` (a few rows of x: generation) streams the 16-bit weights once, widening them in registers, split over
+threads by whole weight rows; `decode_rows` widens a panel of weight rows into a float32 buffer for a BLAS product
+(prompts). Both return None / False when the native library is not available; callers then widen with numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from carrack import native
+from carrack.native import data_address
+
+#: weight bytes below which a product stays on one thread
+PARALLEL_MIN_BYTES = 1 << 18
+#: the 16-bit weight dtypes the kernels read: numpy's float16, and BF16 held as raw uint16
+_BF16_FLAG = {np.dtype(np.float16): 0, np.dtype(np.uint16): 1}
+
+_declared: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL | None:
+    global _declared
+    lib = native.library("halfmat")
+    if lib is not None and lib is not _declared:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.carrack_halfmat_threads.argtypes = [p, i32, i64, i64, p, i64, p, i64]
+        lib.carrack_halfmat_threads.restype = None
+        lib.carrack_halfmat_decode_threads.argtypes = [p, i32, i64, i64, i64, p, i64]
+        lib.carrack_halfmat_decode_threads.restype = None
+        _declared = lib
+    return lib
+
+
+def _bf16_flag(weight: np.ndarray) -> int:
+    flag = _BF16_FLAG.get(weight.dtype)
+    if flag is None or weight.ndim != 2:
+        raise ValueError(f"halfmat: weight must be a 2-D float16 (F16) or uint16 (BF16 bits) array, got "
+                         f"{weight.ndim}-D {weight.dtype}")
+    return flag
+
+
+def matvec(weight: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.ndarray | None:
+    """x (m, k) float32 @ W.T for W (n, k) float16 or BF16 bits in uint16; (m, n) float32, or None without the
+    native library."""
+    bf16 = _bf16_flag(weight)
+    lib = library()
+    if lib is None:
+        return None
+    weight = np.require(weight, requirements=("C_CONTIGUOUS", "ALIGNED"))
+    x = np.require(x, np.float32, ("C_CONTIGUOUS", "ALIGNED"))
+    n, k = weight.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"halfmat: x has shape {list(x.shape)}, expected (rows, {k}) to match the weight")
+    m = x.shape[0]
+    y = np.empty((m, n), dtype=np.float32)
+    parts = max(1, min(threads or native.threads(), n, weight.nbytes // PARALLEL_MIN_BYTES))
+    lib.carrack_halfmat_threads(data_address(weight), bf16, n, k, data_address(x), m, data_address(y), parts)
+    return y
+
+
+def decode_rows(weight: np.ndarray, start: int, stop: int, out: np.ndarray, threads: int | None = None) -> bool:
+    """Widen weight rows [start, stop) into `out`, a C-contiguous float32 (stop - start, k) array; False without
+    the native library."""
+    bf16 = _bf16_flag(weight)
+    lib = library()
+    if lib is None:
+        return False
+    weight = np.require(weight, requirements=("C_CONTIGUOUS", "ALIGNED"))
+    k = weight.shape[1]
+    if out.dtype != np.float32 or not out.flags.c_contiguous or out.shape != (stop - start, k):
+        raise ValueError(f"halfmat: out must be a C-contiguous float32 array of shape {[stop - start, k]}")
+    panel_bytes = (stop - start) * k * 2
+    parts = max(1, min(threads or native.threads(), stop - start, panel_bytes // PARALLEL_MIN_BYTES))
+    lib.carrack_halfmat_decode_threads(data_address(weight), bf16, k, start, stop, data_address(out), parts)
+    return True
