@@ -284,6 +284,7 @@ typedef struct {
     int8_t *codes;
     float *lane_scale, *group_sum;
     float *block_sum; /* [k / 32]: dx * sum of the block's 32 codes, for weights whose groups span 32 values */
+    int32_t *code_sum; /* [k / 16]: the sum of each group's codes, for weights whose offset is a multiple of the scale */
 } activations_t;
 
 static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
@@ -301,13 +302,17 @@ static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, fl
     }
 }
 
-/* block_sum[b] = dx_b * the sum of block b's 32 codes, for a row of k values */
-static void activation_block_sums(const int8_t *codes, const float *lane_scale, int64_t k, float *block_sum) {
-    for (int64_t b = 0; b < k / ABLOCK; b++) {
-        int sum = 0;
-        for (int j = 0; j < ABLOCK; j++) sum += codes[b * ABLOCK + j];
-        block_sum[b] = lane_scale[b * (ABLOCK / LANE)] * (float)sum;
+/* for a row of k values: code_sum[g] = the sum of group g's 16 codes, block_sum[b] = dx_b * the sum of block b's
+ * 32 codes */
+static void activation_sums(const int8_t *codes, const float *lane_scale, int64_t k, int32_t *code_sum,
+                            float *block_sum) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        int32_t sum = 0;
+        for (int j = 0; j < GROUP; j++) sum += codes[g * GROUP + j];
+        code_sum[g] = sum;
     }
+    for (int64_t b = 0; b < k / ABLOCK; b++)
+        block_sum[b] = lane_scale[b * (ABLOCK / LANE)] * (float)(code_sum[2 * b] + code_sum[2 * b + 1]);
 }
 
 /* -- one decoded weight row (codes, lane_scale[k / 4] = its groups' scales per lane, offset[k / 16]) times one
@@ -588,34 +593,41 @@ static inline __m512i broadcast4(const int8_t *p) {
 /* y[i, r0 + 0..rows) for the activation rows i in [i0, i0 + count), count <= 8 (each a chain of vpdpbusd of its
  * own: eight hide the instruction's latency). `span` (16 or 32) values are summed in int32 before one float
  * scaling: 32 where the weights' scale and offset hold for 32 values (all but Q2_K, Q3_K, Q6_K), as the
- * activations' scale does. */
+ * activations' scale does. With a `bias` (weights whose offset is -bias * scale: codes shifted from signed values),
+ * the sums start at -bias * sum(xq) and the offset needs no float step of its own. */
 static inline __attribute__((always_inline)) void tile_times_rows(const interleaved_tile_t *tile,
                                                                   const activations_t *x, int64_t k, int64_t i0,
-                                                                  const int count, const int span, float *y,
+                                                                  const int count, const int span,
+                                                                  const int biased, int bias, float *y,
                                                                   int64_t n, int64_t r0, int64_t rows) {
     __m512 acc[8];
     const int8_t *x_codes[8];
     const float *x_lanes[8], *x_sums[8];
+    const int32_t *x_code_sums[8];
     for (int t = 0; t < count; t++) {
         acc[t] = _mm512_setzero_ps();
+        x_code_sums[t] = x->code_sum + (i0 + t) * (k / GROUP);
         x_codes[t] = x->codes + (i0 + t) * k;
         x_lanes[t] = x->lane_scale + (i0 + t) * (k / LANE);
         x_sums[t] = span == ABLOCK ? x->block_sum + (i0 + t) * (k / ABLOCK) : x->group_sum + (i0 + t) * (k / GROUP);
     }
     for (int64_t s = 0; s < k / span; s++) {
         __m512i sums[8];
-        for (int t = 0; t < count; t++) sums[t] = _mm512_setzero_si512();
+        const int64_t g = s * (span / GROUP); /* the span's first group: its scale and offset hold for the span */
+        for (int t = 0; t < count; t++)
+            sums[t] = !biased ? _mm512_setzero_si512()
+                      : _mm512_set1_epi32(-bias * (span == GROUP ? x_code_sums[t][g]
+                                                                 : x_code_sums[t][g] + x_code_sums[t][g + 1]));
         for (int q = 0; q < span / 4; q++) {
             const __m512i w = _mm512_loadu_si512(tile->codes + (s * (span / 4) + q) * 64);
             for (int t = 0; t < count; t++)
                 sums[t] = _mm512_dpbusd_epi32(sums[t], w, broadcast4(x_codes[t] + s * span + q * 4));
         }
-        const int64_t g = s * (span / GROUP); /* the span's first group: its scale and offset hold for the span */
         const __m512 scale = _mm512_loadu_ps(tile->scale + g * 16), offset = _mm512_loadu_ps(tile->offset + g * 16);
         for (int t = 0; t < count; t++) {
             const __m512 lane = _mm512_mul_ps(scale, _mm512_set1_ps(x_lanes[t][g * (GROUP / LANE)]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), lane, acc[t]);
-            acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[t][s]), acc[t]);
+            if (!biased) acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[t][s]), acc[t]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << rows) - 1);
@@ -625,17 +637,37 @@ static inline __attribute__((always_inline)) void tile_times_rows(const interlea
 /* every activation row times one tile, 8 rows at a time, then 4, then 1 */
 static inline __attribute__((always_inline)) void tile_times_all_rows(const interleaved_tile_t *tile,
                                                                       const activations_t *x, int64_t k, int64_t m,
-                                                                      const int span, float *y, int64_t n,
-                                                                      int64_t r0, int64_t rows) {
+                                                                      const int span, const int biased, int bias,
+                                                                      float *y, int64_t n, int64_t r0,
+                                                                      int64_t rows) {
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8) tile_times_rows(tile, x, k, i, 8, span, y, n, r0, rows);
-    for (; i + 4 <= m; i += 4) tile_times_rows(tile, x, k, i, 4, span, y, n, r0, rows);
-    for (; i < m; i++) tile_times_rows(tile, x, k, i, 1, span, y, n, r0, rows);
+    for (; i + 8 <= m; i += 8) tile_times_rows(tile, x, k, i, 8, span, biased, bias, y, n, r0, rows);
+    for (; i + 4 <= m; i += 4) tile_times_rows(tile, x, k, i, 4, span, biased, bias, y, n, r0, rows);
+    for (; i < m; i++) tile_times_rows(tile, x, k, i, 1, span, biased, bias, y, n, r0, rows);
 }
 
 /* 1 when a type's weight scale and offset hold for 32 values (and k is whole 32-value spans) */
 static int scales_span_32(row_decoder decode) {
     return decode != decode_q2_k && decode != decode_q3_k && decode != decode_q6_k;
+}
+
+/* b where a type's offset is -b * scale (its codes are signed values shifted by b), else 0 */
+static int code_bias(row_decoder decode) {
+    return decode == decode_q6_k ? 32 : decode == decode_q3_k ? 4 : decode == decode_q8_0 ? 128
+           : decode == decode_q4_0 ? 8 : decode == decode_q5_0 ? 16 : 0;
+}
+
+/* every activation row times one tile, with the span and offset handling of the type */
+static void tile_times_activations(const interleaved_tile_t *tile, const qdot_call_t *c, int64_t r0,
+                                   int64_t rows) {
+    const int bias = code_bias(c->decode);
+    if (scales_span_32(c->decode)) {
+        if (bias) tile_times_all_rows(tile, &c->x, c->k, c->m, ABLOCK, 1, bias, c->y, c->n, r0, rows);
+        else tile_times_all_rows(tile, &c->x, c->k, c->m, ABLOCK, 0, 0, c->y, c->n, r0, rows);
+    } else {
+        if (bias) tile_times_all_rows(tile, &c->x, c->k, c->m, GROUP, 1, bias, c->y, c->n, r0, rows);
+        else tile_times_all_rows(tile, &c->x, c->k, c->m, GROUP, 0, 0, c->y, c->n, r0, rows);
+    }
 }
 
 static void gemm_tiles(qdot_call_t *c, int64_t begin, int64_t end, uint8_t *codes, float *group_scale,
@@ -648,10 +680,7 @@ static void gemm_tiles(qdot_call_t *c, int64_t begin, int64_t end, uint8_t *code
                       offset + t * (k / GROUP));
         if (rows < 16) memset(codes + rows * k, 0, (size_t)((16 - rows) * k));
         interleave_tile(codes, group_scale, offset, rows, k, tile);
-        if (scales_span_32(c->decode))
-            tile_times_all_rows(tile, &c->x, k, c->m, ABLOCK, c->y, c->n, r0, rows);
-        else
-            tile_times_all_rows(tile, &c->x, k, c->m, GROUP, c->y, c->n, r0, rows);
+        tile_times_activations(tile, c, r0, rows);
     }
 }
 
@@ -736,19 +765,21 @@ int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n
     row_decoder decode = decoder_for(type, &block_values, &block_bytes);
     if (decode == NULL || k % block_values != 0 || k % ABLOCK != 0 || row_bytes != k / block_values * block_bytes)
         return -1;
-    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL, NULL}, y, 0};
+    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL, NULL, NULL}, y, 0};
     c.x.codes = aligned_alloc(64, padded(m * k));
     c.x.lane_scale = aligned_alloc(64, padded(m * (k / LANE) * 4));
     c.x.group_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(float));
     c.x.block_sum = malloc((size_t)(m * (k / ABLOCK)) * sizeof(float));
-    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL || c.x.block_sum == NULL) {
+    c.x.code_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(int32_t));
+    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL || c.x.block_sum == NULL ||
+        c.x.code_sum == NULL) {
         atomic_store(&c.status, -2);
     } else {
         for (int64_t i = 0; i < m; i++) {
             quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
                                     c.x.group_sum + i * (k / GROUP));
-            activation_block_sums(c.x.codes + i * k, c.x.lane_scale + i * (k / LANE), k,
-                                  c.x.block_sum + i * (k / ABLOCK));
+            activation_sums(c.x.codes + i * k, c.x.lane_scale + i * (k / LANE), k, c.x.code_sum + i * (k / GROUP),
+                            c.x.block_sum + i * (k / ABLOCK));
         }
         const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
         parallel_for(qdot_piece, &c, 0, tiles, pieces_for(tiles, threads), threads);
@@ -757,5 +788,6 @@ int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n
     free(c.x.lane_scale);
     free(c.x.group_sum);
     free(c.x.block_sum);
+    free(c.x.code_sum);
     return atomic_load(&c.status);
 }
