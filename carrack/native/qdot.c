@@ -287,6 +287,23 @@ typedef struct {
     int32_t *code_sum; /* [k / 16]: the sum of each group's codes, for weights whose offset is a multiple of the scale */
 } activations_t;
 
+#ifdef USE_VNNI
+/* the same as the loop below, 16 values per vector: cvtps rounds to nearest even as nearbyintf does */
+static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++, x += ABLOCK, codes += ABLOCK) {
+        const __m512 low = _mm512_loadu_ps(x), high = _mm512_loadu_ps(x + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i low_codes = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
+        const __m512i high_codes = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i *)codes, _mm512_cvtsepi32_epi8(low_codes));
+        _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtsepi32_epi8(high_codes));
+        _mm256_storeu_ps(lane_scale + b * (ABLOCK / LANE), _mm256_set1_ps(d));
+        group_sum[2 * b] = d * (float)_mm512_reduce_add_epi32(low_codes);
+        group_sum[2 * b + 1] = d * (float)_mm512_reduce_add_epi32(high_codes);
+    }
+}
+#else
 static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
     for (int64_t b = 0; b < k / ABLOCK; b++, x += ABLOCK, codes += ABLOCK) {
         float amax = 0.0f;
@@ -301,6 +318,7 @@ static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, fl
         }
     }
 }
+#endif
 
 /* for a row of k values: code_sum[g] = the sum of group g's 16 codes, block_sum[b] = dx_b * the sum of block b's
  * 32 codes */
