@@ -552,8 +552,10 @@ typedef struct {
 #ifdef USE_VNNI
 /* -- a prompt's GEMM (AVX-512 VNNI): ROW_TILE = 16 weight rows decoded, then interleaved so that one 64-byte vector
  * holds 4 consecutive codes of each of the 16 rows; a vpdpbusd with 4 activation codes broadcast then adds to the
- * 16 rows' sums at once. Each group of 16 values is summed in int32 and scaled once (weight scale x activation
- * scale, per row in the 16 lanes), for up to 4 activation rows sharing every weight load. -------------------- */
+ * 16 rows' sums at once. Each span of 32 values (16 for Q2_K, Q3_K, Q6_K, whose scales are per 16) is summed in
+ * int32 and scaled once (weight scale x activation scale, per row in the 16 lanes), for up to 8 activation rows
+ * sharing every weight load. On this loop's cores a float vector step costs about what a vpdpbusd does, so the
+ * float steps per integer step are what the spans and the offsets folded into the sums (code_bias) cut. --- */
 typedef struct {
     uint8_t *codes;      /* [k / 4][16 rows][4] */
     float *scale, *offset; /* [k / 16][16 rows] */
