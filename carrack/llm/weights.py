@@ -166,9 +166,9 @@ class QuantizedLinear:
         return dequantize(rows, self.ggml_type, (len(ids), self.in_features))
 
     def scratch_bytes(self, n_rows: int) -> int:
-        if self.int8:  # quantized activations (2.25 bytes a value) + per-thread decoded row tiles + the result
-            k = self.in_features
-            return n_rows * k * 9 // 4 + (self.threads or 1) * qdot.ROW_TILE * k * 3 + n_rows * self.out_features * 4
+        if self.int8:  # quantized activations and their sums (2.625 bytes a value) + per-thread decoded row tiles
+            k = self.in_features  # + the result
+            return n_rows * k * 21 // 8 + (self.threads or 1) * qdot.ROW_TILE * k * 3 + n_rows * self.out_features * 4
         step = min(self.out_features, chunk_rows(self.in_features))
         return step * self.in_features * 4 + 2 * n_rows * self.out_features * 4
 

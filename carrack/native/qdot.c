@@ -283,8 +283,27 @@ static row_decoder decoder_for(int type, int64_t *block_values, int64_t *block_b
 typedef struct {
     int8_t *codes;
     float *lane_scale, *group_sum;
+    float *block_sum; /* [k / 32]: dx * sum of the block's 32 codes, for weights whose groups span 32 values */
+    int32_t *code_sum; /* [k / 16]: the sum of each group's codes, for weights whose offset is a multiple of the scale */
 } activations_t;
 
+#ifdef USE_VNNI
+/* the same as the loop below, 16 values per vector: cvtps rounds to nearest even as nearbyintf does */
+static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++, x += ABLOCK, codes += ABLOCK) {
+        const __m512 low = _mm512_loadu_ps(x), high = _mm512_loadu_ps(x + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512i low_codes = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
+        const __m512i high_codes = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i *)codes, _mm512_cvtsepi32_epi8(low_codes));
+        _mm_storeu_si128((__m128i *)(codes + 16), _mm512_cvtsepi32_epi8(high_codes));
+        _mm256_storeu_ps(lane_scale + b * (ABLOCK / LANE), _mm256_set1_ps(d));
+        group_sum[2 * b] = d * (float)_mm512_reduce_add_epi32(low_codes);
+        group_sum[2 * b + 1] = d * (float)_mm512_reduce_add_epi32(high_codes);
+    }
+}
+#else
 static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, float *lane_scale, float *group_sum) {
     for (int64_t b = 0; b < k / ABLOCK; b++, x += ABLOCK, codes += ABLOCK) {
         float amax = 0.0f;
@@ -298,6 +317,20 @@ static void quantize_activation_row(const float *x, int64_t k, int8_t *codes, fl
             group_sum[b * (ABLOCK / GROUP) + g] = d * (float)sum;
         }
     }
+}
+#endif
+
+/* for a row of k values: code_sum[g] = the sum of group g's 16 codes, block_sum[b] = dx_b * the sum of block b's
+ * 32 codes */
+static void activation_sums(const int8_t *codes, const float *lane_scale, int64_t k, int32_t *code_sum,
+                            float *block_sum) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        int32_t sum = 0;
+        for (int j = 0; j < GROUP; j++) sum += codes[g * GROUP + j];
+        code_sum[g] = sum;
+    }
+    for (int64_t b = 0; b < k / ABLOCK; b++)
+        block_sum[b] = lane_scale[b * (ABLOCK / LANE)] * (float)(code_sum[2 * b] + code_sum[2 * b + 1]);
 }
 
 /* -- one decoded weight row (codes, lane_scale[k / 4] = its groups' scales per lane, offset[k / 16]) times one
@@ -519,25 +552,56 @@ typedef struct {
 #ifdef USE_VNNI
 /* -- a prompt's GEMM (AVX-512 VNNI): ROW_TILE = 16 weight rows decoded, then interleaved so that one 64-byte vector
  * holds 4 consecutive codes of each of the 16 rows; a vpdpbusd with 4 activation codes broadcast then adds to the
- * 16 rows' sums at once. Each group of 16 values is summed in int32 and scaled once (weight scale x activation
- * scale, per row in the 16 lanes), for up to 4 activation rows sharing every weight load. -------------------- */
+ * 16 rows' sums at once. Each span of 32 values (16 for Q2_K, Q3_K, Q6_K, whose scales are per 16) is summed in
+ * int32 and scaled once (weight scale x activation scale, per row in the 16 lanes), for up to 8 activation rows
+ * sharing every weight load. On this loop's cores a float vector step costs about what a vpdpbusd does, so the
+ * float steps per integer step are what the spans and the offsets folded into the sums (code_bias) cut. --- */
 typedef struct {
     uint8_t *codes;      /* [k / 4][16 rows][4] */
     float *scale, *offset; /* [k / 16][16 rows] */
 } interleaved_tile_t;
 
-static void interleave_tile(const uint8_t *codes, const float *scale, const float *offset, int64_t rows, int64_t k,
-                            interleaved_tile_t *tile) {
-    memset(tile->codes, 0, (size_t)(16 * k));
-    memset(tile->scale, 0, (size_t)(k / GROUP * 16) * sizeof(float));
-    memset(tile->offset, 0, (size_t)(k / GROUP * 16) * sizeof(float));
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < k / 4; c++) memcpy(tile->codes + (c * 16 + r) * 4, codes + r * k + c * 4, 4);
-        for (int64_t g = 0; g < k / GROUP; g++) {
-            tile->scale[g * 16 + r] = scale[r * (k / GROUP) + g];
-            tile->offset[g * 16 + r] = offset[r * (k / GROUP) + g];
-        }
+/* 16 rows of 16 int32 (each 4 codes) -> 16 vectors, vector c holding column c of every row: out[c * 16 + r] =
+ * in[r * stride + c], a 16 x 16 transpose in registers (dword, qword, then 128-bit lane shuffles) */
+static void transpose_16x16_dwords(const uint8_t *in, int64_t stride, uint8_t *out) {
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(in + i * stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
     }
+    for (int g = 0; g < 16; g += 4) { /* u[g + j], lane L: rows g..g+3 at column 4 L + j */
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i low01 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i low23 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i high01 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i high23 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        _mm512_storeu_si512(out + (0 + j) * 64, _mm512_shuffle_i32x4(low01, high01, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_si512(out + (4 + j) * 64, _mm512_shuffle_i32x4(low01, high01, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_storeu_si512(out + (8 + j) * 64, _mm512_shuffle_i32x4(low23, high23, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_storeu_si512(out + (12 + j) * 64, _mm512_shuffle_i32x4(low23, high23, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+}
+
+/* the decoded rows (codes [16][k], zero past `rows`) into the tile's layout */
+static void interleave_tile(const uint8_t *restrict codes, const float *restrict scale,
+                            const float *restrict offset, int64_t rows, int64_t k, interleaved_tile_t *tile) {
+    uint8_t *restrict tile_codes = tile->codes;
+    float *restrict tile_scale = tile->scale, *restrict tile_offset = tile->offset;
+    int64_t c = 0;
+    for (; c + 16 <= k / 4; c += 16) transpose_16x16_dwords(codes + c * 4, k, tile_codes + c * 64);
+    for (; c < k / 4; c++)
+        for (int64_t r = 0; r < 16; r++) memcpy(tile_codes + (c * 16 + r) * 4, codes + r * k + c * 4, 4);
+    for (int64_t g = 0; g < k / GROUP; g++)
+        for (int64_t r = 0; r < 16; r++) {
+            tile_scale[g * 16 + r] = r < rows ? scale[r * (k / GROUP) + g] : 0.0f;
+            tile_offset[g * 16 + r] = r < rows ? offset[r * (k / GROUP) + g] : 0.0f;
+        }
 }
 
 static inline __m512i broadcast4(const int8_t *p) {
@@ -546,34 +610,84 @@ static inline __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* y[i, r0 + 0..rows) for the activation rows i in [i0, i0 + count), count <= 4 */
-static inline void tile_times_rows(const interleaved_tile_t *tile, const activations_t *x, int64_t k, int64_t i0,
-                                   int count, float *y, int64_t n, int64_t r0, int64_t rows) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int8_t *x_codes[4];
-    const float *x_lanes[4], *x_sums[4];
+/* y[i, r0 + 0..rows) for the activation rows i in [i0, i0 + count), count <= 8 (each a chain of vpdpbusd of its
+ * own: eight hide the instruction's latency). `span` (16 or 32) values are summed in int32 before one float
+ * scaling: 32 where the weights' scale and offset hold for 32 values (all but Q2_K, Q3_K, Q6_K), as the
+ * activations' scale does. With a `bias` (weights whose offset is -bias * scale: codes shifted from signed values),
+ * the sums start at -bias * sum(xq) and the offset needs no float step of its own. */
+static inline __attribute__((always_inline)) void tile_times_rows(const interleaved_tile_t *tile,
+                                                                  const activations_t *x, int64_t k, int64_t i0,
+                                                                  const int count, const int span,
+                                                                  const int biased, int bias, float *y,
+                                                                  int64_t n, int64_t r0, int64_t rows) {
+    __m512 acc[8];
+    const int8_t *x_codes[8];
+    const float *x_lanes[8], *x_sums[8];
+    const int32_t *x_code_sums[8];
     for (int t = 0; t < count; t++) {
+        acc[t] = _mm512_setzero_ps();
+        x_code_sums[t] = x->code_sum + (i0 + t) * (k / GROUP);
         x_codes[t] = x->codes + (i0 + t) * k;
         x_lanes[t] = x->lane_scale + (i0 + t) * (k / LANE);
-        x_sums[t] = x->group_sum + (i0 + t) * (k / GROUP);
+        x_sums[t] = span == ABLOCK ? x->block_sum + (i0 + t) * (k / ABLOCK) : x->group_sum + (i0 + t) * (k / GROUP);
     }
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m512i sums[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                           _mm512_setzero_si512()};
-        for (int q = 0; q < GROUP / 4; q++) {
-            const __m512i w = _mm512_loadu_si512(tile->codes + (g * 4 + q) * 64);
+    for (int64_t s = 0; s < k / span; s++) {
+        __m512i sums[8];
+        const int64_t g = s * (span / GROUP); /* the span's first group: its scale and offset hold for the span */
+        for (int t = 0; t < count; t++)
+            sums[t] = !biased ? _mm512_setzero_si512()
+                      : _mm512_set1_epi32(-bias * (span == GROUP ? x_code_sums[t][g]
+                                                                 : x_code_sums[t][g] + x_code_sums[t][g + 1]));
+        for (int q = 0; q < span / 4; q++) {
+            const __m512i w = _mm512_loadu_si512(tile->codes + (s * (span / 4) + q) * 64);
             for (int t = 0; t < count; t++)
-                sums[t] = _mm512_dpbusd_epi32(sums[t], w, broadcast4(x_codes[t] + g * GROUP + q * 4));
+                sums[t] = _mm512_dpbusd_epi32(sums[t], w, broadcast4(x_codes[t] + s * span + q * 4));
         }
         const __m512 scale = _mm512_loadu_ps(tile->scale + g * 16), offset = _mm512_loadu_ps(tile->offset + g * 16);
         for (int t = 0; t < count; t++) {
             const __m512 lane = _mm512_mul_ps(scale, _mm512_set1_ps(x_lanes[t][g * (GROUP / LANE)]));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), lane, acc[t]);
-            acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[t][g]), acc[t]);
+            if (!biased) acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[t][s]), acc[t]);
         }
     }
     const __mmask16 mask = (__mmask16)((1u << rows) - 1);
     for (int t = 0; t < count; t++) _mm512_mask_storeu_ps(y + (i0 + t) * n + r0, mask, acc[t]);
+}
+
+/* every activation row times one tile, 8 rows at a time, then 4, then 1 */
+static inline __attribute__((always_inline)) void tile_times_all_rows(const interleaved_tile_t *tile,
+                                                                      const activations_t *x, int64_t k, int64_t m,
+                                                                      const int span, const int biased, int bias,
+                                                                      float *y, int64_t n, int64_t r0,
+                                                                      int64_t rows) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) tile_times_rows(tile, x, k, i, 8, span, biased, bias, y, n, r0, rows);
+    for (; i + 4 <= m; i += 4) tile_times_rows(tile, x, k, i, 4, span, biased, bias, y, n, r0, rows);
+    for (; i < m; i++) tile_times_rows(tile, x, k, i, 1, span, biased, bias, y, n, r0, rows);
+}
+
+/* 1 when a type's weight scale and offset hold for 32 values (and k is whole 32-value spans) */
+static int scales_span_32(row_decoder decode) {
+    return decode != decode_q2_k && decode != decode_q3_k && decode != decode_q6_k;
+}
+
+/* b where a type's offset is -b * scale (its codes are signed values shifted by b), else 0 */
+static int code_bias(row_decoder decode) {
+    return decode == decode_q6_k ? 32 : decode == decode_q3_k ? 4 : decode == decode_q8_0 ? 128
+           : decode == decode_q4_0 ? 8 : decode == decode_q5_0 ? 16 : 0;
+}
+
+/* every activation row times one tile, with the span and offset handling of the type */
+static void tile_times_activations(const interleaved_tile_t *tile, const qdot_call_t *c, int64_t r0,
+                                   int64_t rows) {
+    const int bias = code_bias(c->decode);
+    if (scales_span_32(c->decode)) {
+        if (bias) tile_times_all_rows(tile, &c->x, c->k, c->m, ABLOCK, 1, bias, c->y, c->n, r0, rows);
+        else tile_times_all_rows(tile, &c->x, c->k, c->m, ABLOCK, 0, 0, c->y, c->n, r0, rows);
+    } else {
+        if (bias) tile_times_all_rows(tile, &c->x, c->k, c->m, GROUP, 1, bias, c->y, c->n, r0, rows);
+        else tile_times_all_rows(tile, &c->x, c->k, c->m, GROUP, 0, 0, c->y, c->n, r0, rows);
+    }
 }
 
 static void gemm_tiles(qdot_call_t *c, int64_t begin, int64_t end, uint8_t *codes, float *group_scale,
@@ -584,10 +698,9 @@ static void gemm_tiles(qdot_call_t *c, int64_t begin, int64_t end, uint8_t *code
         for (int64_t t = 0; t < rows; t++)
             c->decode(c->w + (r0 + t) * c->row_bytes, k, codes + t * k, group_scale + t * (k / GROUP),
                       offset + t * (k / GROUP));
+        if (rows < 16) memset(codes + rows * k, 0, (size_t)((16 - rows) * k));
         interleave_tile(codes, group_scale, offset, rows, k, tile);
-        int64_t i = 0;
-        for (; i + 4 <= c->m; i += 4) tile_times_rows(tile, &c->x, k, i, 4, c->y, c->n, r0, rows);
-        for (; i < c->m; i++) tile_times_rows(tile, &c->x, k, i, 1, c->y, c->n, r0, rows);
+        tile_times_activations(tile, c, r0, rows);
     }
 }
 
@@ -672,21 +785,29 @@ int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n
     row_decoder decode = decoder_for(type, &block_values, &block_bytes);
     if (decode == NULL || k % block_values != 0 || k % ABLOCK != 0 || row_bytes != k / block_values * block_bytes)
         return -1;
-    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL}, y, 0};
+    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL, NULL, NULL}, y, 0};
     c.x.codes = aligned_alloc(64, padded(m * k));
     c.x.lane_scale = aligned_alloc(64, padded(m * (k / LANE) * 4));
     c.x.group_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(float));
-    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL) {
+    c.x.block_sum = malloc((size_t)(m * (k / ABLOCK)) * sizeof(float));
+    c.x.code_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(int32_t));
+    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL || c.x.block_sum == NULL ||
+        c.x.code_sum == NULL) {
         atomic_store(&c.status, -2);
     } else {
-        for (int64_t i = 0; i < m; i++)
+        for (int64_t i = 0; i < m; i++) {
             quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
                                     c.x.group_sum + i * (k / GROUP));
+            activation_sums(c.x.codes + i * k, c.x.lane_scale + i * (k / LANE), k, c.x.code_sum + i * (k / GROUP),
+                            c.x.block_sum + i * (k / ABLOCK));
+        }
         const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
         parallel_for(qdot_piece, &c, 0, tiles, pieces_for(tiles, threads), threads);
     }
     free(c.x.codes);
     free(c.x.lane_scale);
     free(c.x.group_sum);
+    free(c.x.block_sum);
+    free(c.x.code_sum);
     return atomic_load(&c.status);
 }

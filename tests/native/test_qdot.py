@@ -57,7 +57,7 @@ def build(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("m", [1, 3, 19])
+@pytest.mark.parametrize("m", [1, 3, 13, 19])  # the GEMM takes activation rows 8, then 4, then 1 at a time
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_equals_dequantized_weights_times_quantized_activations(build, ggml_type, m):
     n, k = 37, 512 + 256  # 768: a tail after the 64-value steps of the vector loop is not needed, 3 K-blocks
@@ -97,12 +97,14 @@ def test_native_activation_quantization_is_the_numpy_statement(build):
 
 
 @needs_native
-def test_threads_split_rows_without_changing_results():
-    rows = random_blocks(GGMLType.Q4_K, 700, 2048)  # over PARALLEL_MIN_BYTES: split over threads
-    for m in (1, 9):
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_threads_split_rows_without_changing_results(ggml_type):
+    rows = random_blocks(ggml_type, 700, 2048)  # over PARALLEL_MIN_BYTES: split over threads; a partial last tile
+    for m in (1, 9, 13):
         x = np.random.default_rng(2).standard_normal((m, 2048)).astype(np.float32)
-        np.testing.assert_array_equal(qdot.matmul(rows, GGMLType.Q4_K, x, threads=2),
-                                      qdot.matmul(rows, GGMLType.Q4_K, x, threads=1))
+        one_thread = qdot.matmul(rows, ggml_type, x, threads=1)
+        for threads in (2, 4):
+            np.testing.assert_array_equal(qdot.matmul(rows, ggml_type, x, threads=threads), one_thread)
 
 
 @needs_native
