@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "threadpool.h"
+#include "halffloat.h"
 /* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
 #if defined(__AVX512F__) && defined(__F16C__) && !defined(CARRACK_PORTABLE)
 #define USE_AVX512 1
@@ -25,26 +26,6 @@
 #define LANES 16
 #define ROW_GROUP 4
 
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exponent = 127 - 15 + 1;
-            while (!(mantissa & 0x400u)) { mantissa <<= 1; exponent--; }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -52,7 +33,7 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-static inline float widen(uint16_t h, int bf16) { return bf16 ? bf16_to_float(h) : half_to_float(h); }
+static inline float widen(uint16_t h, int bf16) { return bf16 ? bf16_to_float(h) : half_bits_to_float(h); }
 
 #ifdef USE_AVX512
 static inline __m512 load16(const uint16_t *p, int bf16) {
@@ -68,11 +49,10 @@ static inline __m256 load8(const uint16_t *p, int bf16) {
 }
 #endif
 
+#ifdef USE_AVX512
 /* dot(w, x) over k values: generation's case, kept apart so its four accumulators stay in registers */
 static float dot_one(const uint16_t *w, int bf16, int64_t k, const float *x) {
     int64_t c = 0;
-    float sum = 0.0f;
-#ifdef USE_AVX512
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
            acc3 = _mm512_setzero_ps();
     for (; c + 64 <= k; c += 64) {
@@ -81,13 +61,11 @@ static float dot_one(const uint16_t *w, int bf16, int64_t k, const float *x) {
         acc2 = _mm512_fmadd_ps(load16(w + c + 32, bf16), _mm512_loadu_ps(x + c + 32), acc2);
         acc3 = _mm512_fmadd_ps(load16(w + c + 48, bf16), _mm512_loadu_ps(x + c + 48), acc3);
     }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
-#endif
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
     for (; c < k; c++) sum += widen(w[c], bf16) * x[c];
     return sum;
 }
 
-#ifdef USE_AVX512
 /* dot_one for four consecutive weight rows at once: four memory streams in flight lift one core's bandwidth
  * (about 16 -> 26 GB/s here); each row's sum is dot_one's, in the same order */
 static void dot_four(const uint16_t *w, int bf16, int64_t k, const float *x, float *out) {

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "threadpool.h"
+#include "halffloat.h"
 /* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CARRACK_PORTABLE)
 #define USE_VNNI 1
@@ -39,30 +40,6 @@ enum {
 #define LANE 4        /* values per int32 lane of a byte dot product */
 #define ABLOCK 32     /* values per activation scale */
 #define ROW_TILE 16   /* weight rows decoded together for a GEMM */
-
-static inline float half_to_float(const uint8_t *p) {
-#if defined(__F16C__) && !defined(CARRACK_PORTABLE)
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-#endif
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exponent = 127 - 15 + 1;
-            while (!(mantissa & 0x400u)) { mantissa <<= 1; exponent--; }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* -- weight rows: codes[k] (bytes), scale[k / 16], offset[k / 16]; w = scale * code + offset ------------------- */
 typedef void (*row_decoder)(const uint8_t *restrict row, int64_t k, uint8_t *restrict codes,

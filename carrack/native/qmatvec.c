@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "threadpool.h"
+#include "halffloat.h"
 /* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
 #if defined(__AVX512F__) && defined(__F16C__) && !defined(CARRACK_PORTABLE)
 #define USE_AVX512 1
@@ -21,30 +22,6 @@
 
 enum { TYPE_Q4_0 = 2, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
 #define LANES 16
-
-static inline float half_to_float(const uint8_t *p) {
-#ifdef USE_AVX512
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-#endif
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exponent = 127 - 15 + 1;
-            while (!(mantissa & 0x400u)) { mantissa <<= 1; exponent--; }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* -- row decoders: one weight row of k values into out -------------------------------------------------------- */
 static void decode_q8_0(const uint8_t *row, int64_t k, float *out) {
