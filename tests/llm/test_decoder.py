@@ -217,7 +217,7 @@ def test_k_quant_file_matches_its_dequantized_float_path(ggml_type, tmp_path):
     import gguf
 
     from carrack.gguf.types import GGMLType
-    from tests.native.test_qmatvec import random_blocks
+    from tests.native.test_qdot import random_blocks
 
     src = Decoder(write_gguf(tiny_model("llama", hidden=256), tmp_path), n_ctx=64).gguf
     writer = gguf.GGUFWriter(str(tmp_path / f"{ggml_type}.gguf"), "llama")

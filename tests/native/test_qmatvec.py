@@ -7,26 +7,13 @@ import pytest
 
 from carrack import native
 from carrack.gguf.dequant import dequantize
-from carrack.gguf.types import GGML_BLOCK_SIZES, GGMLType
+from carrack.gguf.types import GGMLType
 from carrack.native import qmatvec
 from tests.native.portable import portable_build
+from tests.native.test_qdot import random_blocks
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K]
-# byte offsets of the fp16 scales in each block (the rest of a block is any byte pattern)
-_HALF_OFFSETS = {GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q6_K: (208,)}
-
 needs_native = pytest.mark.skipif(qmatvec.library() is None, reason="native kernels unavailable (no C compiler?)")
-
-
-def random_blocks(ggml_type: GGMLType, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
-    """(n, row_bytes) rows of random blocks with finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    block_values, block_bytes = GGML_BLOCK_SIZES[ggml_type]
-    blocks = rng.integers(0, 256, (n * k // block_values, block_bytes), dtype=np.uint8)
-    for offset in _HALF_OFFSETS[ggml_type]:
-        scales = rng.uniform(-scale, scale, len(blocks)).astype(np.float16)
-        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(n, -1)
 
 
 @pytest.fixture(scope="module")
