@@ -345,6 +345,23 @@ static float dot_row(const uint8_t *w_codes, const float *w_lane_scale, const fl
 #ifdef USE_VNNI
 /* One Q8_0 / Q4_0 row times one activation row without the decoded buffer: two 32-value blocks per 64 codes, one
  * vpdpbusd, each block's d * dx applied to its 8 lanes; the code shift (+128 / +8) meets the blocks' dx * sum(xq). */
+/* Blocks b and b + 1 (unsigned codes c0, c1, scales d0, d1) into the accumulator: one vpdpbusd over their 64
+ * codes, each block's d * dx on its 8 lanes; the blocks' d * sum(xq) go to `offsets` for the code shift. */
+static inline __attribute__((always_inline)) void add_block_pair(__m256i c0, __m256i c1, float d0, float d1,
+                                                                 int64_t b, const int8_t *x_codes,
+                                                                 const float *x_lane_scale,
+                                                                 const float *x_group_sum, __m512 *acc,
+                                                                 float *offsets) {
+    const __m512i products = _mm512_dpbusd_epi32(
+        _mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1),
+        _mm512_loadu_si512(x_codes + 32 * b));
+    const __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(d0 * x_lane_scale[8 * b]),
+                                             _mm256_set1_ps(d1 * x_lane_scale[8 * b + 8]), 1);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, *acc);
+    *offsets += d0 * (x_group_sum[2 * b] + x_group_sum[2 * b + 1]) +
+                d1 * (x_group_sum[2 * b + 2] + x_group_sum[2 * b + 3]);
+}
+
 static float dot_q8_0(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
                       const float *x_group_sum) {
     const __m256i sign = _mm256_set1_epi8((char)0x80);
@@ -356,14 +373,7 @@ static float dot_q8_0(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
         const float d0 = half_to_float(row), d1 = half_to_float(row + 34);
         const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2)), sign);
         const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 36)), sign);
-        const __m512i products = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1),
-            _mm512_loadu_si512(x_codes + 32 * b));
-        const __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(d0 * x_lane_scale[8 * b]),
-                                                 _mm256_set1_ps(d1 * x_lane_scale[8 * b + 8]), 1);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc);
-        offsets += d0 * (x_group_sum[2 * b] + x_group_sum[2 * b + 1]) +
-                   d1 * (x_group_sum[2 * b + 2] + x_group_sum[2 * b + 3]);
+        add_block_pair(q0, q1, d0, d1, b, x_codes, x_lane_scale, x_group_sum, &acc, &offsets);
     }
     float total = _mm512_reduce_add_ps(acc) - 128.0f * offsets;
     for (; b < k / 32; b++, row += 34) { /* an odd last block, with the codes shifted as above: gcc 12 at -O3
@@ -389,14 +399,7 @@ static float dot_q4_0(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
         const __m128i q1 = _mm_loadu_si128((const __m128i *)(row + 20));
         const __m256i c0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q0, 4), low_mask), _mm_and_si128(q0, low_mask));
         const __m256i c1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q1, 4), low_mask), _mm_and_si128(q1, low_mask));
-        const __m512i products = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1),
-            _mm512_loadu_si512(x_codes + 32 * b));
-        const __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(d0 * x_lane_scale[8 * b]),
-                                                 _mm256_set1_ps(d1 * x_lane_scale[8 * b + 8]), 1);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc);
-        offsets += d0 * (x_group_sum[2 * b] + x_group_sum[2 * b + 1]) +
-                   d1 * (x_group_sum[2 * b + 2] + x_group_sum[2 * b + 3]);
+        add_block_pair(c0, c1, d0, d1, b, x_codes, x_lane_scale, x_group_sum, &acc, &offsets);
     }
     float total = _mm512_reduce_add_ps(acc) - 8.0f * offsets;
     for (; b < k / 32; b++, row += 18) { /* an odd last block */
