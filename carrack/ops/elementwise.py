@@ -45,6 +45,8 @@ class _Binary(Kernel):
     def setup(self) -> None:
         legacy = self.version < 7 and self.attr("broadcast", 0)
         self.legacy_axis = self.attr("axis") if legacy else None
+        #: float32 operands split over the run's threads by the native kernel (the plan's choice: Add, Sub, Mul, Div)
+        self.split = self.implementation == "native"
 
     def run(self, a, b):
         if self.legacy_axis is not None:
@@ -79,8 +81,6 @@ class Arithmetic(_Binary):
     def setup(self) -> None:
         super().setup()
         self.fn = _ARITHMETIC[self.node.op_type]
-        #: float32 operands split over the run's threads by the native kernel (the plan's choice)
-        self.split = self.implementation == "native"
 
     def compute(self, a, b):
         y = rowops.binary(self.node.op_type, a, b) if self.split else None  # float32 over the run's threads
@@ -108,10 +108,6 @@ def truncating_divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @register("Div", since=1)
 class Div(_Binary):
-    def setup(self) -> None:
-        super().setup()
-        self.split = self.implementation == "native"
-
     def compute(self, a, b):
         if a.dtype.kind in "iu":
             return truncating_divide(a, b)
