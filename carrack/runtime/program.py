@@ -284,7 +284,7 @@ class Program:
                 for s in st.ins + tuple(s for _, s in st.captures)} | set(self.output_slots)
         self._memo_steps = tuple(steps)
         self._memo_slots = tuple(sorted(produced & read))
-        self._plan_after_memo = [entry for k, entry in enumerate(self._plan) if k not in chosen]
+        self._plan_after_memo = self._without_memo_steps()
 
     def _memoize(self, bound: Bound, env: list[Any]) -> list[Any] | None:
         """Run the size-only steps for these sizes (allocating, outside any arena) and keep their values in the
@@ -322,8 +322,12 @@ class Program:
                 self._placed[k] = index[st.node.outputs[0]]
         self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
-        chosen = set(self._memo_steps)
-        self._plan_after_memo = [entry for k, entry in enumerate(self._plan) if k not in chosen]
+        self._plan_after_memo = self._without_memo_steps()
+
+    def _without_memo_steps(self) -> list[tuple]:
+        """The run loop's plan for runs that take the size-only values from the memo."""
+        memo = set(self._memo_steps)
+        return [entry for k, entry in enumerate(self._plan) if k not in memo]
 
     def _compile_plan(self) -> list[tuple]:
         """Per step, what the run loop needs in the cheapest form: the kernel's `run` (None when the kernel
