@@ -70,6 +70,10 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...], first: np.ndarray, *
     (each element is read before it is written); any other overlap with an input is not."""
     if out is None:
         return np.empty(shape, _F32)
+    if out is first and out.shape == shape and out.flags.writeable:  # in place (first is C-contiguous, aligned)
+        if not any(o is not None and np.may_share_memory(out, o) for o in others):
+            return out
+        return np.empty(shape, _F32)
     if (out.dtype == _F32 and out.shape == shape and out.flags.c_contiguous
             and out.flags.aligned and out.flags.writeable):
         same = data_address(out) == data_address(first) and out.size == first.size
