@@ -10,12 +10,13 @@ the result's shape, and either the first input itself or not overlapping any inp
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 
 from carrack import native
 from carrack.native import data_address
-from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, packed
+from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, bound_call, packed
 
 #: elements per thread below which a call stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 14
@@ -204,6 +205,31 @@ def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray 
     lib.carrack_packed_layer_norm(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
                                    data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
     return True
+
+
+def layer_norm_bound(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
+                     beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> Callable[[], None] | None:
+    """`layer_norm_checked` of these very arrays as a call without arguments (a step bound to its arena's views:
+    their contents change between calls, never their layout); None when the library is not loaded or x is
+    empty."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    return bound_call(lib.carrack_packed_layer_norm, data_address(x), _ptr(skip), _ptr(bias), data_address(gamma),
+                      _ptr(beta), data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
+
+
+def gelu_bound(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> Callable[[], None] | None:
+    """`gelu_checked` of these very arrays as a call without arguments (see `layer_norm_bound`)."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    return bound_call(lib.carrack_packed_gelu, data_address(x), data_address(bias), data_address(out), 0, rows, n,
+                      int(approximate), _threads(rows, n))
 
 
 def gelu_checked(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> bool:

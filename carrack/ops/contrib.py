@@ -84,6 +84,13 @@ def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsi
     return None
 
 
+def layer_norm_bind(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float):
+    """`layer_norm_prepared` of these very arrays as a call without arguments (Kernel.bind_into), or None."""
+    if not (_plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x)):
+        return None
+    return rowops.layer_norm_bound(x, None, None, gamma, beta, out, epsilon)
+
+
 def offer_run_into(kernel: Kernel) -> None:
     """Give a kernel with an `_into(out, *inputs)` its `run_into` when its node has a single output: the executor
     writes no other node's output into the arena, where the memory plan would still reserve bytes for them all."""
@@ -144,6 +151,12 @@ class ContribLayerNormalization(Kernel):
     def run(self, x, scale, bias=None):
         return self._into(None, x, scale, bias)
 
+    def bind_into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if prepared is not None and scale is prepared[0] and bias is prepared[1] and len(self.node.outputs) == 1:
+            return layer_norm_bind(out, x, scale, bias, self.epsilon)
+        return None
+
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants
         if prepared is not None and scale is prepared[0] and bias is prepared[1]:
@@ -186,6 +199,14 @@ class SkipLayerNormalization(Kernel):
 
     def run(self, x, skip, gamma, beta=None, bias=None):
         return self._into(None, x, skip, gamma, beta, bias)
+
+    def bind_into(self, out, x, skip, gamma, beta=None, bias=None):
+        prepared = self.row_constants
+        if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
+                and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
+                and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x, skip)):
+            return rowops.layer_norm_bound(x, skip, bias, gamma, beta, out, self.epsilon)
+        return None
 
     def _into(self, out, x, skip, gamma, beta=None, bias=None):
         prepared = self.row_constants
@@ -247,6 +268,12 @@ class _GeluBase(Kernel):
         if self._native(x, bias):
             return rowops.gelu(x, bias, self.approximate, out=out)
         return self.run(x, bias)
+
+    def bind_into(self, out, x, bias=None):
+        if (bias is not None and bias is self.bias and _plain_f32(x) and x.ndim and x.shape[-1] == bias.shape[0]
+                and _writable_apart(out, x.shape, x)):
+            return rowops.gelu_bound(x, bias, out, self.approximate)
+        return None
 
     def _native(self, x: np.ndarray, bias: np.ndarray | None) -> bool:
         return self.rows is not None and x.dtype == np.float32 and (

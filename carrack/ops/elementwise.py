@@ -86,6 +86,16 @@ class Arithmetic(_Binary):
         y = rowops.binary(self.node.op_type, a, b) if self.split else None  # float32 over the run's threads
         return self.fn(a, b).astype(a.dtype, copy=False) if y is None else y
 
+    def bind_into(self, out, a, b):
+        """numpy's operation into `out` for these very arrays, where `run_into` would take it (no split over
+        threads: the operands are below rowops' split size)."""
+        if (self.legacy_axis is None and type(a) is np.ndarray and type(b) is np.ndarray
+                and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
+                and broadcasts_to(out.shape, a.shape, b.shape)
+                and not (self.split and max(a.size, b.size) >= 2 * rowops.PARALLEL_MIN)):
+            return functools.partial(self.fn, a, b, out=out)
+        return None
+
     def run_into(self, out, a, b):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
         at run time costs an allocation, never a wrong result."""

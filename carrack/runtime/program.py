@@ -101,7 +101,9 @@ class Program:
         self._memo_steps: tuple[int, ...] = ()  # steps whose results depend only on the symbol sizes
         self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
         self._plan_after_memo: list[tuple] = self._plan
-        self._spare_arenas: list[tuple] = []  # (bound, arena, views) of a finished run, for the next one
+        #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
+        self._spare_arenas: list[tuple] = []
+        self._constant_ids = frozenset(id(v) for v in self.constants.values())
         self._memo_lock = threading.Lock()
         self._memo_total = 0  # bytes of size-only values kept in live Bounds
 
@@ -192,17 +194,30 @@ class Program:
                 for s, v in zip(self._memo_slots, memo):
                     env[s] = v
                 plan = self._plan_after_memo
-        arena, views = (None, None) if bound is None or profiler is not None or not self._placed \
+        arena, views, steps_bound = (None, None, None) if bound is None or profiler is not None or not self._placed \
             else self._take_arena(bound)
+        binding = None
+        if steps_bound is not None:  # a reused arena: its steps bound to its views (the first time: bind them)
+            if steps_bound is _NOT_BOUND:
+                binding = _Binding(plan, views, self._constant_ids)
+                plan = binding.recording_plan()
+            elif steps_bound[0] is plan:
+                plan = steps_bound[1]
+        trusted = True  # every placed step so far wrote into its view (what the bound steps read)
         step = None
         try:
             if profiler is None:
                 for step, call, gather, arity, single, release, placed, guard, run_into in plan:
                     if should_stop is not None and should_stop():
                         raise RunTerminated(f"before {step.node.label()}")
-                    if placed >= 0 and views is not None and views[placed] is not None:
+                    if arity == _BOUND and trusted:
+                        call()
+                        result = views[placed]
+                    elif placed >= 0 and views is not None and views[placed] is not None:
                         out = views[placed]
                         result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
+                        if result is not out:
+                            trusted = False
                     else:
                         if arity == 1:
                             result = call(gather(env))
@@ -245,24 +260,27 @@ class Program:
             return outputs
         outputs = [_off_arena(v, arena) for v in outputs]
         env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
+        if binding is not None:
+            steps_bound = binding.bound_plan() if trusted else _NOT_BINDABLE
         if not self._spare_arenas:
-            self._spare_arenas.append((bound, arena, views))
+            self._spare_arenas.append((bound, arena, views, steps_bound))
         return outputs
 
-    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None]]:
-        """An arena for a run with these sizes, and a view of each placed value in it: the last finished run's
-        when it had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one.
-        Runs in several threads each take their own (list.pop is atomic)."""
+    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None]:
+        """An arena for a run with these sizes, a view of each placed value in it and, for a reused one, its steps
+        bound to those views (`_NOT_BOUND` before they are; None for a new arena): the last finished run's when it
+        had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one. Runs in
+        several threads each take their own (list.pop is atomic)."""
         try:
-            spare_bound, arena, views = self._spare_arenas.pop()
+            spare_bound, arena, views, steps_bound = self._spare_arenas.pop()
             if spare_bound is bound:
-                return arena, views
+                return arena, views, steps_bound or _NOT_BOUND
         except IndexError:
             pass
         arena = aligned_empty((max(bound.arena_bytes, 64),), np.uint8)
         views = [None if place is None else arena[place[0]:place[0] + place[1]].view(place[3]).reshape(place[2])
                  for place in bound.places]
-        return arena, views
+        return arena, views, None
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
@@ -349,6 +367,51 @@ class Program:
             run_into = st.kernel.run_into if placed >= 0 else None
             plan.append((st, call, gather, arity, single, st.release, placed, guard, run_into))
         return plan
+
+
+class _Binding:
+    """The first run that reuses an arena records which placed steps can be bound to its views (`Kernel.bind_into`):
+    a step whose output went into its view and whose inputs were all views of that arena, constants or omitted.
+    Later runs with the arena call those steps' bound calls instead of gathering, checking and slicing per call."""
+
+    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
+        self.plan = plan
+        self.fixed = constant_ids | {id(v) for v in views if v is not None}  # live objects: their ids are theirs
+        self.calls: dict[int, Any] = {}
+
+    def recording_plan(self) -> list[tuple]:
+        return [entry if entry[6] < 0 or entry[8] is None else entry[:8] + (self._recorder(k, entry),)
+                for k, entry in enumerate(self.plan)]
+
+    def _recorder(self, k: int, entry: tuple):
+        kernel, run_into = entry[0].kernel, entry[8]
+
+        def record(out, *inputs):
+            result = run_into(out, *inputs)
+            if result is out and all(v is None or id(v) in self.fixed for v in inputs):
+                call = kernel.bind_into(out, *inputs)
+                if call is not None:
+                    self.calls[k] = call
+            return result
+        return record
+
+    def bound_plan(self) -> tuple[list[tuple], list[tuple]]:
+        """(the plan it was recorded on, that plan with the bound steps' entries marked _BOUND); the bound entries
+        keep a tuple getter and `run_into` for a run in which an earlier step did not write into its view."""
+        plan = list(self.plan)
+        for k, call in self.calls.items():
+            step, _, _, _, single, release, placed, guard, run_into = plan[k]
+            plan[k] = (step, call, self._getter(k), _BOUND, single, release, placed, guard, run_into)
+        return self.plan, plan
+
+    def _getter(self, k: int):
+        gather, arity = self.plan[k][2], self.plan[k][3]
+        return gather if arity > 1 else (lambda env: (gather(env),))
+
+
+_BOUND = -2  # a plan entry's arity for a step bound to its arena's views
+_NOT_BOUND = ("not bound",)  # a reused arena whose steps are not bound yet
+_NOT_BINDABLE = ((), None)  # a reused arena whose binding run saw a step write elsewhere: never bound
 
 
 def _execute_step(step: Step, env: list[Any]) -> None:
