@@ -104,6 +104,8 @@ class Program:
         #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
         self._spare_arenas: list[tuple] = []
         self._constant_ids = frozenset(id(v) for v in self.constants.values())
+        #: whether runs that reuse an arena call its bound steps (Kernel.bind_into); False: every step's run_into
+        self.bind_steps = True
         self._memo_lock = threading.Lock()
         self._memo_total = 0  # bytes of size-only values kept in live Bounds
 
@@ -197,7 +199,8 @@ class Program:
         arena, views, steps_bound = (None, None, None) if bound is None or profiler is not None or not self._placed \
             else self._take_arena(bound)
         binding = None
-        if steps_bound is not None:  # a reused arena: its steps bound to its views (the first time: bind them)
+        if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
+            # by the first run that reuses it)
             if steps_bound is _NOT_BOUND:
                 binding = _Binding(plan, views, self._constant_ids)
                 plan = binding.recording_plan()
