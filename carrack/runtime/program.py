@@ -99,6 +99,7 @@ class Program:
         self._views: set[str] = set()
         self._plan = self._compile_plan()
         self._memo_steps: tuple[int, ...] = ()  # steps whose results depend only on the symbol sizes
+        self._derived_slots: tuple[int, ...] = ()  # inputs that are the plan's shape arithmetic (fixed per sizes)
         self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
         self._plan_after_memo: list[tuple] = self._plan
         #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
@@ -202,7 +203,11 @@ class Program:
         if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
             # by the first run that reuses it)
             if steps_bound is _NOT_BOUND:
-                binding = _Binding(plan, views, self._constant_ids)
+                # the same objects every run with these sizes: constants, the arena's views, the plan's derived
+                # values and the size-only values kept for these sizes
+                per_sizes = [env[s] for s in self._derived_slots] + (list(memo) if plan is self._plan_after_memo
+                                                                      and self._memo_steps else [])
+                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes})
                 plan = binding.recording_plan()
             elif steps_bound[0] is plan:
                 plan = steps_bound[1]
@@ -216,6 +221,8 @@ class Program:
                     if arity == _BOUND and trusted:
                         call()
                         result = views[placed]
+                    elif arity == _FIXED and trusted:
+                        result = call
                     elif placed >= 0 and views is not None and views[placed] is not None:
                         out = views[placed]
                         result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
@@ -228,6 +235,8 @@ class Program:
                             result = call(*gather(env))
                         elif arity == 0:
                             result = call()
+                        elif arity == _FIXED:  # a fixed view's step in a run that cannot trust it: computed
+                            result = run_into(*gather(env))
                         else:
                             result = step.kernel.execute(list(gather(env)), _scope(step, env))
                         if guard and arena is not None and (type(result) is not np.ndarray
@@ -290,6 +299,7 @@ class Program:
         arithmetic, a function of the symbol sizes): position ids, causal masks, their embedding lookups. A run
         computes them once per set of sizes (kept in the plan's Bound) instead of every time."""
         known = set(self.constants) | {self.slot_of[n] for n in derived if n in self.slot_of}
+        self._derived_slots = tuple(self.slot_of[n] for n in derived if n in self.slot_of)
         steps = []
         for k, st in enumerate(self.steps):
             kernel = type(st.kernel)
@@ -379,12 +389,33 @@ class _Binding:
 
     def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
         self.plan = plan
-        self.fixed = constant_ids | {id(v) for v in views if v is not None}  # live objects: their ids are theirs
+        self.fixed = set(constant_ids) | {id(v) for v in views if v is not None}  # live objects: ids are theirs
         self.calls: dict[int, Any] = {}
+        self.views: dict[int, Any] = {}  # step -> its result, for view kernels' steps that give fixed objects
 
     def recording_plan(self) -> list[tuple]:
-        return [entry if entry[6] < 0 or entry[8] is None else entry[:8] + (self._recorder(k, entry),)
-                for k, entry in enumerate(self.plan)]
+        plan = []
+        for k, entry in enumerate(self.plan):
+            if entry[6] >= 0 and entry[8] is not None:
+                entry = entry[:8] + (self._recorder(k, entry),)
+            elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
+                entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
+            plan.append(entry)
+        return plan
+
+    def _view_recorder(self, k: int, call):
+        """A view kernel's step whose inputs are fixed objects and whose every result is a view of its first input
+        gives the same objects every run: kept as its result (and fixed, for the steps that read it)."""
+        def record(*inputs):
+            result = call(*inputs)
+            parts = result if type(result) in (tuple, list) else (result,)
+            if (inputs and type(inputs[0]) is np.ndarray and all(v is None or id(v) in self.fixed for v in inputs)
+                    and all(type(p) is np.ndarray and (p is inputs[0] or np.may_share_memory(p, inputs[0]))
+                            for p in parts)):
+                self.views[k] = result
+                self.fixed.update(id(p) for p in parts)
+            return result
+        return record
 
     def _recorder(self, k: int, entry: tuple):
         kernel, run_into = entry[0].kernel, entry[8]
@@ -405,6 +436,9 @@ class _Binding:
         for k, call in self.calls.items():
             step, _, _, _, single, release, placed, guard, run_into = plan[k]
             plan[k] = (step, call, self._getter(k), _BOUND, single, release, placed, guard, run_into)
+        for k, result in self.views.items():
+            step, call, _, _, single, release, placed, guard, _ = plan[k]
+            plan[k] = (step, result, self._getter(k), _FIXED, single, release, placed, guard, call)
         return self.plan, plan
 
     def _getter(self, k: int):
@@ -413,6 +447,7 @@ class _Binding:
 
 
 _BOUND = -2  # a plan entry's arity for a step bound to its arena's views
+_FIXED = -3  # a plan entry's arity for a view kernel's step whose result is the same objects every run
 _NOT_BOUND = ("not bound",)  # a reused arena whose steps are not bound yet
 _NOT_BINDABLE = ((), None)  # a reused arena whose binding run saw a step write elsewhere: never bound
 
