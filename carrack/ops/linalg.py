@@ -181,6 +181,23 @@ class Gemm(Kernel):
             return half.narrow(self.widened_product(a, b, c), out)
         return self._product(out, a, b, c, self.trans_b)
 
+    def bind_into(self, out, a, b, c=None):
+        """`_linear` for these very arrays (a prepared linear layer whose result fits `out`)."""
+        prepared = self.weight
+        if not (prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2
+                and a.shape[1] == b.shape[1] and a.shape[0] and _plain_f32(out)
+                and out.shape == (a.shape[0], b.shape[0]) and out.flags.writeable
+                and not np.may_share_memory(out, a)):
+            return None
+        weight_t, native = b.T, self.native
+
+        def linear() -> None:
+            if not (native and native_matmul.transposed_checked_into(a, b, out)):
+                np.matmul(a, weight_t, out=out)
+            if c is not None:
+                np.add(out, c, out=out)
+        return linear
+
     @staticmethod
     def _linear(out, a, b, c, native: bool) -> np.ndarray | None:
         """a @ b^T + c for checked float32 operands (prepare), into `out` when it is a plain buffer of the
