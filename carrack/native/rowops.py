@@ -114,6 +114,30 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     return y
 
 
+def softmax_bound(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool,
+                  ) -> Callable[[], None] | None:
+    """`softmax(x, scale, bias, zero_masked, out=x)` of these very arrays as a call without arguments (a step bound
+    to its arena: their contents change between calls, never their layout); None where that call would copy the
+    bias (its contents would then be the binding's) or cannot take it, or the library is not loaded."""
+    lib = library()
+    if lib is None or _operand(x) is not x or x.size == 0 or not x.flags.writeable:
+        return None
+    if bias is not None and (np.may_share_memory(x, bias) or type(bias) is not np.ndarray):
+        return None
+    try:
+        b, dims, strides = _bias_layout(bias, x.shape)
+    except ValueError:
+        return None
+    if b is not None and b is not bias and (b.flags.owndata or not np.may_share_memory(b, bias)):
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    call = bound_call(lib.carrack_packed_softmax, _ptr(x), _ptr(x), 0, rows, n, scale, _ptr(b), dims[1], dims[2],
+                      *strides, int(zero_masked), _threads(rows, n))
+    call.bias = b  # the pointer does not keep a broadcast view alive
+    return call
+
+
 def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
                  ) -> tuple[np.ndarray | None, tuple[int, int, int], tuple[int, int, int]]:
     """The bias broadcast to `shape` as an array whose rows are contiguous, with the rows' grid as at most three

@@ -5,6 +5,7 @@ Statistics and activations of half floats are computed in float32 and rounded ba
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -471,6 +472,54 @@ class MultiHeadAttention(_AttentionBase):
         outs = self.node.outputs
         present = [t.astype(query.dtype) if i < len(outs) and outs[i] else None for i, t in ((1, k), (2, v))]
         return _outputs(outs, [out.astype(query.dtype, copy=False), *present])
+
+
+    def bind_into(self, out, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+                  past_key=None, past_value=None, *unused):
+        """`_into` for these very arrays in its common case (float32 query (B, S, D), key and value (B, L, D) or
+        per head, an optional additive attention bias, no projection bias, mask, past or causal mask, one
+        output): the head views, the scores buffer and the softmax's packet made once."""
+        if (bias is not None or key_padding_mask is not None or past_key is not None or past_value is not None
+                or self.causal or self.rows is None or any(self.node.outputs[1:]) or key is None or value is None
+                or query.ndim != 3 or key.ndim not in (3, 4) or key.ndim != value.ndim):
+            return None
+        arrays = (query, key, value) if attention_bias is None else (query, key, value, attention_bias)
+        if not all(type(a) is np.ndarray and a.dtype == _F32 for a in arrays):
+            return None
+        q = _heads(query, self.heads)
+        k, v = (key, value) if key.ndim == 4 else (_heads(key, self.heads), _heads(value, self.heads))
+        keys = k.swapaxes(-1, -2)
+        batch, heads, seq, _ = q.shape
+        hv = v.shape[-1]
+        if (keys.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2] or keys.shape[-2] != q.shape[-1]
+                or v.shape[-2] != keys.shape[-1] or not _writable_apart(out, (batch, seq, heads * hv), q, k, v)):
+            return None
+        scores = np.empty(q.shape[:-1] + keys.shape[-1:], _F32)
+        softmax = rowops.softmax_bound(scores, self._scale(q.shape[-1]), attention_bias, True)
+        if softmax is None:
+            return None
+        context = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
+        scores_product = _bound_batched(q, keys, scores)
+        context_product = _bound_batched(scores, v, context)
+
+        def attend() -> None:
+            scores_product()
+            softmax()
+            context_product()
+        return attend
+
+
+def _bound_batched(a: np.ndarray, b: np.ndarray, y: np.ndarray):
+    """y = a @ b over heads as `_attend` computes it (native where `native_matmul.batched_into` takes it, else
+    numpy), for these very arrays."""
+    rows, depth, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    if native_matmul.numpy_is_faster(rows, depth, cols):  # never the native tile (chosen is False there)
+        return functools.partial(np.matmul, a, b, out=y)
+
+    def product() -> None:
+        if not native_matmul.batched_into(a, b, y):
+            np.matmul(a, b, out=y)
+    return product
 
 
 @register("Attention", domain=MS)

@@ -507,3 +507,29 @@ class Variadic(Kernel):
 class Where(Kernel):
     def run(self, condition, x, y):
         return np.where(condition, x, y)
+
+    def _fits(self, out, condition, x, y) -> bool:
+        """Whether the selection can be written into `out`: ndarrays of out's dtype (a bool condition) that
+        broadcast to its shape and share no memory with it."""
+        return (type(condition) is np.ndarray and type(x) is np.ndarray and type(y) is np.ndarray
+                and condition.dtype == np.bool_ and x.dtype == y.dtype == out.dtype
+                and np.broadcast_shapes(condition.shape, x.shape, y.shape) == out.shape
+                and not any(np.may_share_memory(out, a) for a in (condition, x, y)))
+
+    def run_into(self, out, condition, x, y):
+        """np.where's selection written into the planned buffer: y everywhere, then x where the condition holds
+        (copies: the same values); anything else gets np.where's own result."""
+        if not self._fits(out, condition, x, y):
+            return self.run(condition, x, y)
+        np.copyto(out, y)
+        np.copyto(out, x, where=condition)
+        return out
+
+    def bind_into(self, out, condition, x, y):
+        if not self._fits(out, condition, x, y):
+            return None
+
+        def select() -> None:
+            np.copyto(out, y)
+            np.copyto(out, x, where=condition)
+        return select

@@ -81,7 +81,7 @@ def test_bound_runs_give_the_bits_of_unbound_runs_with_new_contents_each_run(tin
         np.testing.assert_array_equal(got, unbound.run(None, feed)[0])
         np.testing.assert_allclose(got, reference.run(None, feed)[0], rtol=1e-4, atol=1e-5)
     ops = _bound_ops(bound)
-    assert {"MatMul", "Add", "SkipLayerNormalization", "BiasGelu"} <= set(ops), ops
+    assert {"MatMul", "Add", "SkipLayerNormalization", "BiasGelu", "MultiHeadAttention"} <= set(ops), ops
     assert "Reshape" in _bound_ops(bound, program_module._FIXED)  # the exporter's reshapes around attention
     assert _bound_ops(unbound) == []
 
@@ -190,3 +190,33 @@ def test_binding_a_packed_kernel_with_a_wrong_argument_count_raises():
         pytest.skip("no packed row kernels here")
     with pytest.raises(ValueError):
         lib.carrack_packed_gelu.bind(1, 2, 3)
+
+
+def test_where_written_into_its_planned_buffer_selects_what_numpy_selects():
+    """Where's output placed in the arena (run_into: y, then x where the condition holds), with broadcast
+    operands, -0.0 and NaN; bound in the later runs where its inputs are the arena's views."""
+    row_mask = np.array([[True, False, True, False, False, True, True, False]])
+    nodes = [helper.make_node("Less", ["x", "half"], ["c"]),
+             helper.make_node("Where", ["c", "x", "negzero"], ["w"]),
+             helper.make_node("Abs", ["w"], ["a"]),
+             helper.make_node("Where", ["mask", "a", "w"], ["w2"]),
+             helper.make_node("Mul", ["w2", "two"], ["y"])]
+    inits = [onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+             onnx.numpy_helper.from_array(np.array(-0.0, np.float32), "negzero"),
+             onnx.numpy_helper.from_array(row_mask, "mask"),
+             onnx.numpy_helper.from_array(np.array([2.0], np.float32), "two")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    session = _session(model)
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        x = rng.standard_normal((3, 8)).astype(np.float32)
+        x[0, :3] = [np.nan, -0.0, 0.5]
+        got = session.run(None, {"x": x})[0]
+        w = np.where(x < np.float32(0.5), x, np.float32(-0.0))
+        expected = np.where(row_mask, np.abs(w), w) * np.float32(2.0)
+        np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))  # -0.0 and NaN kept as numpy
+        np.testing.assert_allclose(got, reference.run(None, {"x": x})[0])
+    assert "Where" in _bound_ops(session)
