@@ -105,6 +105,9 @@ class Program:
         #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
         self._spare_arenas: list[tuple] = []
         self._constant_ids = frozenset(id(v) for v in self.constants.values())
+        self._env_start: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot: omitted optional inputs
+        for s, v in self.constants.items():
+            self._env_start[s] = v
         #: whether runs that reuse an arena call its bound steps (Kernel.bind_into); False: every step's run_into
         self.bind_steps = True
         self._memo_lock = threading.Lock()
@@ -167,9 +170,7 @@ class Program:
         `bound` (the session's plan evaluated for this run's sizes) places intermediates in one arena.
         `should_stop` (optional callable) is asked before each step; when it returns true the run raises
         RunTerminated (RunOptions.terminate)."""
-        env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
-        for s, v in self.constants.items():
-            env[s] = v
+        env: list[Any] = self._env_start.copy()  # the constants in their slots; the extra last slot stays None
         for s, v in zip(self.input_slots, inputs):
             if v is not None or env[s] is None:
                 env[s] = v
