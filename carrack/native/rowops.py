@@ -216,18 +216,20 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
 
 
 def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
-                       beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> bool:
+                       beta: np.ndarray | None, out: np.ndarray, epsilon: float, total: np.ndarray | None = None,
+                       ) -> bool:
     """`layer_norm` over the last axis into `out`, without stats, for a caller that has checked what `_operand`
     and `_output` check (C-contiguous aligned float32 arrays, skip of x's shape, the row parameters of x.shape[-1]
     elements, out of x's shape, writable and apart from the inputs); a kernel's constant row parameters are checked
-    once when it is prepared. False when the library is not loaded."""
+    once when it is prepared. `total` (a new array of x's shape) receives x + skip + bias when given. False when
+    the library is not loaded."""
     lib = library()
     if lib is None or x.size == 0:
         return False
     n = x.shape[-1]
     rows = x.size // n
     lib.carrack_packed_layer_norm(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
-                                   data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
+                                   data_address(out), 0, 0, _ptr(total), 0, rows, n, epsilon, _threads(rows, n))
     return True
 
 

@@ -194,7 +194,7 @@ class SkipLayerNormalization(Kernel):
         offer_run_into(self)
 
     def prepare(self, constants):
-        if self.rows is not None and not self.wants_stats and not self.wants_sum:
+        if self.rows is not None and not self.wants_stats:
             rows = constant_rows(self.node.inputs, constants, (2, 3, 4))
             self.row_constants = rows if rows is not None and rows[0] is not None else None
 
@@ -214,11 +214,12 @@ class SkipLayerNormalization(Kernel):
         if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
                 and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
                 and x.shape[-1] == gamma.shape[0]):
-            if out is None:  # a graph output: not planned in the arena
+            if out is None:  # a graph output or a node with the sum output: not planned in the arena
                 out = np.empty(x.shape, _F32)
+            total = np.empty(x.shape, _F32) if self.wants_sum else None
             if (_writable_apart(out, x.shape, x, skip)
-                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
-                return out
+                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon, total)):
+                return _outputs(self.node.outputs, [out, None, None, total]) if self.wants_sum else out
         if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
             result = self._run_native(out, x, skip, gamma, beta, bias)
             if result is not None:

@@ -517,12 +517,12 @@ class Where(Kernel):
                 and not any(np.may_share_memory(out, a) for a in (condition, x, y)))
 
     def run_into(self, out, condition, x, y):
-        """np.where's selection written into the planned buffer: y everywhere, then x where the condition holds
-        (copies: the same values); anything else gets np.where's own result."""
-        if not self._fits(out, condition, x, y):
-            return self.run(condition, x, y)
-        np.copyto(out, y)
-        np.copyto(out, x, where=condition)
+        """np.where's result copied into the planned buffer when it has its shape and dtype (np.where has no out:
+        a bound step selects into the buffer itself)."""
+        result = np.where(condition, x, y)
+        if result.shape != out.shape or result.dtype != out.dtype:
+            return result
+        np.copyto(out, result)
         return out
 
     def bind_into(self, out, condition, x, y):
