@@ -203,8 +203,8 @@ class SkipLayerNormalization(Kernel):
 
     def bind_into(self, out, x, skip, gamma, beta=None, bias=None):
         prepared = self.row_constants
-        if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
-                and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
+        if (prepared is not None and not self.wants_sum and gamma is prepared[0] and beta is prepared[1]
+                and bias is prepared[2] and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
                 and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x, skip)):
             return rowops.layer_norm_bound(x, skip, bias, gamma, beta, out, self.epsilon)
         return None
