@@ -184,12 +184,13 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is
     copied when its rows are not), out writable and not overlapping a or b, of shapes where it is `chosen`. False
     when not done. numpy would run these as one BLAS call per head, on BLAS's own threads."""
-    fn = _load()
-    if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
+    if not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
         return False
     (t, k), n = a.shape[-2:], b.shape[-1]
     batch = a.shape[:-2]
     if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
+        return False  # (asked before the library: attention's small heads go to numpy twice a call)
+    if _load() is None:
         return False
     if b.dtype is _F32 and b.strides[-1] != 4:
         b = _contiguous_transposed(b)

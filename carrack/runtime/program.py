@@ -385,7 +385,8 @@ class Program:
 
 class _Binding:
     """The first run that reuses an arena records which placed steps can be bound to its views (`Kernel.bind_into`):
-    a step whose output went into its view and whose inputs were all views of that arena, constants or omitted.
+    a step whose output went into its view and whose inputs were all fixed objects (views of that arena,
+    constants, the plan's derived and size-only values for these sizes, kept results of view steps) or omitted.
     Later runs with the arena call those steps' bound calls instead of gathering, checking and slicing per call."""
 
     def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
