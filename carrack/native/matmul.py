@@ -94,19 +94,37 @@ def blas_exceeds_run() -> bool:
 #: OpenBLAS runs a gemm of at most this many multiply-adds on one thread (its interface/gemm.c: 65536 x
 #: GEMM_MULTITHREAD_THRESHOLD 4), whatever its pool holds
 SINGLE_THREAD_BLAS_WORK = 1 << 18
-#: and a gemv (one row or one column) of a matrix under this many elements (interface/gemv.c: 2304 x 4)
-SINGLE_THREAD_GEMV_WORK = 2304 * 4
+#: and a gemv (one row or one column) of a matrix under this many elements (interface/gemv.c: 2304 x 4 before
+#: OpenBLAS 0.3.27, 50 times that since its pull request 4441); None: read from numpy's OpenBLAS on first use
+SINGLE_THREAD_GEMV_WORK: int | None = None
+#: the OpenBLAS release whose gemv stays on one thread up to 115200 x 4 elements (checked on 0.3.31 by the CPU time
+#: of its pool threads: 449 x 1024 runs on the calling thread alone, 450 x 1024 on two)
+WIDE_GEMV_OPENBLAS = (0, 3, 27)
+
+
+def single_thread_gemv_work() -> int:
+    """SINGLE_THREAD_GEMV_WORK, read from numpy's BLAS once: 460800 elements for OpenBLAS >= 0.3.27, else (older
+    OpenBLAS, another BLAS, unknown) the smaller 9216."""
+    global SINGLE_THREAD_GEMV_WORK
+    if SINGLE_THREAD_GEMV_WORK is None:
+        from carrack.runtime.blas import openblas_version
+
+        version = openblas_version()
+        SINGLE_THREAD_GEMV_WORK = 2304 * 4 * (50 if version is not None and version >= WIDE_GEMV_OPENBLAS else 1)
+    return SINGLE_THREAD_GEMV_WORK
 
 
 def numpy_is_faster(rows: int, depth: int, cols: int) -> bool:
     """Whether numpy takes a [rows, depth] @ [depth, cols] float32 product on one thread and in less time than the
     native tile: a matrix product of at most SINGLE_THREAD_BLAS_WORK multiply-adds, or a product by a vector
-    (one row or one column) under SINGLE_THREAD_GEMV_WORK. Measured at 1 thread (BLAS at 1 thread, 2-core
+    (one row or one column) under `single_thread_gemv_work()`. Measured at 1 thread (BLAS at 1 thread, 2-core
     AVX-512 machine, us): 16x64x64 3.2 native vs 1.4 numpy, 16x128x128 5.4 vs 3.8, 1x64x64 1.1 vs 0.7, 4 heads of
-    16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3, 16x256x256 18.8 vs 23.3."""
+    16x16x16 1.9 vs 1.1; above it the tile wins: 64x128x128 13.7 vs 16.3, 16x256x256 18.8 vs 23.3. One row (tile
+    vs numpy's gemv, in a model's run): 1x64x192 4.8 vs 1.2, 1x64x1000 8.5 vs 3.4; A @ B^T 1x256x256 (the
+    dot-product kernel) 7.1 vs 4.6."""
     work = rows * depth * cols
     if rows == 1 or cols == 1:
-        return work < SINGLE_THREAD_GEMV_WORK
+        return work < (SINGLE_THREAD_GEMV_WORK if SINGLE_THREAD_GEMV_WORK is not None else single_thread_gemv_work())
     return work <= SINGLE_THREAD_BLAS_WORK
 
 
@@ -166,12 +184,13 @@ def batched_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
     broadcasting), e.g. attention's scores and context per (batch, head): float32, aligned, rows contiguous (b is
     copied when its rows are not), out writable and not overlapping a or b, of shapes where it is `chosen`. False
     when not done. numpy would run these as one BLAS call per head, on BLAS's own threads."""
-    fn = _load()
-    if fn is None or not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
+    if not 3 <= a.ndim <= 4 or not a.ndim == b.ndim == out.ndim:
         return False
     (t, k), n = a.shape[-2:], b.shape[-1]
     batch = a.shape[:-2]
     if b.shape[:-2] != batch or out.shape != (*batch, t, n) or b.shape[-2] != k or not chosen(t, k, n):
+        return False  # (asked before the library: attention's small heads go to numpy twice a call)
+    if _load() is None:
         return False
     if b.dtype is _F32 and b.strides[-1] != 4:
         b = _contiguous_transposed(b)

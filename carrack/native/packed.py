@@ -12,6 +12,7 @@ callers stay the same.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import threading
@@ -96,8 +97,31 @@ class PackedKernel:
         packet[1] = self.kind
         _entry(pointer)
 
+    def bind(self, *args) -> Callable[[], None]:
+        """This call with these arguments, written once into a packet of its own: calling the result passes the
+        prebuilt pointer and nothing else. For a caller that runs it on one thread at a time (a step bound to
+        one run's arena); a wrong argument count raises here."""
+        if self.float_at is not None:
+            args = list(args)
+            args[self.float_at] = float_bits(args[self.float_at])
+        packet = _Packet()
+        packet[2:self.end] = args
+        packet[0] = self.address
+        packet[1] = self.kind
+        call = functools.partial(_entry, ctypes.c_void_p(ctypes.addressof(packet)))
+        call.packet = packet  # the pointer does not keep the packet alive: the call does
+        return call
+
     def __repr__(self) -> str:
         return f"PackedKernel({self.name}, kind {self.kind})"
+
+
+def bound_call(fn: Callable[..., None], *args) -> Callable[[], None]:
+    """fn(*args) as a call without arguments: a packet of its own for a packed kernel, else ctypes' function with
+    the arguments kept (converted at each call)."""
+    if isinstance(fn, PackedKernel):
+        return fn.bind(*args)
+    return functools.partial(fn, *args)
 
 
 def packed(fn: ctypes._CFuncPtr, arity: int, kind: tuple[int, int, int | None] | None = None

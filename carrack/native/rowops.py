@@ -10,12 +10,13 @@ the result's shape, and either the first input itself or not overlapping any inp
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 
 from carrack import native
 from carrack.native import data_address
-from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, packed
+from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, bound_call, packed
 
 #: elements per thread below which a call stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 14
@@ -70,6 +71,10 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...], first: np.ndarray, *
     (each element is read before it is written); any other overlap with an input is not."""
     if out is None:
         return np.empty(shape, _F32)
+    if out is first and out.shape == shape and out.flags.writeable:  # in place (first is C-contiguous, aligned)
+        if not any(o is not None and np.may_share_memory(out, o) for o in others):
+            return out
+        return np.empty(shape, _F32)
     if (out.dtype == _F32 and out.shape == shape and out.flags.c_contiguous
             and out.flags.aligned and out.flags.writeable):
         same = data_address(out) == data_address(first) and out.size == first.size
@@ -107,6 +112,30 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     lib.carrack_packed_softmax(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
                                 int(zero_masked), _threads(rows, n))
     return y
+
+
+def softmax_bound(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool,
+                  ) -> Callable[[], None] | None:
+    """`softmax(x, scale, bias, zero_masked, out=x)` of these very arrays as a call without arguments (a step bound
+    to its arena: their contents change between calls, never their layout); None where that call would copy the
+    bias (its contents would then be the binding's) or cannot take it, or the library is not loaded."""
+    lib = library()
+    if lib is None or _operand(x) is not x or x.size == 0 or not x.flags.writeable:
+        return None
+    if bias is not None and (np.may_share_memory(x, bias) or type(bias) is not np.ndarray):
+        return None
+    try:
+        b, dims, strides = _bias_layout(bias, x.shape)
+    except ValueError:
+        return None
+    if b is not None and b is not bias and (b.flags.owndata or not np.may_share_memory(b, bias)):
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    call = bound_call(lib.carrack_packed_softmax, _ptr(x), _ptr(x), 0, rows, n, scale, _ptr(b), dims[1], dims[2],
+                      *strides, int(zero_masked), _threads(rows, n))
+    call.bias = b  # the pointer does not keep a broadcast view alive
+    return call
 
 
 def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
@@ -187,19 +216,46 @@ def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, epsilo
 
 
 def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
-                       beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> bool:
+                       beta: np.ndarray | None, out: np.ndarray, epsilon: float, total: np.ndarray | None = None,
+                       ) -> bool:
     """`layer_norm` over the last axis into `out`, without stats, for a caller that has checked what `_operand`
     and `_output` check (C-contiguous aligned float32 arrays, skip of x's shape, the row parameters of x.shape[-1]
     elements, out of x's shape, writable and apart from the inputs); a kernel's constant row parameters are checked
-    once when it is prepared. False when the library is not loaded."""
+    once when it is prepared. `total` (a new array of x's shape) receives x + skip + bias when given. False when
+    the library is not loaded."""
     lib = library()
     if lib is None or x.size == 0:
         return False
     n = x.shape[-1]
     rows = x.size // n
     lib.carrack_packed_layer_norm(data_address(x), _ptr(skip), _ptr(bias), data_address(gamma), _ptr(beta),
-                                   data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
+                                   data_address(out), 0, 0, _ptr(total), 0, rows, n, epsilon, _threads(rows, n))
     return True
+
+
+def layer_norm_bound(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
+                     beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> Callable[[], None] | None:
+    """`layer_norm_checked` of these very arrays as a call without arguments (a step bound to its arena's views:
+    their contents change between calls, never their layout); None when the library is not loaded or x is
+    empty."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    return bound_call(lib.carrack_packed_layer_norm, data_address(x), _ptr(skip), _ptr(bias), data_address(gamma),
+                      _ptr(beta), data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
+
+
+def gelu_bound(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> Callable[[], None] | None:
+    """`gelu_checked` of these very arrays as a call without arguments (see `layer_norm_bound`)."""
+    lib = library()
+    if lib is None or x.size == 0:
+        return None
+    n = x.shape[-1]
+    rows = x.size // n
+    return bound_call(lib.carrack_packed_gelu, data_address(x), data_address(bias), data_address(out), 0, rows, n,
+                      int(approximate), _threads(rows, n))
 
 
 def gelu_checked(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> bool:

@@ -53,11 +53,17 @@ class Relu(Kernel):
 def relu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """max(x, 0); NaN stays NaN."""
     if x.dtype in _FAST_CLIP:  # numpy's clip is vectorised where maximum with a scalar is not (4x faster)
+        if type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
+            return _clip_ufunc(x, 0, np.inf, out=out)  # what np.clip calls, without its ~1.5 us of Python
         return np.clip(x, 0, np.inf, out=out)
     return np.maximum(x, np.zeros((), dtype=x.dtype), out=out)
 
 
 _FAST_CLIP = (np.dtype(np.float32), np.dtype(np.float64))
+try:  # the clip ufunc np.clip ends in for float arrays (numpy 2: numpy._core; 1.x: numpy.core)
+    from numpy._core.umath import clip as _clip_ufunc
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy.core.umath import clip as _clip_ufunc
 
 
 @register("LeakyRelu", since=1)

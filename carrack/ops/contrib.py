@@ -5,6 +5,7 @@ Statistics and activations of half floats are computed in float32 and rounded ba
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -84,6 +85,13 @@ def layer_norm_prepared(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsi
     return None
 
 
+def layer_norm_bind(out, x, gamma: np.ndarray, beta: np.ndarray | None, epsilon: float):
+    """`layer_norm_prepared` of these very arrays as a call without arguments (Kernel.bind_into), or None."""
+    if not (_plain_f32(x) and x.ndim > 0 and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x)):
+        return None
+    return rowops.layer_norm_bound(x, None, None, gamma, beta, out, epsilon)
+
+
 def offer_run_into(kernel: Kernel) -> None:
     """Give a kernel with an `_into(out, *inputs)` its `run_into` when its node has a single output: the executor
     writes no other node's output into the arena, where the memory plan would still reserve bytes for them all."""
@@ -144,6 +152,12 @@ class ContribLayerNormalization(Kernel):
     def run(self, x, scale, bias=None):
         return self._into(None, x, scale, bias)
 
+    def bind_into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if prepared is not None and scale is prepared[0] and bias is prepared[1] and len(self.node.outputs) == 1:
+            return layer_norm_bind(out, x, scale, bias, self.epsilon)
+        return None
+
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants
         if prepared is not None and scale is prepared[0] and bias is prepared[1]:
@@ -180,23 +194,32 @@ class SkipLayerNormalization(Kernel):
         offer_run_into(self)
 
     def prepare(self, constants):
-        if self.rows is not None and not self.wants_stats and not self.wants_sum:
+        if self.rows is not None and not self.wants_stats:
             rows = constant_rows(self.node.inputs, constants, (2, 3, 4))
             self.row_constants = rows if rows is not None and rows[0] is not None else None
 
     def run(self, x, skip, gamma, beta=None, bias=None):
         return self._into(None, x, skip, gamma, beta, bias)
 
+    def bind_into(self, out, x, skip, gamma, beta=None, bias=None):
+        prepared = self.row_constants
+        if (prepared is not None and not self.wants_sum and gamma is prepared[0] and beta is prepared[1]
+                and bias is prepared[2] and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
+                and x.shape[-1] == gamma.shape[0] and _writable_apart(out, x.shape, x, skip)):
+            return rowops.layer_norm_bound(x, skip, bias, gamma, beta, out, self.epsilon)
+        return None
+
     def _into(self, out, x, skip, gamma, beta=None, bias=None):
         prepared = self.row_constants
         if (prepared is not None and gamma is prepared[0] and beta is prepared[1] and bias is prepared[2]
                 and _plain_f32(x) and _plain_f32(skip) and skip.shape == x.shape and x.ndim
                 and x.shape[-1] == gamma.shape[0]):
-            if out is None:  # a graph output: not planned in the arena
+            if out is None:  # a graph output or a node with the sum output: not planned in the arena
                 out = np.empty(x.shape, _F32)
+            total = np.empty(x.shape, _F32) if self.wants_sum else None
             if (_writable_apart(out, x.shape, x, skip)
-                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon)):
-                return out
+                    and rowops.layer_norm_checked(x, skip, bias, gamma, beta, out, self.epsilon, total)):
+                return _outputs(self.node.outputs, [out, None, None, total]) if self.wants_sum else out
         if self.rows is not None and x.dtype == np.float32 and x.size and x.ndim:
             result = self._run_native(out, x, skip, gamma, beta, bias)
             if result is not None:
@@ -247,6 +270,12 @@ class _GeluBase(Kernel):
         if self._native(x, bias):
             return rowops.gelu(x, bias, self.approximate, out=out)
         return self.run(x, bias)
+
+    def bind_into(self, out, x, bias=None):
+        if (bias is not None and bias is self.bias and _plain_f32(x) and x.ndim and x.shape[-1] == bias.shape[0]
+                and _writable_apart(out, x.shape, x)):
+            return rowops.gelu_bound(x, bias, out, self.approximate)
+        return None
 
     def _native(self, x: np.ndarray, bias: np.ndarray | None) -> bool:
         return self.rows is not None and x.dtype == np.float32 and (
@@ -444,6 +473,54 @@ class MultiHeadAttention(_AttentionBase):
         outs = self.node.outputs
         present = [t.astype(query.dtype) if i < len(outs) and outs[i] else None for i, t in ((1, k), (2, v))]
         return _outputs(outs, [out.astype(query.dtype, copy=False), *present])
+
+
+    def bind_into(self, out, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+                  past_key=None, past_value=None, *unused):
+        """`_into` for these very arrays in its common case (float32 query (B, S, D), key and value (B, L, D) or
+        per head, an optional additive attention bias, no projection bias, mask, past or causal mask, one
+        output): the head views, the scores buffer and the softmax's packet made once."""
+        if (bias is not None or key_padding_mask is not None or past_key is not None or past_value is not None
+                or self.causal or self.rows is None or any(self.node.outputs[1:]) or key is None or value is None
+                or query.ndim != 3 or key.ndim not in (3, 4) or key.ndim != value.ndim):
+            return None
+        arrays = (query, key, value) if attention_bias is None else (query, key, value, attention_bias)
+        if not all(type(a) is np.ndarray and a.dtype == _F32 for a in arrays):
+            return None
+        q = _heads(query, self.heads)
+        k, v = (key, value) if key.ndim == 4 else (_heads(key, self.heads), _heads(value, self.heads))
+        keys = k.swapaxes(-1, -2)
+        batch, heads, seq, _ = q.shape
+        hv = v.shape[-1]
+        if (keys.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2] or keys.shape[-2] != q.shape[-1]
+                or v.shape[-2] != keys.shape[-1] or not _writable_apart(out, (batch, seq, heads * hv), q, k, v)):
+            return None
+        scores = np.empty(q.shape[:-1] + keys.shape[-1:], _F32)
+        softmax = rowops.softmax_bound(scores, self._scale(q.shape[-1]), attention_bias, True)
+        if softmax is None:
+            return None
+        context = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
+        scores_product = _bound_batched(q, keys, scores)
+        context_product = _bound_batched(scores, v, context)
+
+        def attend() -> None:
+            scores_product()
+            softmax()
+            context_product()
+        return attend
+
+
+def _bound_batched(a: np.ndarray, b: np.ndarray, y: np.ndarray):
+    """y = a @ b over heads as `_attend` computes it (native where `native_matmul.batched_into` takes it, else
+    numpy), for these very arrays."""
+    rows, depth, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    if native_matmul.numpy_is_faster(rows, depth, cols):  # never the native tile (chosen is False there)
+        return functools.partial(np.matmul, a, b, out=y)
+
+    def product() -> None:
+        if not native_matmul.batched_into(a, b, y):
+            np.matmul(a, b, out=y)
+    return product
 
 
 @register("Attention", domain=MS)

@@ -86,6 +86,16 @@ class Arithmetic(_Binary):
         y = rowops.binary(self.node.op_type, a, b) if self.split else None  # float32 over the run's threads
         return self.fn(a, b).astype(a.dtype, copy=False) if y is None else y
 
+    def bind_into(self, out, a, b):
+        """numpy's operation into `out` for these very arrays, where `run_into` would take it (no split over
+        threads: the operands are below rowops' split size)."""
+        if (self.legacy_axis is None and type(a) is np.ndarray and type(b) is np.ndarray
+                and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
+                and broadcasts_to(out.shape, a.shape, b.shape)
+                and not (self.split and max(a.size, b.size) >= 2 * rowops.PARALLEL_MIN)):
+            return functools.partial(self.fn, a, b, out=out)
+        return None
+
     def run_into(self, out, a, b):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
         at run time costs an allocation, never a wrong result."""
@@ -497,3 +507,29 @@ class Variadic(Kernel):
 class Where(Kernel):
     def run(self, condition, x, y):
         return np.where(condition, x, y)
+
+    def _fits(self, out, condition, x, y) -> bool:
+        """Whether the selection can be written into `out`: ndarrays of out's dtype (a bool condition) that
+        broadcast to its shape and share no memory with it."""
+        return (type(condition) is np.ndarray and type(x) is np.ndarray and type(y) is np.ndarray
+                and condition.dtype == np.bool_ and x.dtype == y.dtype == out.dtype
+                and np.broadcast_shapes(condition.shape, x.shape, y.shape) == out.shape
+                and not any(np.may_share_memory(out, a) for a in (condition, x, y)))
+
+    def run_into(self, out, condition, x, y):
+        """np.where's result copied into the planned buffer when it has its shape and dtype (np.where has no out:
+        a bound step selects into the buffer itself)."""
+        result = np.where(condition, x, y)
+        if result.shape != out.shape or result.dtype != out.dtype:
+            return result
+        np.copyto(out, result)
+        return out
+
+    def bind_into(self, out, condition, x, y):
+        if not self._fits(out, condition, x, y):
+            return None
+
+        def select() -> None:
+            np.copyto(out, y)
+            np.copyto(out, x, where=condition)
+        return select

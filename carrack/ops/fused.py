@@ -115,6 +115,21 @@ class _FusedIntoBase(_FusedBase):
             return self.run(*inputs) if not (type(y) is np.ndarray and y.flags.writeable) else self.act(y)
         return self.act(out)
 
+    def bind_into(self, out, *inputs):
+        """The layer's bound call, then the activation in place (what `run_into` does when the layer writes into
+        `out`)."""
+        if half.is_half(*inputs):
+            return None
+        layer = self.inner.bind_into(out, *inputs)
+        if layer is None:
+            return None
+        act = self.act
+
+        def fused() -> None:
+            layer()
+            act(out)
+        return fused
+
 
 @register("FusedConv", domain="carrack")
 @register("FusedConv", domain=MS)
@@ -166,7 +181,7 @@ class FusedBatchNormalization(_FusedIntoBase):
 
 
 @register("FusedGemm", domain=MS)
-class FusedGemm(_FusedBase):
+class FusedGemm(_FusedIntoBase):
     base_op = "Gemm"
     base_opset = 13
 

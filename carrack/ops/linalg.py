@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from carrack.native import matmul as native_matmul
@@ -95,6 +97,25 @@ class MatMul(Kernel):
             np.matmul(a2, b, out=out2)
         return True
 
+    def bind_into(self, out, a, b):
+        """`_into_weight` for these very arrays: the checks and the 2-D views made once."""
+        if self.weight is None or b is not self.weight:
+            return None
+        k, n = b.shape
+        if not (_plain_f32(a) and a.ndim >= 2 and a.shape[-1] == k and out.dtype == _F32 and out.flags.c_contiguous
+                and out.flags.writeable and out.shape == a.shape[:-1] + (n,) and a.size
+                and not np.may_share_memory(out, a)):
+            return None
+        rows = a.size // k
+        a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
+        if not self.native or native_matmul.numpy_is_faster(rows, k, n):  # never the native tile (chosen is False)
+            return functools.partial(np.matmul, a2, b, out=out2)
+
+        def product() -> None:
+            if not native_matmul.matmul_checked_into(a2, b, out2):
+                np.matmul(a2, b, out=out2)
+        return product
+
     def widened_product(self, a, b) -> np.ndarray:
         """The float32 product of float16 operands (a fused activation runs on it before the one rounding)."""
         return self.run(self.widened(a), self.widened(b))
@@ -159,6 +180,23 @@ class Gemm(Kernel):
         if half.is_half(a, b, c):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b, c), out)
         return self._product(out, a, b, c, self.trans_b)
+
+    def bind_into(self, out, a, b, c=None):
+        """`_linear` for these very arrays (a prepared linear layer whose result fits `out`)."""
+        prepared = self.weight
+        if not (prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2
+                and a.shape[1] == b.shape[1] and a.shape[0] and _plain_f32(out)
+                and out.shape == (a.shape[0], b.shape[0]) and out.flags.writeable
+                and not np.may_share_memory(out, a)):
+            return None
+        weight_t, native = b.T, self.native
+
+        def linear() -> None:
+            if not (native and native_matmul.transposed_checked_into(a, b, out)):
+                np.matmul(a, weight_t, out=out)
+            if c is not None:
+                np.add(out, c, out=out)
+        return linear
 
     @staticmethod
     def _linear(out, a, b, c, native: bool) -> np.ndarray | None:

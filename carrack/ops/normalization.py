@@ -14,7 +14,7 @@ from carrack.ir.dtypes import to_numpy
 from carrack.native import rowops
 from carrack.native.convolution import NO_ACTIVATION, Activation, NativeConvolution
 from carrack.native.convolution import load as native_convolution
-from carrack.ops.contrib import constant_rows, layer_norm_prepared, offer_run_into
+from carrack.ops.contrib import constant_rows, layer_norm_bind, layer_norm_prepared, offer_run_into
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
 
@@ -153,6 +153,12 @@ class LayerNormalization(Kernel):
 
     def run(self, x, scale, bias=None):
         return self._into(None, x, scale, bias)
+
+    def bind_into(self, out, x, scale, bias=None):
+        prepared = self.row_constants
+        if prepared is not None and scale is prepared[0] and bias is prepared[1] and len(self.node.outputs) == 1:
+            return layer_norm_bind(out, x, scale, bias, self.epsilon)
+        return None
 
     def _into(self, out, x, scale, bias=None):
         prepared = self.row_constants

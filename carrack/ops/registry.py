@@ -100,6 +100,14 @@ class Kernel:
         dtype and layout), so that `run`/`run_into` only check the run's own values. Kernels stay immutable
         after this. A kernel that is never prepared (shape inference, constant folding) must still work."""
 
+    def bind_into(self, out: Any, *inputs: Any) -> Callable[[], Any] | None:
+        """A call without arguments that does what `run_into(out, *inputs)` does for these very arrays, or None
+        (the default: the step keeps its `run_into`). The executor asks a step whose `out` and inputs are all the
+        same objects every run (views of a reused arena, constants): only their contents change between calls,
+        never their shape, dtype or layout, so the checks and views a `run_into` makes per call are made here
+        once. The call must write its whole result into `out`."""
+        return None
+
     def run(self, *inputs: Any) -> Any:
         raise NotImplementedError
 

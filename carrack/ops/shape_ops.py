@@ -276,8 +276,7 @@ class Flatten(Kernel):
         axis = self.axis + x.ndim if self.axis < 0 else self.axis
         if not 0 <= axis <= x.ndim:
             raise ValueError(f"Flatten axis {self.axis} is out of range for rank {x.ndim}")
-        outer = int(np.prod(x.shape[:axis], dtype=np.int64))
-        return x.reshape(outer, int(np.prod(x.shape[axis:], dtype=np.int64)))
+        return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))  # np.prod: ~2 us a tuple
 
 
 @register("Expand", since=8)

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator
 
 import numpy as np  # noqa: F401 - loads the BLAS library whose functions are looked up here
@@ -21,6 +22,8 @@ _BLAS_THREAD_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_thre
                         "scipy_openblas_set_num_threads", "openblas_set_num_threads64_", "MKL_Set_Num_Threads")
 _BLAS_THREAD_GETTERS = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
                         "scipy_openblas_get_num_threads", "openblas_get_num_threads64_", "MKL_Get_Max_Threads")
+_OPENBLAS_CONFIG_GETTERS = ("openblas_get_config", "scipy_openblas_get_config64_", "scipy_openblas_get_config",
+                            "openblas_get_config64_")
 
 
 def set_blas_threads(threads: int) -> bool:
@@ -70,6 +73,21 @@ def _blas_functions() -> tuple[Callable[[int], None] | None, Callable[[], int] |
                 getter.argtypes = []
                 getter.restype = ctypes.c_int
     return setter, getter
+
+
+@functools.lru_cache(maxsize=1)
+def openblas_version() -> tuple[int, ...] | None:
+    """The version of the OpenBLAS numpy loaded, e.g. (0, 3, 31) (from its config string, "OpenBLAS 0.3.31..."),
+    or None when numpy's BLAS is not OpenBLAS or does not say."""
+    for lib in _blas_libraries():
+        for name in _OPENBLAS_CONFIG_GETTERS:
+            getter = getattr(lib, name, None)
+            if getter is None:
+                continue
+            getter.argtypes, getter.restype = [], ctypes.c_char_p
+            match = re.match(rb"OpenBLAS (\d+)\.(\d+)\.(\d+)", getter() or b"")
+            return tuple(int(part) for part in match.groups()) if match else None
+    return None
 
 
 @contextlib.contextmanager

@@ -99,9 +99,17 @@ class Program:
         self._views: set[str] = set()
         self._plan = self._compile_plan()
         self._memo_steps: tuple[int, ...] = ()  # steps whose results depend only on the symbol sizes
+        self._derived_slots: tuple[int, ...] = ()  # inputs that are the plan's shape arithmetic (fixed per sizes)
         self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
         self._plan_after_memo: list[tuple] = self._plan
-        self._spare_arenas: list[tuple] = []  # (bound, arena, views) of a finished run, for the next one
+        #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
+        self._spare_arenas: list[tuple] = []
+        self._constant_ids = frozenset(id(v) for v in self.constants.values())
+        self._env_start: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot: omitted optional inputs
+        for s, v in self.constants.items():
+            self._env_start[s] = v
+        #: whether runs that reuse an arena call its bound steps (Kernel.bind_into); False: every step's run_into
+        self.bind_steps = True
         self._memo_lock = threading.Lock()
         self._memo_total = 0  # bytes of size-only values kept in live Bounds
 
@@ -162,9 +170,7 @@ class Program:
         `bound` (the session's plan evaluated for this run's sizes) places intermediates in one arena.
         `should_stop` (optional callable) is asked before each step; when it returns true the run raises
         RunTerminated (RunOptions.terminate)."""
-        env: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot stays None: omitted optional inputs
-        for s, v in self.constants.items():
-            env[s] = v
+        env: list[Any] = self._env_start.copy()  # the constants in their slots; the extra last slot stays None
         for s, v in zip(self.input_slots, inputs):
             if v is not None or env[s] is None:
                 env[s] = v
@@ -192,17 +198,37 @@ class Program:
                 for s, v in zip(self._memo_slots, memo):
                     env[s] = v
                 plan = self._plan_after_memo
-        arena, views = (None, None) if bound is None or profiler is not None or not self._placed \
+        arena, views, steps_bound = (None, None, None) if bound is None or profiler is not None or not self._placed \
             else self._take_arena(bound)
+        binding = None
+        if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
+            # by the first run that reuses it)
+            if steps_bound is _NOT_BOUND:
+                # the same objects every run with these sizes: constants, the arena's views, the plan's derived
+                # values and the size-only values kept for these sizes
+                per_sizes = [env[s] for s in self._derived_slots] + (list(memo) if plan is self._plan_after_memo
+                                                                      and self._memo_steps else [])
+                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes})
+                plan = binding.recording_plan()
+            elif steps_bound[0] is plan:
+                plan = steps_bound[1]
+        trusted = True  # every placed step so far wrote into its view (what the bound steps read)
         step = None
         try:
             if profiler is None:
                 for step, call, gather, arity, single, release, placed, guard, run_into in plan:
                     if should_stop is not None and should_stop():
                         raise RunTerminated(f"before {step.node.label()}")
-                    if placed >= 0 and views is not None and views[placed] is not None:
+                    if arity == _BOUND and trusted:
+                        call()
+                        result = views[placed]
+                    elif arity == _FIXED and trusted:
+                        result = call
+                    elif placed >= 0 and views is not None and views[placed] is not None:
                         out = views[placed]
                         result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
+                        if result is not out:
+                            trusted = False
                     else:
                         if arity == 1:
                             result = call(gather(env))
@@ -210,6 +236,8 @@ class Program:
                             result = call(*gather(env))
                         elif arity == 0:
                             result = call()
+                        elif arity == _FIXED:  # a fixed view's step in a run that cannot trust it: computed
+                            result = run_into(*gather(env))
                         else:
                             result = step.kernel.execute(list(gather(env)), _scope(step, env))
                         if guard and arena is not None and (type(result) is not np.ndarray
@@ -245,30 +273,34 @@ class Program:
             return outputs
         outputs = [_off_arena(v, arena) for v in outputs]
         env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
+        if binding is not None:
+            steps_bound = binding.bound_plan() if trusted else _NOT_BINDABLE
         if not self._spare_arenas:
-            self._spare_arenas.append((bound, arena, views))
+            self._spare_arenas.append((bound, arena, views, steps_bound))
         return outputs
 
-    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None]]:
-        """An arena for a run with these sizes, and a view of each placed value in it: the last finished run's
-        when it had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one.
-        Runs in several threads each take their own (list.pop is atomic)."""
+    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None]:
+        """An arena for a run with these sizes, a view of each placed value in it and, for a reused one, its steps
+        bound to those views (`_NOT_BOUND` before they are; None for a new arena): the last finished run's when it
+        had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one. Runs in
+        several threads each take their own (list.pop is atomic)."""
         try:
-            spare_bound, arena, views = self._spare_arenas.pop()
+            spare_bound, arena, views, steps_bound = self._spare_arenas.pop()
             if spare_bound is bound:
-                return arena, views
+                return arena, views, steps_bound or _NOT_BOUND
         except IndexError:
             pass
         arena = aligned_empty((max(bound.arena_bytes, 64),), np.uint8)
         views = [None if place is None else arena[place[0]:place[0] + place[1]].view(place[3]).reshape(place[2])
                  for place in bound.places]
-        return arena, views
+        return arena, views, None
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
         arithmetic, a function of the symbol sizes): position ids, causal masks, their embedding lookups. A run
         computes them once per set of sizes (kept in the plan's Bound) instead of every time."""
         known = set(self.constants) | {self.slot_of[n] for n in derived if n in self.slot_of}
+        self._derived_slots = tuple(self.slot_of[n] for n in derived if n in self.slot_of)
         steps = []
         for k, st in enumerate(self.steps):
             kernel = type(st.kernel)
@@ -349,6 +381,77 @@ class Program:
             run_into = st.kernel.run_into if placed >= 0 else None
             plan.append((st, call, gather, arity, single, st.release, placed, guard, run_into))
         return plan
+
+
+class _Binding:
+    """The first run that reuses an arena records which placed steps can be bound to its views (`Kernel.bind_into`):
+    a step whose output went into its view and whose inputs were all fixed objects (views of that arena,
+    constants, the plan's derived and size-only values for these sizes, kept results of view steps) or omitted.
+    Later runs with the arena call those steps' bound calls instead of gathering, checking and slicing per call."""
+
+    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
+        self.plan = plan
+        self.fixed = set(constant_ids) | {id(v) for v in views if v is not None}  # live objects: ids are theirs
+        self.calls: dict[int, Any] = {}
+        self.views: dict[int, Any] = {}  # step -> its result, for view kernels' steps that give fixed objects
+
+    def recording_plan(self) -> list[tuple]:
+        plan = []
+        for k, entry in enumerate(self.plan):
+            if entry[6] >= 0 and entry[8] is not None:
+                entry = entry[:8] + (self._recorder(k, entry),)
+            elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
+                entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
+            plan.append(entry)
+        return plan
+
+    def _view_recorder(self, k: int, call):
+        """A view kernel's step whose inputs are fixed objects and whose every result is a view of its first input
+        gives the same objects every run: kept as its result (and fixed, for the steps that read it)."""
+        def record(*inputs):
+            result = call(*inputs)
+            parts = result if type(result) in (tuple, list) else (result,)
+            if (inputs and type(inputs[0]) is np.ndarray and all(v is None or id(v) in self.fixed for v in inputs)
+                    and all(type(p) is np.ndarray and (p is inputs[0] or np.may_share_memory(p, inputs[0]))
+                            for p in parts)):
+                self.views[k] = result
+                self.fixed.update(id(p) for p in parts)
+            return result
+        return record
+
+    def _recorder(self, k: int, entry: tuple):
+        kernel, run_into = entry[0].kernel, entry[8]
+
+        def record(out, *inputs):
+            result = run_into(out, *inputs)
+            if result is out and all(v is None or id(v) in self.fixed for v in inputs):
+                call = kernel.bind_into(out, *inputs)
+                if call is not None:
+                    self.calls[k] = call
+            return result
+        return record
+
+    def bound_plan(self) -> tuple[list[tuple], list[tuple]]:
+        """(the plan it was recorded on, that plan with the bound steps' entries marked _BOUND); the bound entries
+        keep a tuple getter and `run_into` for a run in which an earlier step did not write into its view."""
+        plan = list(self.plan)
+        for k, call in self.calls.items():
+            step, _, _, _, single, release, placed, guard, run_into = plan[k]
+            plan[k] = (step, call, self._getter(k), _BOUND, single, release, placed, guard, run_into)
+        for k, result in self.views.items():
+            step, call, _, _, single, release, placed, guard, _ = plan[k]
+            plan[k] = (step, result, self._getter(k), _FIXED, single, release, placed, guard, call)
+        return self.plan, plan
+
+    def _getter(self, k: int):
+        gather, arity = self.plan[k][2], self.plan[k][3]
+        return gather if arity > 1 else (lambda env: (gather(env),))
+
+
+_BOUND = -2  # a plan entry's arity for a step bound to its arena's views
+_FIXED = -3  # a plan entry's arity for a view kernel's step whose result is the same objects every run
+_NOT_BOUND = ("not bound",)  # a reused arena whose steps are not bound yet
+_NOT_BINDABLE = ((), None)  # a reused arena whose binding run saw a step write elsewhere: never bound
 
 
 def _execute_step(step: Step, env: list[Any]) -> None:

@@ -174,7 +174,7 @@ class InferenceSession(OrtSessionApi):
         if self._compiled is not None and self._profiler is None and self._compiled.fits(feed):
             results = self._compiled.run(feed)
             return [results[i] for i in wanted]
-        if any(v.name in feed for v in self._overridable):
+        if self._overridable and any(v.name in feed for v in self._overridable):
             program, bound = self._override(), None
             inputs = [feed.get(name) for name in program.input_names]
         else:
@@ -315,8 +315,12 @@ def _owned(value: Any, feed: Mapping[str, Any]) -> Any:
     """An output the caller may keep and modify: never a session constant or a view of the caller's own input."""
     if not isinstance(value, np.ndarray):
         return value
-    if value.base is None and value.flags.writeable and not any(value is f for f in feed.values()):
-        return value  # owns its bytes, which no feed can be a view of (feeds existed before the run made it)
+    if value.base is None and value.flags.writeable:
+        for f in feed.values():
+            if value is f:
+                break
+        else:
+            return value  # owns its bytes, which no feed can be a view of (feeds existed before the run made it)
     if not value.flags.writeable or any(isinstance(f, np.ndarray) and np.may_share_memory(value, f)
                                         for f in feed.values()):
         return value.copy()

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 from carrack.native import data_address, packed, rowops
 from carrack.native import matmul as native_matmul
+from carrack.runtime import blas
 from carrack.runtime.session import InferenceSession, SessionOptions
 from tests.helpers import ort_run
 
@@ -174,8 +175,35 @@ def test_a_kind_of_another_arity_is_refused():
                                          ((64, 64, 65), False), ((1, 64, 64), True), ((1, 64, 144), False),
                                          ((1, 16, 17), True), ((16, 1, 16), True), ((16, 256, 256), False),
                                          ((200, 64, 1), False), ((100, 64, 1), True), ((1, 768, 768), False)])
-def test_numpy_is_faster_below_single_thread_blas_work(shape, numpy):
+def test_numpy_is_faster_below_single_thread_blas_work(monkeypatch, shape, numpy):
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_GEMV_WORK", 2304 * 4)  # OpenBLAS before 0.3.27
     assert native_matmul.numpy_is_faster(*shape) is numpy
+
+
+@pytest.mark.parametrize("shape,numpy", [((1, 64, 144), True), ((200, 64, 1), True), ((1, 449, 1024), True),
+                                         ((1, 450, 1024), False), ((1024, 450, 1), False), ((1, 768, 768), False)])
+def test_products_by_a_vector_below_wide_gemv_work_go_to_numpy(monkeypatch, shape, numpy):
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_GEMV_WORK", 115200 * 4)  # OpenBLAS 0.3.27 and later
+    assert native_matmul.numpy_is_faster(*shape) is numpy
+
+
+@pytest.mark.parametrize("version,limit", [((0, 3, 31), 460800), ((0, 3, 27), 460800), ((0, 3, 26), 9216),
+                                           ((0, 2, 20), 9216), (None, 9216)])
+def test_the_vector_limit_follows_the_openblas_version(monkeypatch, version, limit):
+    monkeypatch.setattr(native_matmul, "SINGLE_THREAD_GEMV_WORK", None)
+    monkeypatch.setattr(blas, "openblas_version", lambda: version)
+    assert native_matmul.single_thread_gemv_work() == limit
+    assert native_matmul.numpy_is_faster(1, limit // 64, 64) is False
+    assert native_matmul.numpy_is_faster(1, limit // 64 - 1, 64) is True
+
+
+def test_openblas_version_is_read_from_numpys_blas():
+    version = blas.openblas_version()
+    config = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    if config.get("name", "").replace("-", "").lower().find("openblas") < 0:
+        assert version is None
+    else:
+        assert version == tuple(int(part) for part in config["version"].split(".")[:3])
 
 
 def _matmul_model(rows: int, depth: int, cols: int):

@@ -328,3 +328,29 @@ def test_split_parts_stay_views_of_their_planned_input_while_read():
         x = rng.standard_normal((n, 16)).astype(np.float32)
         np.testing.assert_allclose(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0],
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_prepared_skip_layer_norm_with_its_sum_output_matches_onnxruntime(native, monkeypatch):
+    """SkipLayerNormalization whose 4th output (input + skip + bias) is read, with constant row parameters: the
+    prepared native call writes the sum too (GPT-2's residual stream)."""
+    monkeypatch.setenv("CARRACK_NATIVE", native)
+    rng = np.random.default_rng(8)
+    consts = {name: rng.standard_normal(32).astype(np.float32) for name in ("gamma", "beta", "bias")}
+    nodes = [helper.make_node("SkipLayerNormalization", ["x", "skip", "gamma", "beta", "bias"], ["n", "", "", "s"],
+                              domain=MS, epsilon=1e-5),
+             helper.make_node("Neg", ["n"], ["y"]), helper.make_node("Neg", ["s"], ["t"])]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", 5, 32]) for name in ("x", "skip")]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+                                                   for name in ("y", "t")],
+                              initializer=[onnx.numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)],
+                              ir_version=9).SerializeToString()
+    session = carrack.InferenceSession(model)
+    kernel = next(st.kernel for st in session._program.steps if st.node.op_type == "SkipLayerNormalization")
+    assert (kernel.row_constants is not None) is (native == "1")
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for batch in (1, 3, 3):
+        feed = {name: rng.standard_normal((batch, 5, 32)).astype(np.float32) for name in ("x", "skip")}
+        for got, expected in zip(session.run(None, feed), reference.run(None, feed)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
