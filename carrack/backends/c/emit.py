@@ -32,6 +32,8 @@ from carrack.plan import Plan
 from carrack.plan.arena import ALIGNMENT, Block, align, order_blocks
 
 RUNTIME_HEADER = "carrack_rt.h"
+#: the kernels for values of any element type (integers, bools), beside carrack_rt.h
+VALUES_HEADER = "carrack_values.h"
 #: output channels per group from which a convolution is vectorized over its channels rather than its pixels
 CHANNEL_VECTORIZED_MIN = 16
 #: output rows shorter than this (or strided, or of run-time length) are not what a convolution vectorizes over
@@ -42,7 +44,12 @@ MAX_RANK = 6
 
 #: error codes of model_run, as the manifest tells the loaders
 RUN_ERRORS = {1: "model_init was not called", 2: "a dim is outside 1..its declared maximum",
-              3: "the arena is too small for these dims"}
+              3: "the arena is too small for these dims",
+              5: "an index is out of range (Gather: each index must be in -size..size-1 of its axis)"}
+#: the element types a compiled value may have: ONNX element type -> name, and name -> (C type, cr_type, bytes)
+ELEMENT_TYPES = {1: "float32", 7: "int64", 6: "int32", 9: "bool", 2: "uint8", 3: "int8"}
+C_TYPES = {"float32": ("float", "CR_F32", 4), "int64": ("int64_t", "CR_I64", 8), "int32": ("int32_t", "CR_I32", 4),
+           "bool": ("uint8_t", "CR_BOOL", 1), "uint8": ("uint8_t", "CR_U8", 1), "int8": ("int8_t", "CR_I8", 1)}
 
 _ACTIVATIONS = {"": "CR_ACT_NONE", "Relu": "CR_ACT_RELU", "Clip": "CR_ACT_CLIP", "LeakyRelu": "CR_ACT_LEAKY",
                 "Sigmoid": "CR_ACT_SIGMOID", "Tanh": "CR_ACT_TANH", "HardSigmoid": "CR_ACT_HARDSIGMOID",
@@ -81,7 +88,8 @@ class Emitted:
 class _Value:
     name: str
     shape: tuple[DimLike, ...]
-    pointer: str  # C expression of its float pointer
+    pointer: str  # C expression of its typed pointer (float * for float32)
+    dtype: str = "float32"
 
 
 @dataclass
@@ -97,6 +105,7 @@ class _Emitter:
     extra_blocks: list[Block] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # Constant nodes' values
+    failing_steps: set[str] = field(default_factory=set)  # steps that may set run_status (an index out of range)
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -139,6 +148,31 @@ class _Emitter:
             self.weights.extend(data)
         return f"(const float *)(r->weights + {self.weight_offsets[name]})"
 
+    def typed_constant(self, name: str, array: np.ndarray, dtype: str) -> str:
+        """The weights-file pointer of a constant stored as `dtype` (a bool as one byte, 0 or 1)."""
+        if dtype == "float32":
+            return self.constant(name, array)
+        if name not in self.weight_offsets:
+            data = np.ascontiguousarray(array).astype(_numpy_dtype(dtype)).tobytes()
+            self.weights.extend(b"\0" * (align(len(self.weights)) - len(self.weights)))
+            self.weight_offsets[name] = len(self.weights)
+            self.weights.extend(data)
+        return f"(const {C_TYPES[dtype][0]} *)(r->weights + {self.weight_offsets[name]})"
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    return np.dtype("u1") if dtype == "bool" else np.dtype(dtype).newbyteorder("<")
+
+
+def _dtype_of_array(array: np.ndarray) -> str | None:
+    """The compiled element type of a constant's numpy dtype (None: not compiled)."""
+    name = "bool" if array.dtype == np.bool_ else array.dtype.name
+    return name if name in C_TYPES else None
+
+
+def _itemsize(dtype: str) -> int:
+    return C_TYPES[dtype][2]
+
 
 def _symbol_macro(name: str) -> str:
     return "S_" + _identifier(name)
@@ -171,13 +205,12 @@ def _copy_unwritten_outputs(em: _Emitter) -> None:
     """Outputs no step wrote into the caller's buffer (an input or a constant passed through) are copied there."""
     for k, v in enumerate(em.plan.graph.outputs):
         value = em.values.get(v.name)
-        target = f"(float *)r->out[{k}]"
-        if value is None or value.pointer == target:
+        if value is None or value.pointer == f"({C_TYPES[value.dtype][0]} *)r->out[{k}]":
             continue
         source = _pointer(em, v.name)
         size = em.c_dim(_elements(value.shape))
         em.steps.append((f"copy_output_{k}", f"output {v.name}: copied into the caller's buffer",
-                         [f"memcpy({target}, {source}, (size_t)({size}) * 4);"]))
+                         [f"memcpy(r->out[{k}], {source}, (size_t)({size}) * {_itemsize(value.dtype)});"]))
 
 
 def _check_symbols(plan: Plan, fixed: Mapping[str, int], maxima: Mapping[str, int]) -> None:
@@ -202,9 +235,10 @@ def _check_inputs_outputs(plan: Plan, facts) -> list[tuple[str, str]]:
     for v in list(plan.inputs) + list(plan.graph.outputs):
         fact = facts.get(v.name)
         dtype = None if fact is None or fact.tensor is None else fact.elem_type
-        if dtype != 1 or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
+        if dtype not in ELEMENT_TYPES or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
             wrong.append(f"'{v.name}' ({'unknown type' if dtype is None else f'element type {dtype}'})")
-    rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
+    rule = (f"only {', '.join(ELEMENT_TYPES.values())} tensors of known rank (at most {MAX_RANK_IO}) "
+            "are compiled")
     return [("input/output", f"{w}: {rule}") for w in wrong]
 
 
@@ -212,18 +246,21 @@ def _place_inputs_outputs(em: _Emitter, facts) -> None:
     for k, v in enumerate(em.plan.inputs):
         if facts.get(v.name) is None or facts[v.name].shape is None:
             continue  # listed as unsupported already
-        em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const float *)r->in[{k}]")
-    for name, array in em.plan.graph.initializers.items():
-        em.values[name] = _Value(name, tuple(array.shape), "")  # pointer made on first use (float32 only)
+        dtype = ELEMENT_TYPES.get(facts[v.name].elem_type, "float32")
+        em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const {C_TYPES[dtype][0]} *)r->in[{k}]",
+                                   dtype)
+    for name, array in em.plan.graph.initializers.items():  # pointer made on first use
+        em.values[name] = _Value(name, tuple(array.shape), "", _dtype_of_array(np.asarray(array)) or "float32")
     for p in em.plan.placed:
-        em.values[p.name] = _Value(p.name, tuple(facts[p.name].shape), f"(float *)(r->arena + r->off[{p.block}])")
+        dtype = ELEMENT_TYPES.get(facts[p.name].elem_type, "float32")
+        em.values[p.name] = _Value(p.name, tuple(facts[p.name].shape),
+                                   f"({C_TYPES[dtype][0]} *)(r->arena + r->off[{p.block}])", dtype)
 
 
 def _pointer(em: _Emitter, name: str) -> str:
     value = em.values[name]
     if not value.pointer:
-        array = _const(em, name)
-        value.pointer = em.constant(name, np.asarray(array, dtype=np.float32))
+        value.pointer = em.typed_constant(name, np.asarray(_const(em, name)), value.dtype)
     return value.pointer
 
 
@@ -232,21 +269,22 @@ def _const(em: _Emitter, name: str) -> np.ndarray | None:
     return None if array is None else np.asarray(array)
 
 
-def _output_value(em: _Emitter, step: int, name: str, shape: tuple[DimLike, ...]) -> _Value:
+def _output_value(em: _Emitter, step: int, name: str, shape: tuple[DimLike, ...], dtype: str = "float32") -> _Value:
     """Where a node's output goes: the caller's output buffer, its plan block, or a block of its own."""
     outputs = [o.name for o in em.plan.graph.outputs]
+    c_type = C_TYPES[dtype][0]
     if name in outputs:
-        value = _Value(name, shape, f"(float *)r->out[{outputs.index(name)}]")
+        value = _Value(name, shape, f"({c_type} *)r->out[{outputs.index(name)}]", dtype)
     elif name in em.values:
         value = em.values[name]
         value.shape = shape
     else:
-        size: DimLike = 4
+        size: DimLike = _itemsize(dtype)
         for d in shape:
             size = symbolic.mul(size, d)
         em.extra_blocks.append(Block(name, size, step, _last_use(em, name, step)))
         index = len(em.plan.arena.blocks if em.plan.arena else ()) + len(em.extra_blocks) - 1
-        value = _Value(name, shape, f"(float *)(r->arena + r->off[{index}])")
+        value = _Value(name, shape, f"({c_type} *)(r->arena + r->off[{index}])", dtype)
     em.values[name] = value
     return value
 
@@ -305,21 +343,25 @@ def _fold(em: _Emitter, node: Node, facts) -> bool:
     for name, value in zip(node.outputs, results):
         if name and isinstance(value, np.ndarray):
             em.constants[name] = value
-            em.values[name] = _Value(name, tuple(value.shape), "")
+            em.values[name] = _Value(name, tuple(value.shape), "", _dtype_of_array(value) or "float32")
     return True
 
 
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
     op = node.op_type
-    if op not in _VIEWS and op != "Constant" and _fold(em, node, facts):
+    if op != "Constant" and _fold(em, node, facts):
         return
-    emitter = _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
+    emitter = _typed_emitter(em, node, facts)
+    emitter = emitter or _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
     if emitter is None:
         em.missing.append((f"{op}" + (f" (domain '{node.domain}')" if node.domain else ""), node.label()))
         return
     out_facts = [facts.get(o) for o in node.outputs if o]
-    if any(f is None or f.shape is None or f.elem_type != 1 for f in out_facts):
-        em.missing.append((op, f"{node.label()}: only float32 outputs of known shape are compiled"))
+    any_type = emitter in _ANY_TYPE_EMITTERS
+    if any(f is None or f.shape is None or f.elem_type != 1 and not (any_type and f.elem_type in ELEMENT_TYPES)
+           for f in out_facts):
+        kinds = "outputs of a compiled element type" if any_type else "float32 outputs"
+        em.missing.append((op, f"{node.label()}: only {kinds} of known shape are compiled"))
         return
     shapes = {name: tuple(facts[name].shape) for name in node.inputs if name and facts.get(name) is not None
               and facts[name].shape is not None}
@@ -334,6 +376,8 @@ def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
         return
     label = node.name or node.outputs[0]
     function = f"step_{step:03d}_{_identifier(op)}_{_identifier(label)}"[:80]
+    if any("run_status" in line for line in body):
+        em.failing_steps.add(function)
     comment = f"step {step}: {op} {node.name or ''} ({', '.join(node.inputs)} -> {', '.join(node.outputs)})"
     em.steps.append((function, comment.replace("*/", "* /"), body))
 
@@ -346,10 +390,23 @@ class _Skipped(Exception):
     """A node reading a value no emitter produced: the producer is the one to list."""
 
 
+def _require_known(em: _Emitter, names) -> None:
+    """Inputs of any element type must have been produced (or be constants of a compiled type)."""
+    for name in names:
+        if name and name not in em.values:
+            if any(d.name == name for d in em.plan.derived):
+                raise _Unsupported(f"input '{name}' is shape arithmetic computed from the dims at run time")
+            raise _Skipped()  # its producer is listed already
+        if name and em.values[name].dtype not in C_TYPES:
+            raise _Unsupported(f"input '{name}' has element type {em.values[name].dtype}")
+
+
 def _require_float(em: _Emitter, node: Node, names) -> None:
     for name in names:
         if name and _const(em, name) is not None and _const(em, name).dtype != np.float32:
             raise _Unsupported(f"input '{name}' is not float32")
+        if name and name in em.values and em.values[name].dtype != "float32":
+            raise _Unsupported(f"input '{name}' is {em.values[name].dtype}, not float32")
         if name and name not in em.values:
             if any(d.name == name for d in em.plan.derived):
                 raise _Unsupported(f"input '{name}' is shape arithmetic computed from the dims at run time")
@@ -385,10 +442,10 @@ def _emit_constant(em, step, node, shapes, out_shape):
         value = np.asarray(node.attrs.get("value_float", node.attrs.get("value_floats")), dtype=np.float32)
     else:
         raise _Unsupported(f"Constant with {sorted(node.attrs)}")
-    if value.dtype != np.float32:
+    if _dtype_of_array(value) is None:
         raise _Unsupported(f"a {value.dtype} Constant")
     em.constants[node.outputs[0]] = value
-    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "", _dtype_of_array(value))
     return None
 
 
@@ -398,26 +455,27 @@ def _emit_constant_of_shape(em, step, node, shapes, out_shape):
         raise _Unsupported("a shape that depends on the run-time dims")
     fill = node.attrs.get("value")
     fill = np.zeros(1, np.float32) if fill is None else np.asarray(fill).reshape(-1)
-    if fill.dtype != np.float32:
+    if _dtype_of_array(fill) is None:
         raise _Unsupported(f"a {fill.dtype} fill value")
-    value = np.full(tuple(int(d) for d in out_shape), fill[0], dtype=np.float32)
+    value = np.full(tuple(int(d) for d in out_shape), fill[0], dtype=fill.dtype)
     em.constants[node.outputs[0]] = value
-    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "", _dtype_of_array(value))
     return None
 
 
 def _emit_view(em, step, node, shapes, out_shape):
     source = node.inputs[0]
-    _require_float(em, node, [source])
+    _require_known(em, [source])
     value = em.values[source]
     if not value.pointer:
         _pointer(em, source)
     outputs = [o.name for o in em.plan.graph.outputs]
     name = node.outputs[0]
     if name in outputs:  # the caller's buffer: copy
-        target = _output_value(em, step, name, out_shape)
-        return [f"memcpy({target.pointer}, {value.pointer}, (size_t)({em.c_dim(_elements(out_shape))}) * 4);"]
-    em.values[name] = _Value(name, out_shape, value.pointer)
+        target = _output_value(em, step, name, out_shape, value.dtype)
+        return [f"memcpy({target.pointer}, {value.pointer}, (size_t)({em.c_dim(_elements(out_shape))}) * "
+                f"{_itemsize(value.dtype)});"]
+    em.values[name] = _Value(name, out_shape, value.pointer, value.dtype)
     return None
 
 
@@ -855,7 +913,8 @@ _EMITTERS = {(d if d != "ai.onnx" else "", op): f for (d, op), f in _EMITTERS.it
 
 
 def supported_operators() -> list[str]:
-    return sorted({op if d in ("", "*") else f"{d}:{op}" for d, op in _EMITTERS})
+    ops = {op if d in ("", "*") else f"{d}:{op}" for d, op in _EMITTERS}
+    return sorted(ops | set(_ALWAYS_TYPED))
 
 
 # assembly ----------------------------------------------------------------------------------------------------------
@@ -898,6 +957,7 @@ def _assemble(em: _Emitter) -> Emitted:
         f"/* model inputs: {_describe(inputs)} */",
         f"/* model outputs: {_describe(outputs)} */",
         f"#include \"{RUNTIME_HEADER}\"",
+        f"#include \"{VALUES_HEADER}\"",
         "",
         f"#define MODEL_N_INPUTS {len(inputs)}",
         f"#define MODEL_N_OUTPUTS {len(outputs)}",
@@ -916,6 +976,7 @@ def _assemble(em: _Emitter) -> Emitted:
         "",
         "static _Alignas(CR_ALIGN) unsigned char arena[MODEL_ARENA_CAPACITY > 0 ? MODEL_ARENA_CAPACITY : 1];",
         "static const unsigned char *model_weights;",
+        "static int run_status;  /* set by a step that fails (model_run's error code) */",
         f"static const int64_t dim_maxima[{max(1, len(em.runtime))}] = "
         f"{{{', '.join(str(em.maxima[s]) for s in em.runtime) or '0'}}};",
         "",
@@ -951,7 +1012,9 @@ def _assemble(em: _Emitter) -> Emitted:
         "    run_t run = {model_weights, arena, dims, {0}, inputs, outputs};",
         "    if (layout(dims, run.off) > MODEL_ARENA_CAPACITY) return 3;",
         "    const run_t *r = &run;",
-        *[f"    {function}(r);" for function, _, _ in em.steps],
+        "    run_status = 0;",
+        *[f"    {function}(r);" + (" if (run_status) return run_status;" if function in em.failing_steps else "")
+          for function, _, _ in em.steps],
         "    return 0;",
         "}",
         "",
@@ -1020,7 +1083,7 @@ def _io_entry(em: _Emitter, name: str) -> dict:
         d = symbolic.evaluate(d, {Sym(k): v for k, v in em.fixed.items()}) if not isinstance(d, int) else d
         shape.append(int(d) if isinstance(d, (int, np.integer)) else str(d))
     max_elements = em.at_maxima(_elements(tuple(em.values[name].shape)))
-    return {"name": name, "dtype": "float32", "shape": shape, "max_elements": max_elements}
+    return {"name": name, "dtype": em.values[name].dtype, "shape": shape, "max_elements": max_elements}
 
 
 def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[str]:
@@ -1030,8 +1093,8 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
              f"static int64_t dims_area[{max(1, len(em.runtime))}];"]
     for kind, entries in (("input", inputs), ("output", outputs)):
         for k, entry in enumerate(entries):
-            lines.append(f"static _Alignas(CR_ALIGN) float {kind}_{k}[{max(1, entry['max_elements'])}];  "
-                         f"/* {entry['name']} */")
+            size = max(1, entry["max_elements"]) * _itemsize(entry["dtype"])
+            lines.append(f"static _Alignas(CR_ALIGN) unsigned char {kind}_{k}[{size}];  /* {entry['name']} */")
     lines += [f"static const void *const input_areas[{max(1, len(inputs))}] = "
               f"{{{', '.join(f'input_{k}' for k in range(len(inputs))) or '0'}}};",
               f"static void *const output_areas[{max(1, len(outputs))}] = "
@@ -1060,3 +1123,214 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
 
 def manifest_json(manifest: dict) -> str:
     return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+# values of any element type (carrack_values.h): integer and bool tensors, embedding rows gathered by index -------
+
+_COMPARISONS = {"Equal": "CR_EQ", "Less": "CR_LT", "LessOrEqual": "CR_LE", "Greater": "CR_GT",
+                "GreaterOrEqual": "CR_GE"}
+_LOGIC = {"And": "CR_AND", "Or": "CR_OR", "Xor": "CR_XOR"}
+
+
+def _dtype(em: _Emitter, name: str, facts) -> str | None:
+    if name in em.values:
+        return em.values[name].dtype
+    fact = facts.get(name)
+    return None if fact is None else ELEMENT_TYPES.get(fact.elem_type)
+
+
+def _typed_emitter(em: _Emitter, node: Node, facts):
+    """The emitter of carrack_values.h's kernels for this node, where it has one: always for the ops that move or
+    compare values of any type, and for Concat and integer arithmetic when a value is not float32."""
+    op = node.op_type
+    if (node.domain or "") not in ("", "ai.onnx"):
+        return None
+    if op in _ALWAYS_TYPED:
+        return _ALWAYS_TYPED[op]
+    names = [n for n in list(node.inputs) + list(node.outputs) if n]
+    if op in _TYPED_WHEN_NOT_FLOAT and any(_dtype(em, n, facts) not in (None, "float32") for n in names):
+        return _TYPED_WHEN_NOT_FLOAT[op]
+    return None
+
+
+def _shape_of(em: _Emitter, name: str, shapes) -> tuple[DimLike, ...]:
+    return tuple(shapes.get(name, em.values[name].shape))
+
+
+def _padded_shape(out_shape) -> tuple[DimLike, ...]:
+    if len(out_shape) > MAX_RANK:
+        raise _Unsupported(f"rank {len(out_shape)} above {MAX_RANK}")
+    return (1,) * (MAX_RANK - len(out_shape)) + tuple(out_shape)
+
+
+def _broadcast_lines(em: _Emitter, names: list[str], labels: list[str], shapes, out_shape) -> list[str]:
+    lines = [_c_array(em, "shape", _padded_shape(out_shape))]
+    for name, label in zip(names, labels):
+        lines.append(_c_array(em, label, _broadcast_strides(_shape_of(em, name, shapes), out_shape)))
+    return lines
+
+
+def _cr_type(em: _Emitter, name: str) -> str:
+    return C_TYPES[em.values[name].dtype][1]
+
+
+def _emit_gather(em, step, node, shapes, out_shape):
+    """Gather along an axis (embedding rows by token id): indices int64 or int32, negative ones counted from the
+    end; an index out of range stops the run with error code 5."""
+    data, indices = node.inputs[:2]
+    _require_known(em, [data, indices])
+    if em.values[indices].dtype not in ("int64", "int32"):
+        raise _Unsupported(f"indices '{indices}' of type {em.values[indices].dtype} (int64 or int32 expected)")
+    data_shape = _shape_of(em, data, shapes)
+    axis = int(node.attrs.get("axis", 0)) % len(data_shape)
+    dtype = em.values[data].dtype
+    inner_bytes = symbolic.mul(_elements(data_shape[axis + 1:]), _itemsize(dtype))
+    return _gather_lines(em, step, node.outputs[0], out_shape, dtype, _pointer(em, data), _pointer(em, indices),
+                         _cr_type(em, indices), _elements(data_shape[:axis]), data_shape[axis], inner_bytes,
+                         _elements(_shape_of(em, indices, shapes)))
+
+
+def _gather_lines(em, step, name, out_shape, dtype, data, indices, index_type, outer, axis_size, inner_bytes,
+                  count) -> list[str]:
+    y = _output_value(em, step, name, out_shape, dtype)
+    return [f"if (cr_gather({data}, {indices}, {index_type}, {y.pointer}, {em.c_dim(outer)}, {em.c_dim(axis_size)},",
+            f"              {em.c_dim(inner_bytes)}, {em.c_dim(count)})) {{",
+            "    run_status = 5;",
+            "    return;",
+            "}"]
+
+
+def _emit_gather_nd(em, step, node, shapes, out_shape):
+    """GatherND with constant indices (a mask chain's, fixed at the compiled dims): each index tuple becomes one
+    flat row index at compile time, and the rows are gathered like Gather's."""
+    data, indices = node.inputs[:2]
+    _require_known(em, [data])
+    if int(node.attrs.get("batch_dims", 0)):
+        raise _Unsupported("batch_dims other than 0")
+    index_array = _const(em, indices)
+    if index_array is None:
+        raise _Unsupported("indices computed at run time (only constant indices are compiled)")
+    data_shape = _shape_of(em, data, shapes)
+    depth = index_array.shape[-1]
+    leading = data_shape[:depth]
+    if not all(isinstance(d, (int, np.integer)) for d in leading):
+        raise _Unsupported("indexed dims that are run-time dims")
+    tuples = index_array.reshape(-1, depth).astype(np.int64)
+    sizes = np.array([int(d) for d in leading], dtype=np.int64)
+    if np.any(tuples < -sizes) or np.any(tuples >= sizes):
+        raise _Unsupported(f"an index out of range of the data's dims {list(sizes)}")
+    flat = np.ravel_multi_index(tuple((tuples % sizes).T), tuple(sizes)) if tuples.size else np.zeros(0, np.int64)
+    pointer = em.typed_constant(f"{indices}::flat", flat.astype(np.int64), "int64")
+    dtype = em.values[data].dtype
+    inner_bytes = symbolic.mul(_elements(data_shape[depth:]), _itemsize(dtype))
+    return _gather_lines(em, step, node.outputs[0], out_shape, dtype, _pointer(em, data), pointer, "CR_I64", 1,
+                         int(np.prod(sizes)), inner_bytes, len(flat))
+
+
+def _emit_cast(em, step, node, shapes, out_shape):
+    x = node.inputs[0]
+    _require_known(em, [x])
+    target = ELEMENT_TYPES.get(int(node.attrs["to"]))
+    if target is None:
+        raise _Unsupported(f"a cast to element type {node.attrs['to']}")
+    y = _output_value(em, step, node.outputs[0], out_shape, target)
+    return [f"cr_cast({_pointer(em, x)}, {_cr_type(em, x)}, {y.pointer}, {C_TYPES[target][1]}, "
+            f"{em.c_dim(_elements(out_shape))});"]
+
+
+def _emit_compare(em, step, node, shapes, out_shape):
+    a, b = node.inputs[:2]
+    _require_known(em, [a, b])
+    lines = _broadcast_lines(em, [a, b], ["sa", "sb"], shapes, out_shape)
+    pa, pb = _pointer(em, a), _pointer(em, b)
+    y = _output_value(em, step, node.outputs[0], out_shape, "bool")
+    return lines + [f"cr_compare({_COMPARISONS[node.op_type]}, {pa}, {_cr_type(em, a)}, sa, {pb}, {_cr_type(em, b)}, "
+                    f"sb, {y.pointer}, shape);"]
+
+
+def _require_bool(em, names) -> None:
+    _require_known(em, names)
+    for name in names:
+        if em.values[name].dtype != "bool":
+            raise _Unsupported(f"input '{name}' is {em.values[name].dtype}, not bool")
+
+
+def _emit_logic(em, step, node, shapes, out_shape):
+    a, b = node.inputs[:2]
+    _require_bool(em, [a, b])
+    lines = _broadcast_lines(em, [a, b], ["sa", "sb"], shapes, out_shape)
+    pa, pb = _pointer(em, a), _pointer(em, b)
+    y = _output_value(em, step, node.outputs[0], out_shape, "bool")
+    return lines + [f"cr_logic({_LOGIC[node.op_type]}, {pa}, sa, {pb}, sb, {y.pointer}, shape);"]
+
+
+def _emit_not(em, step, node, shapes, out_shape):
+    x = node.inputs[0]
+    _require_bool(em, [x])
+    y = _output_value(em, step, node.outputs[0], out_shape, "bool")
+    return [f"cr_not({_pointer(em, x)}, {y.pointer}, {em.c_dim(_elements(out_shape))});"]
+
+
+def _emit_where(em, step, node, shapes, out_shape):
+    condition, a, b = node.inputs[:3]
+    _require_bool(em, [condition])
+    _require_known(em, [a, b])
+    dtype = em.values[a].dtype
+    if em.values[b].dtype != dtype:
+        raise _Unsupported(f"branches of types {dtype} and {em.values[b].dtype}")
+    lines = _broadcast_lines(em, [condition, a, b], ["sc", "sa", "sb"], shapes, out_shape)
+    pc, pa, pb = _pointer(em, condition), _pointer(em, a), _pointer(em, b)
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    return lines + [f"cr_where({pc}, sc, {pa}, sa, {pb}, sb, {y.pointer}, {_itemsize(dtype)}, shape);"]
+
+
+def _emit_expand(em, step, node, shapes, out_shape):
+    x = node.inputs[0]
+    _require_known(em, [x])
+    dtype = em.values[x].dtype
+    lines = _broadcast_lines(em, [x], ["sx"], shapes, out_shape)
+    px = _pointer(em, x)
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    return lines + [f"cr_expand({px}, sx, {y.pointer}, {_itemsize(dtype)}, shape);"]
+
+
+def _emit_concat_any(em, step, node, shapes, out_shape):
+    names = [i for i in node.inputs if i]
+    _require_known(em, names)
+    dtype = em.values[names[0]].dtype
+    if any(em.values[n].dtype != dtype for n in names):
+        raise _Unsupported("inputs of different element types")
+    axis = int(node.attrs["axis"]) % len(out_shape)
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    size = _itemsize(dtype)
+    outer, whole = _elements(out_shape[:axis]), symbolic.mul(_elements(out_shape[axis:]), size)
+    lines, offset = [], 0
+    for name in names:
+        part = symbolic.mul(_elements(_shape_of(em, name, shapes)[axis:]), size)
+        lines.append(f"cr_concat_bytes({_pointer(em, name)}, {y.pointer}, {em.c_dim(outer)}, {em.c_dim(part)}, "
+                     f"{em.c_dim(whole)}, {em.c_dim(offset)});")
+        offset = symbolic.add(offset, part)
+    return lines
+
+
+def _emit_binary_int(em, step, node, shapes, out_shape):
+    """Add, Sub, Mul on integers of one type (wrapping like numpy's)."""
+    a, b = node.inputs[:2]
+    _require_known(em, [a, b])
+    dtype = em.values[a].dtype
+    if node.op_type == "Div" or dtype in ("float32", "bool") or em.values[b].dtype != dtype:
+        raise _Unsupported(f"{node.op_type} of {dtype} and {em.values[b].dtype}")
+    lines = _broadcast_lines(em, [a, b], ["sa", "sb"], shapes, out_shape)
+    pa, pb = _pointer(em, a), _pointer(em, b)
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    return lines + [f"cr_binary_int({_BINARY[node.op_type]}, {pa}, sa, {pb}, sb, {y.pointer}, {C_TYPES[dtype][1]}, "
+                    "shape);"]
+
+
+_ALWAYS_TYPED = {"Gather": _emit_gather, "GatherND": _emit_gather_nd, "Cast": _emit_cast, "Where": _emit_where,
+                 "Expand": _emit_expand, "Not": _emit_not, **{op: _emit_compare for op in _COMPARISONS},
+                 **{op: _emit_logic for op in _LOGIC}}
+_TYPED_WHEN_NOT_FLOAT = {"Concat": _emit_concat_any, **{op: _emit_binary_int for op in _BINARY}}
+#: emitters whose outputs may have any compiled element type
+_ANY_TYPE_EMITTERS = {*_ALWAYS_TYPED.values(), *_TYPED_WHEN_NOT_FLOAT.values(), _emit_view, _emit_constant,
+                      _emit_constant_of_shape}
