@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from carrack.backends.c.emit import C_TYPES, RUNTIME_HEADER, VALUES_HEADER, Emitted, emit, manifest_json
+from carrack.backends.c.emit import C_TYPES, QUANT_HEADER, RUNTIME_HEADER, VALUES_HEADER, Emitted, emit, manifest_json
 from carrack.errors import CarrackError
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
@@ -81,10 +81,12 @@ def write_sources(emitted: Emitted, out: Path) -> list[str]:
     (out / "model.c").write_text(emitted.source)
     shutil.copyfile(RUNTIME_DIR / RUNTIME_HEADER, out / RUNTIME_HEADER)
     shutil.copyfile(RUNTIME_DIR / VALUES_HEADER, out / VALUES_HEADER)
+    shutil.copyfile(RUNTIME_DIR / QUANT_HEADER, out / QUANT_HEADER)
     shutil.copyfile(ACTIVATIONS_HEADER, out / ACTIVATIONS_HEADER.name)
     (out / "weights.bin").write_bytes(emitted.weights)
     (out / "model.json").write_text(manifest_json(emitted.manifest))
-    return ["model.c", RUNTIME_HEADER, VALUES_HEADER, ACTIVATIONS_HEADER.name, "weights.bin", "model.json"]
+    headers = [RUNTIME_HEADER, VALUES_HEADER, QUANT_HEADER, ACTIVATIONS_HEADER.name]
+    return ["model.c", *headers, "weights.bin", "model.json"]
 
 
 def native_compiler() -> list[str]:

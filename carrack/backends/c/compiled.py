@@ -1,7 +1,7 @@
 """`carrack.CompiledModel(DIR)`: a model built by ``carrack compile --target native``, run with the session's API.
 
 Inputs are accepted in any layout numpy can describe (any alignment, strides or byte order): each is copied into
-a 64-byte-aligned, C-ordered, native-endian buffer of its element type (float32, int64, int32, bool, uint8, int8)
+a 64-byte-aligned, C-ordered, native-endian buffer of its element type (float32, int64, int32, int16, bool, uint8, int8)
 when it is not one already. The run-time dims are read
 from the inputs' shapes and checked against the declared maxima before the library is called.
 """
@@ -26,7 +26,8 @@ MAX_RANK_IO = 16
 #: the manifest's element types: numpy dtype and the session's type string
 DTYPES = {"float32": (np.dtype("=f4"), "tensor(float)"), "int64": (np.dtype("=i8"), "tensor(int64)"),
           "int32": (np.dtype("=i4"), "tensor(int32)"), "bool": (np.dtype("bool"), "tensor(bool)"),
-          "uint8": (np.dtype("u1"), "tensor(uint8)"), "int8": (np.dtype("i1"), "tensor(int8)")}
+          "uint8": (np.dtype("u1"), "tensor(uint8)"), "int8": (np.dtype("i1"), "tensor(int8)"),
+          "int16": (np.dtype("=i2"), "tensor(int16)")}
 
 
 def aligned_empty(count: int, dtype: np.dtype, alignment: int = ALIGNMENT) -> np.ndarray:

@@ -1,5 +1,5 @@
 /* carrack's kernels for values of any element type in compiled models (`carrack compile`): int64, int32, uint8,
- * int8, bool (one byte, 0 or 1) and float32. They move and compare what a model's integer side computes (token
+ * int8, int16, bool (one byte, 0 or 1) and float32. They move and compare what a model's integer side computes (token
  * ids, attention-mask chains, shapes the compile-time folding could not fix): embedding rows gathered by index,
  * casts, comparisons, logic, where, expand, concat. Elementwise kernels broadcast over 6 dims with element
  * strides (0 where a dim is broadcast), like carrack_rt.h's cr_binary. No allocation, no I/O.
@@ -10,7 +10,7 @@
 #include "carrack_rt.h"
 
 /* element types, as the generated code names them */
-enum cr_type { CR_F32 = 0, CR_I64 = 1, CR_I32 = 2, CR_U8 = 3, CR_I8 = 4, CR_BOOL = 5 };
+enum cr_type { CR_F32 = 0, CR_I64 = 1, CR_I32 = 2, CR_U8 = 3, CR_I8 = 4, CR_BOOL = 5, CR_I16 = 6 };
 enum cr_compare_op { CR_EQ, CR_LT, CR_LE, CR_GT, CR_GE };
 enum cr_logic_op { CR_AND, CR_OR, CR_XOR };
 #define CR_RANK 6
@@ -22,6 +22,7 @@ static inline int64_t cr_get_int(const void *p, int type, int64_t k) {
     case CR_I32: return ((const int32_t *)p)[k];
     case CR_U8: return ((const uint8_t *)p)[k];
     case CR_I8: return ((const int8_t *)p)[k];
+    case CR_I16: return ((const int16_t *)p)[k];
     default: return ((const uint8_t *)p)[k] != 0;
     }
 }
@@ -45,6 +46,7 @@ static inline void cr_set(void *p, int type, int64_t k, int is_real, double real
     case CR_I64: ((int64_t *)p)[k] = v; break;
     case CR_I32: ((int32_t *)p)[k] = (int32_t)v; break;
     case CR_U8: ((uint8_t *)p)[k] = (uint8_t)v; break;
+    case CR_I16: ((int16_t *)p)[k] = (int16_t)v; break;
     default: ((int8_t *)p)[k] = (int8_t)v; break;
     }
 }
@@ -74,7 +76,7 @@ static inline int64_t cr_count(const int64_t *shape) {
 /* y = x converted to y's type, n elements (numpy's astype: truncation toward zero, nonzero is true) */
 static CR_UNUSED void cr_cast(const void *x, int tx, void *y, int ty, int64_t n) {
     if (tx == ty) {
-        static const int bytes[] = {4, 8, 4, 1, 1, 1};
+        static const int bytes[] = {4, 8, 4, 1, 1, 1, 2};
         if (x != y) memmove(y, x, (size_t)n * (size_t)bytes[tx]);
         return;
     }

@@ -1,0 +1,156 @@
+"""Quantized models compiled: a small CNN quantized by onnxruntime's own quantize_static (QDQ format, per-tensor;
+uint8 and int8 activations, int8 weights) becomes, after carrack's lowering, QuantizeLinear, QLinearConvExact
+(plain, strided, 1x1, depthwise), uint8 MaxPool, QLinearAdd, DequantizeLinear and QLinearMatMulExact. The compiled
+integer kernels (carrack_quant.h) equal carrack's session bit for bit on every target: the portable C loop, SSE2,
+AVX2, AVX-512 and WebAssembly SIMD128 in Node, at several batch sizes of a run-time batch dim."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import carrack
+from carrack.backends.c.build import compile_model
+from tests.compile.test_native import ARCHES, _cpu_flags
+from tests.compile.test_values import needs_compiler, needs_wasm, node_outputs, run_in_node
+
+pytest.importorskip("onnxruntime.quantization")
+
+
+class QuantizableCNN(nn.Module):
+    """A strided stem with BatchNorm, a padded max pool, a residual block of 3x3 and 1x1 convolutions, a depthwise
+    convolution with its own residual, a strided convolution to more channels, global pooling and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.conv1 = nn.Conv2d(16, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 1)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.down = nn.Conv2d(16, 37, 3, stride=2, padding=1)
+        self.head = nn.Linear(37, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.stem(x)))
+        y = nn.functional.max_pool2d(y, 3, stride=2, padding=1)
+        y = torch.relu(self.conv2(torch.relu(self.conv1(y))) + y)
+        y = torch.relu(self.depthwise(y)) + y
+        y = torch.relu(self.down(y))
+        return self.head(nn.functional.adaptive_avg_pool2d(y, 1).flatten(1))
+
+
+class _Images:
+    """quantize_static's calibration reader: a few random images."""
+
+    def __init__(self, count: int = 4) -> None:
+        rng = np.random.default_rng(0)
+        self.batches = iter([{"x": rng.standard_normal((1, 3, 30, 30)).astype(np.float32)} for _ in range(count)])
+
+    def get_next(self):
+        return next(self.batches, None)
+
+
+def _quantized_cnn(directory, activation: str):
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    torch.manual_seed(0)
+    module = QuantizableCNN().eval()
+    with torch.no_grad():
+        module.bn.running_mean.uniform_(-0.3, 0.3)
+        module.bn.running_var.uniform_(0.5, 1.5)
+    source, prepared, target = (directory / name for name in ("float.onnx", "prepared.onnx", "qdq.onnx"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(1, 3, 30, 30),), str(source), input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False, opset_version=17)
+        quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
+        quantize_static(str(prepared), str(target), _Images(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8 if activation == "uint8" else QuantType.QInt8,
+                        weight_type=QuantType.QInt8)
+    return target
+
+
+@pytest.fixture(scope="module", params=["uint8", "int8"])
+def quantized(request, tmp_path_factory):
+    return _quantized_cnn(tmp_path_factory.mktemp(f"qdq_{request.param}"), request.param)
+
+
+def _feeds() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [{"x": (rng.standard_normal((batch, 3, 30, 30)) * scale).astype(np.float32)}
+            for batch, scale in ((1, 1.0), (3, 2.0), (2, 0.5))]
+
+
+QUANT_KERNELS = ("cr_quantize(", "cr_qconv2d(", "cr_qmaxpool2d(", "cr_qlinear_add(", "cr_dequantize(", "cr_qmatmul(")
+
+
+def _assert_bit_exact(path, model_run) -> None:
+    session = carrack.InferenceSession(str(path))
+    for feed in _feeds():
+        want = session.run(None, feed)[0]
+        got = model_run(feed)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+#: native builds: the machine's own, each x86-64 level the CPU runs, and the portable loop forced by a define
+BUILDS = {"native": ("native", ""), **{arch: (arch, "") for arch in ARCHES},
+          "portable": ("native", "-DCR_QUANT_PORTABLE")}
+
+
+@needs_compiler
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_quantized_cnn_native_is_bit_exact(quantized, tmp_path, monkeypatch, build):
+    arch, define = BUILDS[build]
+    if arch != "native":
+        if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+            pytest.skip("x86-64 Linux only")
+        if not ARCHES[arch] <= _cpu_flags():
+            pytest.skip(f"this CPU lacks {sorted(ARCHES[arch] - _cpu_flags())} for -march={arch}")
+    if define:
+        from carrack.backends.c.build import native_compiler
+
+        monkeypatch.setenv("CC", " ".join([*native_compiler(), define]))
+    compile_model(quantized, tmp_path, "native", max_dims={"batch": 3}, native_arch=arch)
+    source = (tmp_path / "model.c").read_text()
+    assert all(kernel in source for kernel in QUANT_KERNELS)
+    model = carrack.CompiledModel(tmp_path)
+    _assert_bit_exact(quantized, lambda feed: model.run(None, feed)[0])
+
+
+@needs_wasm
+def test_quantized_cnn_in_node_is_bit_exact(quantized, tmp_path):
+    compile_model(quantized, tmp_path / "out", "wasm32", max_dims={"batch": 3})
+    feeds = _feeds()
+    report = run_in_node(tmp_path / "out", tmp_path, feeds)
+    session = carrack.InferenceSession(str(quantized))
+    for feed, run in zip(feeds, report["runs"]):
+        want = session.run(None, feed)
+        np.testing.assert_array_equal(node_outputs(run, want)[0], want[0])
+        assert all(run["variants"].values())
+
+
+@needs_compiler
+def test_integer_outputs_are_bit_exact(tmp_path):
+    """The uint8 values themselves (not only their dequantization): a graph ending on QuantizeLinear-ed products."""
+    import onnx
+
+    path = _quantized_cnn(tmp_path, "uint8")
+    model = onnx.load(str(path))
+    last = next(n for n in reversed(model.graph.node) if n.op_type == "DequantizeLinear")
+    model.graph.output[0].name = last.input[0]
+    model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    model.graph.node.remove(last)
+    onnx.save(model, str(tmp_path / "integer_output.onnx"))
+    compile_model(tmp_path / "integer_output.onnx", tmp_path / "out", "native", max_dims={"batch": 3})
+    compiled = carrack.CompiledModel(tmp_path / "out")
+    assert compiled.get_outputs()[0].type == "tensor(uint8)"
+    _assert_bit_exact(tmp_path / "integer_output.onnx", lambda feed: compiled.run(None, feed)[0])
