@@ -11,8 +11,10 @@ import sys
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import carrack
@@ -141,8 +143,6 @@ def test_quantized_cnn_in_node_is_bit_exact(quantized, tmp_path):
 @needs_compiler
 def test_integer_outputs_are_bit_exact(tmp_path):
     """The uint8 values themselves (not only their dequantization): a graph ending on QuantizeLinear-ed products."""
-    import onnx
-
     path = _quantized_cnn(tmp_path, "uint8")
     model = onnx.load(str(path))
     last = next(n for n in reversed(model.graph.node) if n.op_type == "DequantizeLinear")
@@ -154,3 +154,48 @@ def test_integer_outputs_are_bit_exact(tmp_path):
     compiled = carrack.CompiledModel(tmp_path / "out")
     assert compiled.get_outputs()[0].type == "tensor(uint8)"
     _assert_bit_exact(tmp_path / "integer_output.onnx", lambda feed: compiled.run(None, feed)[0])
+
+
+def _ties_graph() -> onnx.ModelProto:
+    """QDQ by hand with scales of powers of two, so every rounding step meets exact halves: x / 0.5 of quarter
+    values, accumulators times a multiplier of 0.25, QLinearAdd's ka = kb = 0.5; padded and unpadded uint8 max
+    pools feed the add. Half-even rounding (rint) is what the session does; half away from zero differs."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(-3, 4, (4, 2, 3, 3)).astype(np.int8)
+    b = rng.integers(-50, 50, 4).astype(np.int32)
+    inits = [numpy_helper.from_array(a, n) for a, n in (
+        (np.array(0.5, np.float32), "s_half"), (np.array(128, np.uint8), "zp"), (w, "w_q"),
+        (np.array(0.5, np.float32), "w_scale"), (np.array(0, np.int8), "w_zp"), (b, "b_q"),
+        (np.array(0.25, np.float32), "b_scale"), (np.array(0, np.int32), "b_zp"),
+        (np.array(1.0, np.float32), "s_one"), (np.array(2.0, np.float32), "s_two"))]
+    N = helper.make_node  # noqa: N806 - short, for the node list
+    nodes = [N("QuantizeLinear", ["x", "s_half", "zp"], ["xq"]), N("DequantizeLinear", ["xq", "s_half", "zp"], ["xd"]),
+             N("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["wd"]),
+             N("DequantizeLinear", ["b_q", "b_scale", "b_zp"], ["bd"]),
+             N("Conv", ["xd", "wd", "bd"], ["conv"], pads=[1, 1, 1, 1]),
+             N("QuantizeLinear", ["conv", "s_one", "zp"], ["cq"]), N("DequantizeLinear", ["cq", "s_one", "zp"], ["cd"]),
+             N("MaxPool", ["cd"], ["pool"], kernel_shape=[2, 2], strides=[1, 1]),
+             N("QuantizeLinear", ["pool", "s_one", "zp"], ["pq"]), N("DequantizeLinear", ["pq", "s_one", "zp"], ["pd"]),
+             N("MaxPool", ["cd"], ["pool2"], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 0, 0]),
+             N("QuantizeLinear", ["pool2", "s_one", "zp"], ["p2q"]),
+             N("DequantizeLinear", ["p2q", "s_one", "zp"], ["pd2"]),
+             N("Add", ["pd", "pd2"], ["sum"]),
+             N("QuantizeLinear", ["sum", "s_two", "zp"], ["sq"]), N("DequantizeLinear", ["sq", "s_two", "zp"], ["y"])]
+    g = helper.make_graph(nodes, "ties", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2, 6, 6])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@needs_compiler
+def test_rounding_ties_are_bit_exact(tmp_path):
+    path = tmp_path / "ties.onnx"
+    onnx.save(_ties_graph(), str(path))
+    compile_model(path, tmp_path / "out", "native", max_dims={"n": 3})
+    assert all(k in (tmp_path / "out" / "model.c").read_text() for k in ("cr_qconv2d(", "cr_qlinear_add("))
+    model = carrack.CompiledModel(tmp_path / "out")
+    session = carrack.InferenceSession(str(path))
+    for rows, seed in ((1, 0), (3, 1)):
+        x = (np.random.default_rng(seed).integers(-24, 24, (rows, 2, 6, 6)) * 0.25).astype(np.float32)
+        want = session.run(None, {"x": x})[0]
+        assert 0.1 < np.mean(np.abs(want) < 250)  # mostly inside the range: the roundings are not all saturated
+        np.testing.assert_array_equal(model.run(None, {"x": x})[0], want)
