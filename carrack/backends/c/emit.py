@@ -1496,6 +1496,11 @@ def _emit_qlinear_add(em, step, node, shapes, out_shape):
     c = np.float32(c_scale)
     ka, kb = np.float32(a_scale) / c, np.float32(b_scale) / c
     offset = np.float32(zero_point) - np.float32(a_zp) * ka - np.float32(b_zp) * kb
+    if _shape_of(em, a, shapes) == _shape_of(em, b, shapes) == tuple(out_shape):
+        pa, pb = _pointer(em, a), _pointer(em, b)
+        y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
+        return [f"cr_qlinear_add_flat({pa}, {a_signed}, {pb}, {b_signed}, {_f(ka)}, {_f(kb)}, {_f(offset)}, "
+                f"{y.pointer}, {int(y_dtype == 'int8')}, {em.c_dim(_elements(out_shape))});"]
     lines = _broadcast_lines(em, [a, b], ["sa", "sb"], shapes, out_shape)
     pa, pb = _pointer(em, a), _pointer(em, b)
     y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)

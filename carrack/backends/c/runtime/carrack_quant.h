@@ -99,17 +99,35 @@ static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm_storeu_si128((__m128i 
 /* vectors per register-tile row: a tile is CR_QMR channels x CR_QNV * CR_QL pixels */
 #define CR_QNV (CR_QNB / CR_QL < 2 ? CR_QNB / CR_QL : 2)
 
+/* the same lanes as plain vectors (GCC/Clang vector extensions) for the requantization */
+typedef int32_t cr_qi __attribute__((vector_size(CR_QL * 4)));
+typedef float cr_qf __attribute__((vector_size(CR_QL * 4)));
+/* 1.5 * 2**23: (v + it) - it is v rounded half to even for |v| <= 2**22 (v is clamped well inside) */
+#define CR_ROUNDER 12582912.0f
+
+static inline cr_qf cr_qf_clamp(cr_qf v, float lo, float hi) {
+    cr_qi low = v < lo, high = v > hi, bits, lo_bits, hi_bits;
+    cr_qf lo_v = (cr_qf){0} + lo, hi_v = (cr_qf){0} + hi;
+    memcpy(&bits, &v, sizeof bits);
+    memcpy(&lo_bits, &lo_v, sizeof lo_bits);
+    memcpy(&hi_bits, &hi_v, sizeof hi_bits);
+    bits = (low & lo_bits) | (high & hi_bits) | (~(low | high) & bits);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 static inline int32_t cr_qload(const void *x, int is_signed, int64_t i) {
     return is_signed ? (int32_t)((const int8_t *)x)[i] : (int32_t)((const uint8_t *)x)[i];
 }
 
-/* saturate(rint(float32(acc) * multiplier) + zero_point) into the output type's range */
-static inline int32_t cr_requantize(int32_t acc, float multiplier, float zero_point, float lo, float hi) {
-    float v = rintf((float)acc * multiplier);
-    v = v + zero_point;
-    v = v > lo ? v : lo;
-    v = v < hi ? v : hi;
-    return (int32_t)v;
+/* saturate(rint(float32(acc) * multiplier) + zero_point) into the output type's range, for CR_QL sums at once:
+ * clamping to the integer bounds before rounding gives the same integers as after, and keeps the rounding
+ * trick's range. The product is rounded before the clamp reads it, so no multiply-add is fused. */
+static inline cr_qi cr_requantize(cr_qi acc, float multiplier, float zero_point, float lo, float hi) {
+    cr_qf v = __builtin_convertvector(acc, cr_qf) * multiplier;
+    v = cr_qf_clamp(v, lo - zero_point, hi - zero_point);
+    v = (v + CR_ROUNDER) - CR_ROUNDER;
+    return __builtin_convertvector(v + zero_point, cr_qi);
 }
 
 static inline void cr_qstore(void *y, int is_signed, int64_t i, int32_t v) {
@@ -150,12 +168,21 @@ static void cr_qgemm_block(const int16_t *w, int64_t kpad, int64_t m0, int64_t r
         int32_t sums[CR_QNV * CR_QL];
         int64_t valid = count - t < CR_QNV * CR_QL ? count - t : CR_QNV * CR_QL;
         for (int r = 0; r < rows; r++) {
-            for (int v = 0; v < CR_QNV; v++) cr_qv_store(sums + v * CR_QL, acc[r][v]);
             int64_t m = m0 + r;
-            for (int64_t p = 0; p < valid; p++) {
-                int32_t q = cr_requantize(sums[p] + out->bias[m], out->multiplier[m], out->y_zero_point, out->lo,
-                                          out->hi);
-                cr_qstore(out->y, out->y_signed, m * out->m_stride + (p0 + t + p) * out->p_stride, q);
+            for (int v = 0; v < CR_QNV; v++) {
+                int32_t raw[CR_QL];
+                cr_qi lanes;
+                cr_qv_store(raw, acc[r][v]);
+                memcpy(&lanes, raw, sizeof lanes);
+                lanes = cr_requantize(lanes + out->bias[m], out->multiplier[m], out->y_zero_point, out->lo, out->hi);
+                memcpy(sums + v * CR_QL, &lanes, sizeof lanes);
+            }
+            int64_t at = m * out->m_stride + (p0 + t) * out->p_stride;
+            if (out->p_stride == 1 && !out->y_signed) {
+                uint8_t *y = (uint8_t *)out->y + at;
+                for (int64_t p = 0; p < valid; p++) y[p] = (uint8_t)sums[p];
+            } else {
+                for (int64_t p = 0; p < valid; p++) cr_qstore(out->y, out->y_signed, at + p * out->p_stride, sums[p]);
             }
         }
     }
@@ -174,28 +201,36 @@ static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int
                           int64_t wd, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
                           int64_t dw, int64_t pt, int64_t pl, int64_t kpad, int64_t p0, int64_t count,
                           int16_t *panel) {
-    int64_t row0[CR_QNB], col0[CR_QNB];
-    for (int64_t p = 0; p < CR_QNB; p++) {
-        int64_t q = p0 + (p < count ? p : 0);
-        row0[p] = q / ow * sh - pt;
-        col0[p] = q % ow * sw - pl;
-    }
     memset(panel, 0, (size_t)(kpad * CR_QNB) * sizeof(int16_t));
-    int64_t k = 0;
-    for (int64_t c = 0; c < channels; c++) {
-        const int64_t plane = c * h * wd;
-        for (int64_t i = 0; i < kh; i++) {
-            for (int64_t j = 0; j < kw; j++, k++) {
-                int16_t *dst = panel + (k / 2) * CR_QNB * 2 + (k & 1);
-                for (int64_t p = 0; p < count; p++) {
-                    int64_t row = row0[p] + i * dh, col = col0[p] + j * dw;
-                    int32_t v = 0;
-                    if (row >= 0 && row < h && col >= 0 && col < wd)
-                        v = cr_qload(x, x_signed, plane + row * wd + col) - x_zero_point;
-                    dst[p * 2] = (int16_t)v;
+    for (int64_t p = 0; p < count;) { /* a run of pixels along one output row */
+        const int64_t q = p0 + p, out_row = q / ow, out_col = q % ow;
+        const int64_t run = count - p < ow - out_col ? count - p : ow - out_col;
+        int64_t k = 0;
+        for (int64_t c = 0; c < channels; c++) {
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t row = out_row * sh - pt + i * dh;
+                if (row < 0 || row >= h) { /* the padding: zeros already */
+                    k += kw;
+                    continue;
+                }
+                const int64_t line = (c * h + row) * wd;
+                for (int64_t j = 0; j < kw; j++, k++) {
+                    int16_t *dst = panel + (k / 2) * CR_QNB * 2 + (k & 1) + p * 2;
+                    const int64_t first = out_col * sw - pl + j * dw; /* the run's first column */
+                    int64_t begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
+                    int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
+                    end = end < run ? end : run;
+                    if (x_signed) {
+                        const int8_t *src = (const int8_t *)x + line + first;
+                        for (int64_t t = begin; t < end; t++) dst[t * 2] = (int16_t)(src[t * sw] - x_zero_point);
+                    } else {
+                        const uint8_t *src = (const uint8_t *)x + line + first;
+                        for (int64_t t = begin; t < end; t++) dst[t * 2] = (int16_t)(src[t * sw] - x_zero_point);
+                    }
                 }
             }
         }
+        p += run;
     }
 }
 
@@ -286,6 +321,34 @@ static CR_EXACT_FN CR_UNUSED void cr_qlinear_add(const void *a, int a_signed, co
             index[d] = 0;
         }
     }
+}
+
+/* the same for a and b of one shape, contiguous */
+#define CR_QADD_FLAT(TA, TB, TY, LO, HI)                                                                    \
+    do {                                                                                                 \
+        const TA *pa = (const TA *)a;                                                                    \
+        const TB *pb = (const TB *)b;                                                                    \
+        TY *py = (TY *)y;                                                                                \
+        for (int64_t i = 0; i < count; i++) {                                                            \
+            float v = (float)pa[i] * ka;                                                                 \
+            float u = (float)pb[i] * kb;                                                                 \
+            v = (v + u) + offset;                                                                        \
+            v = v > (LO) ? v : (LO);                                                                     \
+            v = v < (HI) ? v : (HI);                                                                     \
+            py[i] = (TY)(int32_t)((v + CR_ROUNDER) - CR_ROUNDER);                                        \
+        }                                                                                                \
+    } while (0)
+
+static CR_EXACT_FN CR_UNUSED void cr_qlinear_add_flat(const void *a, int a_signed, const void *b, int b_signed,
+                                                      float ka, float kb, float offset, void *y, int y_signed,
+                                                      int64_t count) {
+    CR_EXACT_FLOAT
+    if (a_signed || b_signed || y_signed) { /* the rarer mixes: the broadcasting loop over one flat dim */
+        const int64_t shape[CR_RANK] = {1, 1, 1, 1, 1, count}, strides[CR_RANK] = {0, 0, 0, 0, 0, 1};
+        cr_qlinear_add(a, a_signed, strides, b, b_signed, strides, ka, kb, offset, y, y_signed, shape);
+        return;
+    }
+    CR_QADD_FLAT(uint8_t, uint8_t, uint8_t, 0.0f, 255.0f);
 }
 
 /* -- MaxPool on 8-bit planes: windows' taps inside the image (padding never wins) ------------------------------ */
