@@ -1371,30 +1371,58 @@ def _scalar_param(em: _Emitter, name: str, what: str) -> np.ndarray:
     return value.reshape(())
 
 
-def _shifted_weight_rows(weight: np.ndarray, what: str) -> tuple[np.ndarray, int]:
-    """[rows, k] pre-shifted integer weights as int16 rows padded to an even length, and that length."""
+def _shifted_weight_rows(weight: np.ndarray, what: str) -> np.ndarray:
+    """[channels, k] pre-shifted weights as int64, checked to be integers of int16 range."""
     if not np.array_equal(weight, np.rint(weight)) or np.abs(weight).max(initial=0) > 32767:
         raise _Unsupported(f"{what}: weights that are not integers of int16 range")
-    rows, k = weight.shape
-    kpad = k + (k & 1)
-    padded = np.zeros((rows, kpad), np.int16)
-    padded[:, :k] = weight.astype(np.int16)
-    return padded, kpad
+    return weight.astype(np.int64)
 
 
-def _requantize_params(em: _Emitter, node: Node, channels: int, weight_rows: np.ndarray, x_bound: int):
-    """Pointers to the int32 bias and float32 multiplier per output channel; refuses an int32 accumulator that
-    could wrap (the session's float sums are exact integers, so the C sums must be too)."""
+#: carrack_quant.h's CR_QCB: output channels per weight block
+QUANT_CHANNEL_BLOCK = 16
+
+
+def _padded_channels(channels: int) -> int:
+    return -(-channels // QUANT_CHANNEL_BLOCK) * QUANT_CHANNEL_BLOCK
+
+
+def _blocked_weights(rows: np.ndarray, groups: int) -> tuple[np.ndarray, str, int]:
+    """Each group's [channels, k] rows as carrack_quant.h reads them, [block][k / 2][16 channels][2], with k padded
+    to even and channels to whole blocks: int8 when every weight fits (a quarter of the bytes of float32), else
+    int16. Returns the array, its type and the pairs of k."""
+    channels, k = rows.shape
+    per_group, pairs = channels // groups, -(-k // 2)
+    dtype = "int8" if rows.size == 0 or -128 <= rows.min() and rows.max() <= 127 else "int16"
+    padded = _padded_channels(per_group)
+    parts = []
+    for g in range(groups):
+        block = np.zeros((padded, 2 * pairs), np.int64)
+        block[:per_group, :k] = rows[g * per_group:(g + 1) * per_group]
+        parts.append(block.reshape(padded // QUANT_CHANNEL_BLOCK, QUANT_CHANNEL_BLOCK, pairs, 2)
+                     .transpose(0, 2, 1, 3).reshape(-1))
+    return np.concatenate(parts).astype(dtype), dtype, pairs
+
+
+def _requantize_params(em: _Emitter, node: Node, channels: int, groups: int, weight_rows: np.ndarray,
+                       x_bound: int):
+    """Pointers to the int32 bias and float32 multiplier per output channel (each group's padded to whole weight
+    blocks); refuses an int32 accumulator that could wrap (the session's float sums are exact integers, so the C
+    sums must be too)."""
     bias = np.asarray(_const(em, node.inputs[2]), np.float64).reshape(-1)
     multiplier = np.asarray(_const(em, node.inputs[3]), np.float32).reshape(-1)
     bias = np.broadcast_to(bias, (channels,))
     multiplier = np.broadcast_to(multiplier, (channels,))
-    bound = x_bound * np.abs(weight_rows.astype(np.int64)).sum(axis=1) + np.abs(bias)
+    bound = x_bound * np.abs(weight_rows).sum(axis=1) + np.abs(bias)
     if bound.max(initial=0) >= 2 ** 31 or not np.array_equal(bias, np.rint(bias)):
         raise _Unsupported("an accumulator that may leave int32 (or a bias that is not an integer)")
+    per_group = channels // groups
+    padded = _padded_channels(per_group)
+    bias_blocks, multiplier_blocks = np.zeros((groups, padded), np.int32), np.zeros((groups, padded), np.float32)
+    bias_blocks[:, :per_group] = bias.reshape(groups, per_group)
+    multiplier_blocks[:, :per_group] = multiplier.reshape(groups, per_group)
     key = node.outputs[0]
-    return (em.typed_constant(f"{key}::bias", bias.astype(np.int32), "int32"),
-            em.typed_constant(f"{key}::multiplier", multiplier.astype(np.float32), "float32"))
+    return (em.typed_constant(f"{key}::bias", bias_blocks, "int32"),
+            em.typed_constant(f"{key}::multiplier", multiplier_blocks, "float32"))
 
 
 def _output_zero_point(em: _Emitter, node: Node, index: int) -> tuple[int, str]:
@@ -1424,18 +1452,20 @@ def _emit_qconv(em, step, node, shapes, out_shape):
     x_shape = shapes[x]
     g = _conv_geometry(node, x_shape, weight.shape)
     groups = int(node.attrs.get("group", 1))
-    rows, kpad = _shifted_weight_rows(np.asarray(weight, np.float64).reshape(weight.shape[0], -1), node.label())
+    rows = _shifted_weight_rows(np.asarray(weight, np.float64).reshape(weight.shape[0], -1), node.label())
     x_zero_point = int(node.attrs.get("x_zero_point", 0))
-    bias, multiplier = _requantize_params(em, node, weight.shape[0], rows, _x_bound(x_signed, x_zero_point))
+    bias, multiplier = _requantize_params(em, node, weight.shape[0], groups, rows, _x_bound(x_signed, x_zero_point))
     y_zero_point, y_dtype = _output_zero_point(em, node, 4)
-    pw = em.typed_constant(f"{node.outputs[0]}::weight_rows", rows, "int16")
-    panel = _scratch(em, step, f"{node.outputs[0]}::panel", kpad * QUANT_PIXEL_BLOCK * 2)
+    blocked, w_dtype, pairs = _blocked_weights(rows, groups)
+    pw = em.typed_constant(f"{node.outputs[0]}::weight_blocks", blocked, w_dtype)
+    panel = _scratch(em, step, f"{node.outputs[0]}::panel", pairs * 2 * QUANT_PIXEL_BLOCK * 2)
     y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
     h, wd = _hw(x_shape, g["spatial"])
     oh, ow = _hw(out_shape, g["spatial"])
     dims = [em.c_dim(d) for d in (x_shape[0], x_shape[1], h, wd, out_shape[1], oh, ow)]
-    geometry = [str(v) for v in (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], groups, kpad)]
-    return [f"cr_qconv2d({_pointer(em, x)}, {x_signed}, {x_zero_point}, {pw}, {bias}, {multiplier},",
+    geometry = [str(v) for v in (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], groups, pairs)]
+    wide = int(w_dtype == "int16")
+    return [f"cr_qconv2d({_pointer(em, x)}, {x_signed}, {x_zero_point}, {pw}, {wide}, {bias}, {multiplier},",
             f"           {y.pointer}, {int(y_dtype == 'int8')}, {y_zero_point}, {', '.join(dims)},",
             f"           {', '.join(geometry)}, {panel});"]
 
@@ -1449,16 +1479,18 @@ def _emit_qmatmul(em, step, node, shapes, out_shape):
         raise _Unsupported("a weight that is not a constant matrix, or bias/multiplier that are not constants")
     x_shape = shapes[x]
     k, n = weight.shape
-    rows, kpad = _shifted_weight_rows(np.asarray(weight, np.float64).T, node.label())
+    rows = _shifted_weight_rows(np.asarray(weight, np.float64).T, node.label())
     x_zero_point = int(node.attrs.get("x_zero_point", 0))
-    bias, multiplier = _requantize_params(em, node, n, rows, _x_bound(x_signed, x_zero_point))
+    bias, multiplier = _requantize_params(em, node, n, 1, rows, _x_bound(x_signed, x_zero_point))
     y_zero_point, y_dtype = _output_zero_point(em, node, 4)
-    pw = em.typed_constant(f"{node.outputs[0]}::weight_rows", rows, "int16")
-    panel = _scratch(em, step, f"{node.outputs[0]}::panel", kpad * QUANT_PIXEL_BLOCK * 2)
+    blocked, w_dtype, pairs = _blocked_weights(rows, 1)
+    pw = em.typed_constant(f"{node.outputs[0]}::weight_blocks", blocked, w_dtype)
+    panel = _scratch(em, step, f"{node.outputs[0]}::panel", pairs * 2 * QUANT_PIXEL_BLOCK * 2)
     y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
-    return [f"cr_qmatmul({_pointer(em, x)}, {x_signed}, {x_zero_point}, {pw}, {bias}, {multiplier},",
+    return [f"cr_qmatmul({_pointer(em, x)}, {x_signed}, {x_zero_point}, {pw}, {int(w_dtype == 'int16')}, {bias}, "
+            f"{multiplier},",
             f"           {y.pointer}, {int(y_dtype == 'int8')}, {y_zero_point}, {em.c_dim(_elements(x_shape[:-1]))}, "
-            f"{k}, {n}, {kpad}, {panel});"]
+            f"{k}, {n}, {pairs}, {panel});"]
 
 
 def _emit_quantize(em, step, node, shapes, out_shape):

@@ -39,65 +39,110 @@
 #define CR_EXACT_FN __attribute__((optimize("fp-contract=off")))
 #endif
 
-/* output pixels per packed activation block (a multiple of every target's tile width) */
+/* output pixels per packed activation block */
 #define CR_QNB 32
-/* output channels per register tile */
-#define CR_QMR 4
+/* output channels per weight block: weights are stored [block][k / 2][16 channels][2] (int8 or int16), so each
+ * target reads its lanes' channels of a pair of k as one contiguous load */
+#define CR_QCB 16
 
-/* -- int32 lanes from int16 pairs: acc[l] += b[2l] * w0 + b[2l + 1] * w1, w = the pair (w0, w1) as one int32 -- */
+/* -- int32 lanes, one output channel each: acc[l] += w[2l] * a0 + w[2l + 1] * a1, a = one pixel's activation
+ * pair (a0, a1) as one int32, splat; w = the lanes' weight pairs, loaded (and widened from int8) as int16 ------- */
 #if defined(CR_QUANT_PORTABLE) || !(defined(__wasm_simd128__) || defined(__AVX512BW__) || defined(__AVX2__) || \
                                       defined(__SSE2__))
 #define CR_QL 4
+#define CR_QCV 2 /* channel vectors per register tile */
+#define CR_QPR 6 /* pixels per register tile */
 typedef struct { int32_t lane[4]; } cr_qv;
+typedef struct { int16_t pair[8]; } cr_qw;
 static inline cr_qv cr_qv_zero(void) { cr_qv v = {{0, 0, 0, 0}}; return v; }
-static inline cr_qv cr_qv_splat(int32_t w) { cr_qv v = {{w, w, w, w}}; return v; }
-static inline cr_qv cr_qv_dot(cr_qv acc, const int16_t *b, cr_qv w) {
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    cr_qv v = {{w, w, w, w}};
+    return v;
+}
+static inline cr_qw cr_qw_load8(const int8_t *w) {
+    cr_qw v;
+    for (int i = 0; i < 8; i++) v.pair[i] = w[i];
+    return v;
+}
+static inline cr_qw cr_qw_load16(const int16_t *w) {
+    cr_qw v;
+    memcpy(v.pair, w, sizeof v.pair);
+    return v;
+}
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) {
     int16_t pair[2];
-    memcpy(pair, &w.lane[0], sizeof pair);
-    for (int l = 0; l < 4; l++) acc.lane[l] += (int32_t)b[2 * l] * pair[0] + (int32_t)b[2 * l + 1] * pair[1];
+    memcpy(pair, &a.lane[0], sizeof pair);
+    for (int l = 0; l < 4; l++) acc.lane[l] += (int32_t)w.pair[2 * l] * pair[0] + (int32_t)w.pair[2 * l + 1] * pair[1];
     return acc;
 }
 static inline void cr_qv_store(int32_t *p, cr_qv v) { memcpy(p, v.lane, sizeof v.lane); }
 #elif defined(__wasm_simd128__)
+/* SIMD128's i32x4.dot_i16x8_s: four int32 sums of two int16 products; v128.load8x8_s widens int8 weights */
 #define CR_QL 4
-/* SIMD128's i32x4.dot_i16x8_s: four int32 sums of two int16 products */
+#define CR_QCV 2
+#define CR_QPR 6
 typedef v128_t cr_qv;
+typedef v128_t cr_qw;
 static inline cr_qv cr_qv_zero(void) { return wasm_i32x4_splat(0); }
-static inline cr_qv cr_qv_splat(int32_t w) { return wasm_i32x4_splat(w); }
-static inline cr_qv cr_qv_dot(cr_qv acc, const int16_t *b, cr_qv w) {
-    return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_v128_load(b), w));
-}
+static inline cr_qv cr_qv_splat(const int16_t *a) { return wasm_v128_load32_splat(a); }
+static inline cr_qw cr_qw_load8(const int8_t *w) { return wasm_i16x8_load8x8(w); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return wasm_v128_load(w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(w, a)); }
 static inline void cr_qv_store(int32_t *p, cr_qv v) { wasm_v128_store(p, v); }
 #elif defined(__AVX512BW__)
 #define CR_QL 16
+#define CR_QCV 1
+#define CR_QPR 8
 typedef __m512i cr_qv;
+typedef __m512i cr_qw;
 static inline cr_qv cr_qv_zero(void) { return _mm512_setzero_si512(); }
-static inline cr_qv cr_qv_splat(int32_t w) { return _mm512_set1_epi32(w); }
-static inline cr_qv cr_qv_dot(cr_qv acc, const int16_t *b, cr_qv w) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_loadu_si512((const void *)b), w));
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm512_set1_epi32(w);
 }
+static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm512_loadu_si512((const void *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a)); }
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm512_storeu_si512((void *)p, v); }
 #elif defined(__AVX2__)
 #define CR_QL 8
+#define CR_QCV 2
+#define CR_QPR 6
 typedef __m256i cr_qv;
+typedef __m256i cr_qw;
 static inline cr_qv cr_qv_zero(void) { return _mm256_setzero_si256(); }
-static inline cr_qv cr_qv_splat(int32_t w) { return _mm256_set1_epi32(w); }
-static inline cr_qv cr_qv_dot(cr_qv acc, const int16_t *b, cr_qv w) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)b), w));
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm256_set1_epi32(w);
 }
+static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm256_loadu_si256((const __m256i *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm256_storeu_si256((__m256i *)p, v); }
 #elif defined(__SSE2__)
 #define CR_QL 4
+#define CR_QCV 2
+#define CR_QPR 6
 typedef __m128i cr_qv;
+typedef __m128i cr_qw;
 static inline cr_qv cr_qv_zero(void) { return _mm_setzero_si128(); }
-static inline cr_qv cr_qv_splat(int32_t w) { return _mm_set1_epi32(w); }
-static inline cr_qv cr_qv_dot(cr_qv acc, const int16_t *b, cr_qv w) {
-    return _mm_add_epi32(acc, _mm_madd_epi16(_mm_loadu_si128((const __m128i *)b), w));
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm_set1_epi32(w);
 }
+static inline cr_qw cr_qw_load8(const int8_t *w) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)w);
+    return _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8); /* each byte twice, then its sign from the high copy */
+}
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm_loadu_si128((const __m128i *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm_add_epi32(acc, _mm_madd_epi16(w, a)); }
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm_storeu_si128((__m128i *)p, v); }
 #endif
-/* vectors per register-tile row: a tile is CR_QMR channels x CR_QNV * CR_QL pixels */
-#define CR_QNV (CR_QNB / CR_QL < 2 ? CR_QNB / CR_QL : 2)
 
 /* the same lanes as plain vectors (GCC/Clang vector extensions) for the requantization */
 typedef int32_t cr_qi __attribute__((vector_size(CR_QL * 4)));
@@ -120,11 +165,16 @@ static inline int32_t cr_qload(const void *x, int is_signed, int64_t i) {
     return is_signed ? (int32_t)((const int8_t *)x)[i] : (int32_t)((const uint8_t *)x)[i];
 }
 
-/* saturate(rint(float32(acc) * multiplier) + zero_point) into the output type's range, for CR_QL sums at once:
- * clamping to the integer bounds before rounding gives the same integers as after, and keeps the rounding
+/* saturate(rint(float32(acc + bias) * multiplier) + zero_point) into the output type's range, CR_QL channels at
+ * once: clamping to the integer bounds before rounding gives the same integers as after, and keeps the rounding
  * trick's range. The product is rounded before the clamp reads it, so no multiply-add is fused. */
-static inline cr_qi cr_requantize(cr_qi acc, float multiplier, float zero_point, float lo, float hi) {
-    cr_qf v = __builtin_convertvector(acc, cr_qf) * multiplier;
+static inline cr_qi cr_requantize(cr_qi acc, const int32_t *bias, const float *multiplier, float zero_point,
+                                  float lo, float hi) {
+    cr_qi b;
+    cr_qf m;
+    memcpy(&b, bias, sizeof b);
+    memcpy(&m, multiplier, sizeof m);
+    cr_qf v = __builtin_convertvector(acc + b, cr_qf) * m;
     v = cr_qf_clamp(v, lo - zero_point, hi - zero_point);
     v = (v + CR_ROUNDER) - CR_ROUNDER;
     return __builtin_convertvector(v + zero_point, cr_qi);
@@ -135,63 +185,74 @@ static inline void cr_qstore(void *y, int is_signed, int64_t i, int32_t v) {
     else ((uint8_t *)y)[i] = (uint8_t)v;
 }
 
-/* where the requantized tile goes: y[m * m_stride + p * p_stride], channel m's bias, multiplier */
+/* where a group's requantized outputs go: y[m * m_stride + p * p_stride] for its `channels` channels, with their
+ * bias and multiplier (both padded to whole weight blocks) */
 typedef struct {
     void *y;
     int y_signed;
     float y_zero_point, lo, hi;
-    int64_t m_stride, p_stride;
+    int64_t m_stride, p_stride, channels;
     const int32_t *bias;
     const float *multiplier;
 } cr_qout;
 
-/* rows m0..m0+rows-1 of w [.., kpad] times the packed block (`count` pixels from pixel p0), requantized into out.
- * Missing rows (rows < CR_QMR) repeat the first row's weights and are not stored. */
-static void cr_qgemm_block(const int16_t *w, int64_t kpad, int64_t m0, int64_t rows, const int16_t *panel,
-                           int64_t p0, int64_t count, const cr_qout *out) {
-    const int64_t pairs = kpad / 2;
-    for (int64_t t = 0; t < count; t += CR_QNV * CR_QL) {
-        const int32_t *wr[CR_QMR];
-        for (int r = 0; r < CR_QMR; r++) wr[r] = (const int32_t *)(const void *)(w + (m0 + (r < rows ? r : 0)) * kpad);
-        cr_qv acc[CR_QMR][CR_QNV];
-        for (int r = 0; r < CR_QMR; r++)
-            for (int v = 0; v < CR_QNV; v++) acc[r][v] = cr_qv_zero();
-        const int16_t *b = panel + t * 2;
-        for (int64_t kp = 0; kp < pairs; kp++, b += CR_QNB * 2) {
-            for (int r = 0; r < CR_QMR; r++) {
-                int32_t pair;
-                memcpy(&pair, wr[r] + kp, sizeof pair);
-                cr_qv wv = cr_qv_splat(pair);
-                for (int v = 0; v < CR_QNV; v++) acc[r][v] = cr_qv_dot(acc[r][v], b + v * CR_QL * 2, wv);
-            }
+/* channels c0.. (CR_QCV vectors) of one weight block times pixels t.. of the packed activations (`count` valid
+ * in the block), requantized into out; pixels past count repeat the first and are not stored */
+static inline __attribute__((always_inline)) void cr_qgemm_tile(const void *wblock, int wide, int64_t c0,
+                                                                int64_t pairs, const int16_t *panel, int64_t p0,
+                                                                int64_t t, int64_t count, const cr_qout *out) {
+    cr_qv acc[CR_QPR][CR_QCV];
+    const int16_t *a[CR_QPR];
+    for (int r = 0; r < CR_QPR; r++) {
+        a[r] = panel + (t + r < count ? t + r : t) * 2;
+        for (int v = 0; v < CR_QCV; v++) acc[r][v] = cr_qv_zero();
+    }
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        cr_qw w[CR_QCV];
+        for (int v = 0; v < CR_QCV; v++) {
+            const int64_t at = kp * CR_QCB * 2 + (c0 + v * CR_QL) * 2;
+            w[v] = wide ? cr_qw_load16((const int16_t *)wblock + at) : cr_qw_load8((const int8_t *)wblock + at);
         }
-        int32_t sums[CR_QNV * CR_QL];
-        int64_t valid = count - t < CR_QNV * CR_QL ? count - t : CR_QNV * CR_QL;
-        for (int r = 0; r < rows; r++) {
-            int64_t m = m0 + r;
-            for (int v = 0; v < CR_QNV; v++) {
-                int32_t raw[CR_QL];
-                cr_qi lanes;
-                cr_qv_store(raw, acc[r][v]);
-                memcpy(&lanes, raw, sizeof lanes);
-                lanes = cr_requantize(lanes + out->bias[m], out->multiplier[m], out->y_zero_point, out->lo, out->hi);
-                memcpy(sums + v * CR_QL, &lanes, sizeof lanes);
-            }
-            int64_t at = m * out->m_stride + (p0 + t) * out->p_stride;
-            if (out->p_stride == 1 && !out->y_signed) {
-                uint8_t *y = (uint8_t *)out->y + at;
-                for (int64_t p = 0; p < valid; p++) y[p] = (uint8_t)sums[p];
-            } else {
-                for (int64_t p = 0; p < valid; p++) cr_qstore(out->y, out->y_signed, at + p * out->p_stride, sums[p]);
-            }
+        for (int r = 0; r < CR_QPR; r++) {
+            cr_qv x = cr_qv_splat(a[r] + kp * CR_QNB * 2);
+            for (int v = 0; v < CR_QCV; v++) acc[r][v] = cr_qv_dot(acc[r][v], w[v], x);
+        }
+    }
+    for (int r = 0; r < CR_QPR && t + r < count; r++) {
+        for (int v = 0; v < CR_QCV; v++) {
+            const int64_t m = c0 + v * CR_QL; /* the vector's first channel within the block */
+            int32_t raw[CR_QL];
+            cr_qi lanes;
+            cr_qv_store(raw, acc[r][v]);
+            memcpy(&lanes, raw, sizeof lanes);
+            lanes = cr_requantize(lanes, out->bias + m, out->multiplier + m, out->y_zero_point, out->lo, out->hi);
+            memcpy(raw, &lanes, sizeof lanes);
+            const int64_t valid = out->channels - m < CR_QL ? out->channels - m : CR_QL;
+            for (int64_t l = 0; l < valid; l++)
+                cr_qstore(out->y, out->y_signed, (m + l) * out->m_stride + (p0 + t + r) * out->p_stride, raw[l]);
         }
     }
 }
 
-static void cr_qgemm_rows(const int16_t *w, int64_t kpad, int64_t m_begin, int64_t m_end, const int16_t *panel,
-                          int64_t p0, int64_t count, const cr_qout *out) {
-    for (int64_t m = m_begin; m < m_end; m += CR_QMR)
-        cr_qgemm_block(w, kpad, m, m_end - m < CR_QMR ? m_end - m : CR_QMR, panel, p0, count, out);
+/* all channels of one group (blocks of CR_QCB, `pairs` pairs of k each) times the packed pixels p0..p0+count-1;
+ * out's y, bias and multiplier are at the group's first channel */
+static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *panel, int64_t p0, int64_t count,
+                     const cr_qout *out) {
+    const int64_t block_elements = pairs * CR_QCB * 2;
+    for (int64_t b = 0; b * CR_QCB < out->channels; b++) {
+        const void *wblock = wide ? (const void *)((const int16_t *)w + b * block_elements)
+                                  : (const void *)((const int8_t *)w + b * block_elements);
+        cr_qout block = *out;
+        block.y = (unsigned char *)out->y + b * CR_QCB * out->m_stride;
+        block.bias = out->bias + b * CR_QCB;
+        block.multiplier = out->multiplier + b * CR_QCB;
+        block.channels = out->channels - b * CR_QCB < CR_QCB ? out->channels - b * CR_QCB : CR_QCB;
+        for (int64_t c0 = 0; c0 < block.channels; c0 += CR_QCV * CR_QL)
+            for (int64_t t = 0; t < count; t += CR_QPR) {
+                if (wide) cr_qgemm_tile(wblock, 1, c0, pairs, panel, p0, t, count, &block);
+                else cr_qgemm_tile(wblock, 0, c0, pairs, panel, p0, t, count, &block);
+            }
+    }
 }
 
 /* -- QLinearConvExact ------------------------------------------------------------------------------------------- */
@@ -234,47 +295,51 @@ static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int
     }
 }
 
-/* y[n][m][oh][ow] for x [n][c][h][w] (uint8 or int8) and w [m][kpad] int16 (group-major rows, each group's
- * (c / groups) * kh * kw shifted weights padded to even); bias int32 [m], multiplier [m]; panel: the scratch of
- * kpad * CR_QNB int16 */
-static CR_UNUSED void cr_qconv2d(const void *x, int x_signed, int32_t x_zero_point, const int16_t *w,
+/* y[n][m][oh][ow] for x [n][c][h][w] (uint8 or int8). w: per group, its (m / groups) channels' shifted weights
+ * in blocks of CR_QCB channels, [block][k / 2][CR_QCB][2] over the group's k = (c / groups) * kh * kw padded to
+ * 2 * pairs, int8 (wide 0) or int16 (wide 1); bias int32 and multiplier per channel, each group's padded to whole
+ * blocks; panel: the scratch of 2 * pairs * CR_QNB int16 */
+static CR_UNUSED void cr_qconv2d(const void *x, int x_signed, int32_t x_zero_point, const void *w, int wide,
                                  const int32_t *bias, const float *multiplier, void *y, int y_signed,
                                  int32_t y_zero_point, int64_t n, int64_t c, int64_t h, int64_t wd, int64_t m,
                                  int64_t oh, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
-                                 int64_t dw, int64_t pt, int64_t pl, int64_t groups, int64_t kpad, int16_t *panel) {
-    const int64_t cg = c / groups, mg = m / groups, pixels = oh * ow;
-    cr_qout out = {0, y_signed, (float)y_zero_point, y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f,
-                   pixels, 1, bias, multiplier};
+                                 int64_t dw, int64_t pt, int64_t pl, int64_t groups, int64_t pairs, int16_t *panel) {
+    const int64_t cg = c / groups, mg = m / groups, pixels = oh * ow, padded = (mg + CR_QCB - 1) / CR_QCB * CR_QCB;
+    const int64_t group_elements = padded * pairs * 2;
     for (int64_t b = 0; b < n; b++) {
-        out.y = (unsigned char *)y + b * m * pixels;
         for (int64_t g = 0; g < groups; g++) {
             const void *xg = (const unsigned char *)x + (b * c + g * cg) * h * wd;
+            const void *wg = wide ? (const void *)((const int16_t *)w + g * group_elements)
+                                  : (const void *)((const int8_t *)w + g * group_elements);
+            cr_qout out = {(unsigned char *)y + (b * m + g * mg) * pixels, y_signed, (float)y_zero_point,
+                           y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, pixels, 1, mg,
+                           bias + g * padded, multiplier + g * padded};
             for (int64_t p0 = 0; p0 < pixels; p0 += CR_QNB) {
                 int64_t count = pixels - p0 < CR_QNB ? pixels - p0 : CR_QNB;
-                cr_qpack_conv(xg, x_signed, x_zero_point, cg, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl, kpad, p0,
-                              count, panel);
-                cr_qgemm_rows(w, kpad, g * mg, (g + 1) * mg, panel, p0, count, &out);
+                cr_qpack_conv(xg, x_signed, x_zero_point, cg, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl, 2 * pairs,
+                              p0, count, panel);
+                cr_qgemm(wg, wide, pairs, panel, p0, count, &out);
             }
         }
     }
 }
 
 /* -- QLinearMatMulExact ----------------------------------------------------------------------------------------- */
-/* y[r][n] for x [rows][k] (8-bit) and w [n][kpad] int16 (the weight [k][n] transposed, k padded to even) */
-static CR_UNUSED void cr_qmatmul(const void *x, int x_signed, int32_t x_zero_point, const int16_t *w,
+/* y[r][n] for x [rows][k] (8-bit) and the weight [k][n] as cr_qconv2d's one group of n channels */
+static CR_UNUSED void cr_qmatmul(const void *x, int x_signed, int32_t x_zero_point, const void *w, int wide,
                                  const int32_t *bias, const float *multiplier, void *y, int y_signed,
-                                 int32_t y_zero_point, int64_t rows, int64_t k, int64_t n, int64_t kpad,
+                                 int32_t y_zero_point, int64_t rows, int64_t k, int64_t n, int64_t pairs,
                                  int16_t *panel) {
-    cr_qout out = {y, y_signed, (float)y_zero_point, y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, 1, n,
+    cr_qout out = {y, y_signed, (float)y_zero_point, y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, 1, n, n,
                    bias, multiplier};
     for (int64_t p0 = 0; p0 < rows; p0 += CR_QNB) {
         int64_t count = rows - p0 < CR_QNB ? rows - p0 : CR_QNB;
-        memset(panel, 0, (size_t)(kpad * CR_QNB) * sizeof(int16_t));
+        memset(panel, 0, (size_t)(2 * pairs * CR_QNB) * sizeof(int16_t));
         for (int64_t p = 0; p < count; p++)
             for (int64_t j = 0; j < k; j++)
                 panel[(j / 2) * CR_QNB * 2 + p * 2 + (j & 1)] =
                     (int16_t)(cr_qload(x, x_signed, (p0 + p) * k + j) - x_zero_point);
-        cr_qgemm_rows(w, kpad, 0, n, panel, p0, count, &out);
+        cr_qgemm(w, wide, pairs, panel, p0, count, &out);
     }
 }
 
