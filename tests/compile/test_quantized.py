@@ -198,8 +198,25 @@ def test_rounding_ties_are_bit_exact(tmp_path):
     assert all(k in (tmp_path / "out" / "model.c").read_text() for k in ("cr_qconv2d(", "cr_qlinear_add_flat("))
     model = carrack.CompiledModel(tmp_path / "out")
     session = carrack.InferenceSession(str(path))
-    for rows, seed in ((1, 0), (3, 1)):
-        x = (np.random.default_rng(seed).integers(-24, 24, (rows, 2, 6, 6)) * 0.25).astype(np.float32)
-        want = session.run(None, {"x": x})[0]
+    for feed in _ties_feeds():
+        want = session.run(None, feed)[0]
         assert 0.1 < np.mean(np.abs(want) < 250)  # mostly inside the range: the roundings are not all saturated
-        np.testing.assert_array_equal(model.run(None, {"x": x})[0], want)
+        np.testing.assert_array_equal(model.run(None, feed)[0], want)
+
+
+@needs_wasm
+def test_rounding_ties_in_node_are_bit_exact(tmp_path):
+    path = tmp_path / "ties.onnx"
+    onnx.save(_ties_graph(), str(path))
+    compile_model(path, tmp_path / "out", "wasm32", max_dims={"n": 3})
+    feeds = _ties_feeds()
+    report = run_in_node(tmp_path / "out", tmp_path, feeds)
+    session = carrack.InferenceSession(str(path))
+    for feed, run in zip(feeds, report["runs"]):
+        want = session.run(None, feed)
+        np.testing.assert_array_equal(node_outputs(run, want)[0], want[0])
+
+
+def _ties_feeds() -> list[dict[str, np.ndarray]]:
+    return [{"x": (np.random.default_rng(seed).integers(-24, 24, (rows, 2, 6, 6)) * 0.25).astype(np.float32)}
+            for rows, seed in ((1, 0), (3, 1))]
