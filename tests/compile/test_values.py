@@ -347,3 +347,43 @@ def test_bert_in_node_equals_the_session(bert, tmp_path):
         np.testing.assert_allclose(node_outputs(run, want)[0], want[0], rtol=1e-5, atol=1e-5)
         assert all(run["variants"].values())
     assert "code 5: an index is out of range" in report["errors"]["out_of_range"]
+
+
+BERT_MAXIMA = {"batch": 3, "sequence": 12}
+
+
+def _bert_feeds_at_run_time_sizes() -> list[dict[str, np.ndarray]]:
+    """Several batch and sequence sizes within the maxima; the last row of each batch half padded, and one
+    sequence whose only token is masked (every key masked: the session's masked softmax gives zeros)."""
+    rng = np.random.default_rng(2)
+    out = []
+    for batch, length in ((1, 1), (2, 8), (3, 12), (1, 5)):
+        mask = np.ones((batch, length), np.int64)
+        mask[-1, length // 2:] = 0
+        out.append({"input_ids": rng.integers(0, 50, (batch, length)).astype(np.int64), "attention_mask": mask,
+                    "token_type_ids": rng.integers(0, 2, (batch, length)).astype(np.int64)})
+    return out
+
+
+@needs_compiler
+def test_bert_with_run_time_batch_and_sequence(bert, tmp_path):
+    """With --max-dim the position ids are a Slice and the mask chain Ranges (and GatherND indices) computed from
+    the run-time sequence length."""
+    compile_model(bert, tmp_path, "native", max_dims=BERT_MAXIMA)
+    source = (tmp_path / "model.c").read_text()
+    assert "cr_range(" in source and "cr_slice(" in source
+    model = carrack.CompiledModel(tmp_path)
+    session = carrack.InferenceSession(str(bert))
+    for feed in _bert_feeds_at_run_time_sizes():
+        np.testing.assert_allclose(model.run(None, feed)[0], session.run(None, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_wasm
+def test_bert_with_run_time_sizes_in_node(bert, tmp_path):
+    compile_model(bert, tmp_path / "out", "wasm32", max_dims=BERT_MAXIMA)
+    feeds = _bert_feeds_at_run_time_sizes()
+    report = run_in_node(tmp_path / "out", tmp_path, feeds)
+    session = carrack.InferenceSession(str(bert))
+    for feed, run in zip(feeds, report["runs"]):
+        want = session.run(None, feed)
+        np.testing.assert_allclose(node_outputs(run, want)[0], want[0], rtol=1e-5, atol=1e-5)

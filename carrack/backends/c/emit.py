@@ -109,6 +109,7 @@ class _Emitter:
     missing: list[tuple[str, str]] = field(default_factory=list)
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # Constant nodes' values
     failing_steps: set[str] = field(default_factory=set)  # steps that may set run_status (an index out of range)
+    facts: dict = field(default_factory=dict)  # shape inference's facts at the fixed dims
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -193,6 +194,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     _check_symbols(plan, fixed, maxima)
     em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
     facts = plan.facts(fixed)
+    em.facts = facts
     graph = plan.graph
     em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
@@ -397,9 +399,10 @@ def _require_known(em: _Emitter, names) -> None:
     """Inputs of any element type must have been produced (or be constants of a compiled type)."""
     for name in names:
         if name and name not in em.values:
-            if any(d.name == name for d in em.plan.derived):
-                raise _Unsupported(f"input '{name}' is shape arithmetic computed from the dims at run time")
-            raise _Skipped()  # its producer is listed already
+            derived = next((d for d in em.plan.derived if d.name == name), None)
+            if derived is None:
+                raise _Skipped()  # its producer is listed already
+            _materialize_derived(em, derived)
         if name and em.values[name].dtype not in C_TYPES:
             raise _Unsupported(f"input '{name}' has element type {em.values[name].dtype}")
 
@@ -1219,7 +1222,7 @@ def _emit_gather_nd(em, step, node, shapes, out_shape):
         raise _Unsupported("batch_dims other than 0")
     index_array = _const(em, indices)
     if index_array is None:
-        raise _Unsupported("indices computed at run time (only constant indices are compiled)")
+        return _emit_gather_nd_runtime(em, step, node, shapes, out_shape)
     data_shape = _shape_of(em, data, shapes)
     depth = index_array.shape[-1]
     leading = data_shape[:depth]
@@ -1572,3 +1575,102 @@ _QUANT_EMITTERS = {("carrack", "QLinearConvExact"): _emit_qconv, ("carrack", "QL
                    **{(d, "QuantizeLinear"): _emit_quantize for d in ("", "com.microsoft")},
                    **{(d, "DequantizeLinear"): _emit_dequantize for d in ("", "com.microsoft")}}
 _ANY_TYPE_EMITTERS |= {*_QUANT_EMITTERS.values(), _emit_qmaxpool}
+
+
+# values computed from the run-time dims (shape arithmetic): Range, Slice and GatherND over them -------------------
+
+def _materialize_derived(em: _Emitter, derived) -> None:
+    """A value the plan computes from the dims alone (a sequence length, a shape), written into the arena by a
+    first step from the run-time dims, for a kernel that reads it as data."""
+    dtype = _dtype_of_array(np.empty(0, derived.dtype)) or "int64"
+    size = max(1, len(derived.values)) * _itemsize(dtype)
+    em.extra_blocks.append(Block(derived.name, size, 0, _last_use(em, derived.name, 0)))
+    index = len(em.plan.arena.blocks if em.plan.arena else ()) + len(em.extra_blocks) - 1
+    c_type = C_TYPES[dtype][0]
+    pointer = f"({c_type} *)(r->arena + r->off[{index}])"
+    em.values[derived.name] = _Value(derived.name, tuple(derived.shape), pointer, dtype)
+    body = [f"{c_type} *v = {pointer};"]
+    body += [f"v[{k}] = ({c_type})({em.c_dim(d)});" for k, d in enumerate(derived.values)]
+    function = f"derived_{len([f for f, _, _ in em.steps if f.startswith('derived_')]):03d}_{_identifier(derived.name)}"
+    em.steps.insert(0, (function[:80], f"{derived.name}: computed from the run-time dims", body))
+
+
+def _dims_of(em: _Emitter, name: str) -> list[DimLike] | None:
+    """A small integer value as dims (ints, or expressions of the run-time symbols): a constant, a value the plan
+    derives from the dims, or one shape inference knows."""
+    array = _const(em, name)
+    if array is not None:
+        return [int(v) for v in np.asarray(array).reshape(-1)] if np.asarray(array).dtype.kind in "iu" else None
+    derived = next((d for d in em.plan.derived if d.name == name), None)
+    if derived is not None:
+        return list(derived.values)
+    fact = em.facts.get(name)
+    if fact is not None and fact.value is not None and fact.value.dtype.kind in "iuO":
+        return list(fact.value.reshape(-1))
+    return None
+
+
+def _emit_range(em, step, node, shapes, out_shape):
+    parts = [_dims_of(em, name) for name in node.inputs[:3]]
+    if any(p is None or len(p) != 1 for p in parts):
+        raise _Unsupported("start, limit and delta that are not known from the dims")
+    dtype = ELEMENT_TYPES.get(em.facts[node.outputs[0]].elem_type)
+    if dtype is None or dtype == "bool":
+        raise _Unsupported(f"a Range of element type {em.facts[node.outputs[0]].elem_type}")
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    start, delta = parts[0][0], parts[2][0]
+    return [f"cr_range({y.pointer}, {C_TYPES[dtype][1]}, (double)({em.c_dim(start)}), (double)({em.c_dim(delta)}), "
+            f"{em.c_dim(out_shape[0])});"]
+
+
+def _emit_slice(em, step, node, shapes, out_shape):
+    """Slice with starts, axes and steps known from the dims (ends only size the output, which facts give)."""
+    x = node.inputs[0]
+    _require_known(em, [x])
+    x_shape = _shape_of(em, x, shapes)
+    rank = len(x_shape)
+    if rank > MAX_RANK or "starts" in node.attrs:
+        raise _Unsupported("Slice of rank above 6 or with attribute starts (opset < 10)")
+    starts = _dims_of(em, node.inputs[1])
+    axes = _dims_of(em, node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else list(range(len(starts or [])))
+    steps = _dims_of(em, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1] * len(axes or [])
+    if starts is None or axes is None or steps is None or not all(isinstance(a, int) for a in axes) \
+            or not all(isinstance(s, int) and s != 0 for s in steps):
+        raise _Unsupported("starts, axes or steps that are not known from the dims")
+    full_starts: list[DimLike] = [0] * rank
+    full_steps = [1] * rank
+    for axis, start, stride in zip(axes, starts, steps):
+        full_starts[axis % rank], full_steps[axis % rank] = start, stride
+    pad = MAX_RANK - rank
+    dtype = em.values[x].dtype
+    lines = [_c_array(em, "x_shape", [1] * pad + list(x_shape)), _c_array(em, "starts", [0] * pad + full_starts),
+             _c_array(em, "steps", [1] * pad + full_steps), _c_array(em, "shape", _padded_shape(out_shape))]
+    px = _pointer(em, x)
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    return lines + [f"cr_slice({px}, x_shape, starts, steps, {y.pointer}, shape, {_itemsize(dtype)});"]
+
+
+def _emit_gather_nd_runtime(em, step, node, shapes, out_shape):
+    """GatherND whose indices are computed at run time (int64, batch_dims 0): out-of-range indices stop the run."""
+    data, indices = node.inputs[:2]
+    _require_known(em, [data, indices])
+    if em.values[indices].dtype != "int64" or int(node.attrs.get("batch_dims", 0)):
+        raise _Unsupported("indices that are not int64, or batch_dims other than 0")
+    index_shape = _shape_of(em, indices, shapes)
+    depth = index_shape[-1]
+    if not isinstance(depth, int):
+        raise _Unsupported("an index depth that is a run-time dim")
+    data_shape = _shape_of(em, data, shapes)
+    dtype = em.values[data].dtype
+    chunk = symbolic.mul(_elements(data_shape[depth:]), _itemsize(dtype))
+    y = _output_value(em, step, node.outputs[0], out_shape, dtype)
+    return [_c_array(em, "lead", list(data_shape[:depth]) or [1]),
+            f"if (cr_gather_nd({_pointer(em, data)}, lead, {depth}, {_pointer(em, indices)}, "
+            f"{em.c_dim(_elements(index_shape[:-1]))}, {em.c_dim(chunk)}, {y.pointer})) {{",
+            "    run_status = 5;",
+            "    return;",
+            "}"]
+
+
+_ALWAYS_TYPED.update({"Range": _emit_range, "Slice": _emit_slice})
+_ANY_TYPE_EMITTERS |= {_emit_range, _emit_slice, _emit_gather_nd_runtime}

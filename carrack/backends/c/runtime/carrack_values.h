@@ -199,4 +199,53 @@ static CR_UNUSED void cr_concat_bytes(const void *x, void *y, int64_t outer, int
         memcpy((unsigned char *)y + o * whole + offset, (const unsigned char *)x + o * part, (size_t)part);
 }
 
+/* GatherND (batch_dims 0): each of `count` index tuples of `depth` int64 picks one chunk of data [lead dims...,
+ * chunk bytes]; negative indices count from the end. Returns 1, before writing anything, when an index is out of
+ * range. */
+static CR_UNUSED int cr_gather_nd(const void *data, const int64_t *lead, int depth, const int64_t *indices,
+                                  int64_t count, int64_t chunk_bytes, void *y) {
+    for (int64_t t = 0; t < count * depth; t++) {
+        int64_t size = lead[t % depth], i = indices[t];
+        if (i < -size || i >= size) return 1;
+    }
+    for (int64_t t = 0; t < count; t++) {
+        int64_t flat = 0;
+        for (int d = 0; d < depth; d++) {
+            int64_t i = indices[t * depth + d];
+            flat = flat * lead[d] + (i < 0 ? i + lead[d] : i);
+        }
+        memcpy((unsigned char *)y + t * chunk_bytes, (const unsigned char *)data + flat * chunk_bytes,
+               (size_t)chunk_bytes);
+    }
+    return 0;
+}
+
+/* Range: y[i] = start + i * delta for i < count, in y's type */
+static CR_UNUSED void cr_range(void *y, int type, double start, double delta, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        if (type == CR_F32) ((float *)y)[i] = (float)(start + (double)i * delta);
+        else cr_set(y, type, i, 0, 0.0, (int64_t)start + i * (int64_t)delta);
+    }
+}
+
+/* Slice over 6 dims: starts as given to the op (negative from the end, clamped like numpy's), steps nonzero;
+ * y's shape is the op's output shape (the caller's), elements of `bytes` bytes */
+static CR_UNUSED void cr_slice(const void *x, const int64_t *x_shape, const int64_t *starts, const int64_t *steps,
+                               void *y, const int64_t *shape, int bytes) {
+    int64_t offset = 0, step_strides[CR_RANK], stride = 1;
+    for (int d = CR_RANK - 1; d >= 0; d--) {
+        int64_t start = starts[d], size = x_shape[d];
+        if (start < 0) start += size;
+        if (steps[d] > 0) start = start < 0 ? 0 : start > size ? size : start;
+        else start = start < -1 ? -1 : start > size - 1 ? size - 1 : start;
+        offset += start * stride;
+        step_strides[d] = steps[d] * stride;
+        stride *= size;
+    }
+    const int64_t *walk_strides[1] = {step_strides};
+    cr_walk w = {{0}, {offset}};
+    int64_t n = cr_count(shape);
+    for (int64_t k = 0; k < n; k++, cr_walk_next(&w, shape, walk_strides, 1)) cr_copy_element(y, k, x, w.offset[0], bytes);
+}
+
 #endif
