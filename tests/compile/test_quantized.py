@@ -59,7 +59,7 @@ class _Images:
         return next(self.batches, None)
 
 
-def _quantized_cnn(directory, activation: str, weight: str = "int8"):
+def _quantized_cnn(directory, activation: str, weight: str = "int8", per_channel: bool = False):
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -76,12 +76,15 @@ def _quantized_cnn(directory, activation: str, weight: str = "int8"):
         quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
         quantize_static(str(prepared), str(target), _Images(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8 if activation == "uint8" else QuantType.QInt8,
-                        weight_type=QuantType.QInt8 if weight == "int8" else QuantType.QUInt8)
+                        weight_type=QuantType.QInt8 if weight == "int8" else QuantType.QUInt8,
+                        per_channel=per_channel)
     return target
 
 
-#: activation and weight types: uint8 weights with a zero point shift to int16 (the kernels' wide weights)
-TYPES = {"uint8": ("uint8", "int8"), "int8": ("int8", "int8"), "uint8_weights": ("uint8", "uint8")}
+#: activation and weight types (per-channel weight scales or not): uint8 weights with a zero point shift to int16
+#: (the kernels' wide weights)
+TYPES = {"uint8": ("uint8", "int8"), "int8": ("int8", "int8"), "uint8_weights": ("uint8", "uint8"),
+         "per_channel": ("uint8", "int8", True)}
 
 
 @pytest.fixture(scope="module", params=list(TYPES))
