@@ -9,12 +9,15 @@
  *   cr_qlinear_add           QLinearAdd: rint(a * ka + b * kb + offset) in float32 in exactly this order.
  *   cr_qmaxpool2d            MaxPool over 8-bit planes (padding never wins).
  *
- * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes: one
- * instruction per pair on every target with vectors (WebAssembly SIMD128 i32x4.dot_i16x8_s, AVX-512BW and AVX2
- * vpmaddwd, SSE2 pmaddwd) and a plain C loop elsewhere; integer sums are exact, so every target gives the same
- * bytes. Activations are packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for
- * convolutions, a transpose for matrix products) into a scratch block of the arena. The float steps round once
- * per operation as numpy does: no contraction into fused multiply-adds (which -ffp-contract=fast would allow).
+ * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes, one lane
+ * per output channel: one instruction per pair on every target with vectors (WebAssembly SIMD128
+ * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd) and a plain C loop elsewhere; integer sums are
+ * exact, so every target gives the same bytes. Weights are stored as int8 (int16 when a shifted weight needs it)
+ * in blocks of CR_QCB output channels, [block][k / 2][channel][2], widened as they are loaded. Activations are
+ * packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for convolutions, a transpose for
+ * matrix products) into a scratch block of the arena, and one pixel's pair is splat across the lanes. The float
+ * steps round once per operation as numpy does: no contraction into fused multiply-adds (which
+ * -ffp-contract=fast would allow).
  */
 #ifndef CARRACK_QUANT_H
 #define CARRACK_QUANT_H
