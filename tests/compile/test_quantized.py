@@ -223,3 +223,49 @@ def test_rounding_ties_in_node_are_bit_exact(tmp_path):
 def _ties_feeds() -> list[dict[str, np.ndarray]]:
     return [{"x": (np.random.default_rng(seed).integers(-24, 24, (rows, 2, 6, 6)) * 0.25).astype(np.float32)}
             for rows, seed in ((1, 0), (3, 1))]
+
+
+def _broadcast_add_graph() -> onnx.ModelProto:
+    """QLinearAdd of an activation [n, 4, 3, 3] and a quantized constant per channel [1, 4, 1, 1] (broadcast), with
+    scales that make ties (x / 0.5 of quarter values, ka = 0.25, kb = 0.125)."""
+    inits = [numpy_helper.from_array(a, n) for a, n in (
+        (np.array(0.5, np.float32), "s"), (np.array(128, np.uint8), "zp"),
+        (np.arange(4, dtype=np.uint8).reshape(1, 4, 1, 1) * 40 + 10, "b_q"), (np.array(0.25, np.float32), "bs"),
+        (np.array(2.0, np.float32), "s2"))]
+    N = helper.make_node  # noqa: N806 - short, for the node list
+    nodes = [N("QuantizeLinear", ["x", "s", "zp"], ["xq"]), N("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
+             N("DequantizeLinear", ["b_q", "bs", "zp"], ["bd"]), N("Add", ["xd", "bd"], ["sum"]),
+             N("QuantizeLinear", ["sum", "s2", "zp"], ["sq"]), N("DequantizeLinear", ["sq", "s2", "zp"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 3, 3])
+    g = helper.make_graph(nodes, "broadcast_add", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _check_broadcast_add(tmp_path, target: str) -> None:
+    path = tmp_path / "broadcast_add.onnx"
+    onnx.save(_broadcast_add_graph(), str(path))
+    compile_model(path, tmp_path / "out", target, max_dims={"n": 3})
+    assert "cr_qlinear_add(" in (tmp_path / "out" / "model.c").read_text()
+    feeds = [{"x": (np.random.default_rng(n).integers(-40, 40, (n, 4, 3, 3)) * 0.25).astype(np.float32)}
+             for n in (1, 3)]
+    session = carrack.InferenceSession(str(path))
+    wants = [session.run(None, feed) for feed in feeds]
+    if target == "native":
+        model = carrack.CompiledModel(tmp_path / "out")
+        got = [model.run(None, feed)[0] for feed in feeds]
+    else:
+        report = run_in_node(tmp_path / "out", tmp_path, feeds)
+        got = [node_outputs(run, want)[0] for run, want in zip(report["runs"], wants)]
+    for g, want in zip(got, wants):
+        np.testing.assert_array_equal(g, want[0])
+
+
+@needs_compiler
+def test_broadcast_qlinear_add_is_bit_exact(tmp_path):
+    _check_broadcast_add(tmp_path, "native")
+
+
+@needs_wasm
+def test_broadcast_qlinear_add_in_node_is_bit_exact(tmp_path):
+    _check_broadcast_add(tmp_path, "wasm32")
