@@ -401,3 +401,29 @@ def _qlinear_matmul_shape(node: Node, ins: list[Fact], version: int) -> list[Fac
 def _qlinear_conv_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
     fact = shape_rules.conv_rule(node, ins, version)[0]
     return [tensor_fact(ins[4].elem_type, fact.shape)]
+
+
+@rule("QuantizeLinear")
+@rule("QuantizeLinear", domain=MS)
+def _quantize_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    """x's shape; the zero point's type, else output_dtype's, else uint8."""
+    if len(ins) > 2 and ins[2].elem_type:
+        elem_type = ins[2].elem_type
+    else:
+        elem_type = int(node.attrs.get("output_dtype", 0)) or 2  # TensorProto.UINT8
+    return [tensor_fact(elem_type, ins[0].shape)]
+
+
+@rule("DequantizeLinear")
+@rule("DequantizeLinear", domain=MS)
+def _dequantize_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    """x's shape; the scale's float type (or output_dtype)."""
+    elem_type = int(node.attrs.get("output_dtype", 0)) or ins[1].elem_type
+    return [tensor_fact(elem_type, ins[0].shape)]
+
+
+@rule("QLinearAdd", domain=MS)
+def _qlinear_add_shape(node: Node, ins: list[Fact], version: int) -> list[Fact]:
+    """A and B broadcast; C's zero point type, else A's."""
+    elem_type = ins[7].elem_type if len(ins) > 7 and ins[7].elem_type else ins[0].elem_type
+    return [tensor_fact(elem_type, shape_rules.broadcast_shapes(ins[0].shape, ins[3].shape))]

@@ -64,3 +64,26 @@ def test_bad_entries_are_named(exported):
         carrack.InferenceSession(str(path), _options(max_dims="batch:4"))
     with pytest.raises(CompileError, match="batch"):
         carrack.InferenceSession(str(path), _options(max_dims=""))
+
+
+def test_integer_inputs_run_on_the_library():
+    """Feeds of int64, bool, uint8, int8 and int32 (each input's own type) go to the library; a float64 feed for an
+    int64 input does not fit it and runs on the program, which names the type."""
+    from tests.compile.test_values import _integer_feeds, _integer_graph
+
+    model = _integer_graph().SerializeToString()
+    session = carrack.InferenceSession(model, _options(max_dims="n=5"))
+    plain = carrack.InferenceSession(model)
+    calls = []
+    run = session._compiled.run
+    session._compiled.run = lambda feed: calls.append(1) or run(feed)
+    for rows in (1, 4):
+        feed = _integer_feeds(rows, rows)
+        for got, want in zip(session.run(None, feed), plain.run(None, feed)):
+            np.testing.assert_array_equal(got, want)
+    assert len(calls) == 2
+    feed = _integer_feeds(2, 0)
+    feed["ids"] = feed["ids"].astype(np.float64)
+    with pytest.raises(InvalidArgument, match="ids"):
+        session.run(None, feed)
+    assert len(calls) == 2

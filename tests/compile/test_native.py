@@ -165,13 +165,13 @@ def test_unsupported_operators_are_listed_at_once(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_non_float_inputs_are_named(tmp_path):
-    graph = helper.make_graph([helper.make_node("Cast", ["ids"], ["y"], to=TensorProto.FLOAT)], "g",
-                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+def test_inputs_of_other_element_types_are_named(tmp_path):
+    graph = helper.make_graph([helper.make_node("Cast", ["values"], ["y"], to=TensorProto.FLOAT)], "g",
+                              [helper.make_tensor_value_info("values", TensorProto.DOUBLE, [3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
-    path = tmp_path / "ids.onnx"
+    path = tmp_path / "values.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    with pytest.raises(UnsupportedOperators, match="'ids'.*only float32"):
+    with pytest.raises(UnsupportedOperators, match="'values' \\(element type 11\\).*only float32, int64"):
         compile_model(path, tmp_path / "out", "native")
 
 
@@ -303,7 +303,7 @@ class _ClassToken(torch.nn.Module):
 
 def test_nodes_known_at_the_fixed_dims_are_folded(tmp_path):
     """The token's Expand to the batch (shape arithmetic from a symbolic dim) is evaluated at compile time when the
-    batch is fixed, and listed as unsupported when the batch is a run-time dim."""
+    batch is fixed, and runs as a step when the batch is a run-time dim."""
     torch.manual_seed(0)
     path = tmp_path / "class_token.onnx"
     torch.onnx.export(_ClassToken().eval(), (torch.randn(2, 5, 40),), str(path), input_names=["x"],
@@ -314,5 +314,11 @@ def test_nodes_known_at_the_fixed_dims_are_folded(tmp_path):
     for length in (1, 7):
         feed = {"x": np.random.default_rng(length).standard_normal((2, length, 40)).astype(np.float32)}
         np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-5)
-    with pytest.raises(UnsupportedOperators, match="Expand"):
-        compile_model(path, tmp_path / "dynamic", "native", max_dims={"batch": 2, "sequence": 7})
+    # with the batch a run-time dim, the Expand is a step (cr_expand over the run-time shape) instead
+    compile_model(path, tmp_path / "dynamic", "native", max_dims={"batch": 2, "sequence": 7})
+    assert "cr_expand(" in (tmp_path / "dynamic" / "model.c").read_text()
+    assert "cr_expand(" not in (tmp_path / "fixed" / "model.c").read_text()
+    model = carrack.CompiledModel(tmp_path / "dynamic")
+    for batch, length in ((1, 1), (2, 7), (1, 4)):
+        feed = {"x": np.random.default_rng(length).standard_normal((batch, length, 40)).astype(np.float32)}
+        np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from carrack.backends.c.emit import RUNTIME_HEADER, Emitted, emit, manifest_json
+from carrack.backends.c.emit import C_TYPES, QUANT_HEADER, RUNTIME_HEADER, VALUES_HEADER, Emitted, emit, manifest_json
 from carrack.errors import CarrackError
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
@@ -80,10 +80,13 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
 def write_sources(emitted: Emitted, out: Path) -> list[str]:
     (out / "model.c").write_text(emitted.source)
     shutil.copyfile(RUNTIME_DIR / RUNTIME_HEADER, out / RUNTIME_HEADER)
+    shutil.copyfile(RUNTIME_DIR / VALUES_HEADER, out / VALUES_HEADER)
+    shutil.copyfile(RUNTIME_DIR / QUANT_HEADER, out / QUANT_HEADER)
     shutil.copyfile(ACTIVATIONS_HEADER, out / ACTIVATIONS_HEADER.name)
     (out / "weights.bin").write_bytes(emitted.weights)
     (out / "model.json").write_text(manifest_json(emitted.manifest))
-    return ["model.c", RUNTIME_HEADER, ACTIVATIONS_HEADER.name, "weights.bin", "model.json"]
+    headers = [RUNTIME_HEADER, VALUES_HEADER, QUANT_HEADER, ACTIVATIONS_HEADER.name]
+    return ["model.c", *headers, "weights.bin", "model.json"]
 
 
 def native_compiler() -> list[str]:
@@ -120,7 +123,8 @@ def _build_native(compiler: list[str], out: Path, arch: str = "native") -> str:
 def wasm_memory_bytes(emitted: Emitted) -> int:
     """The module's whole memory: weights, arena, input and output areas at the maxima, stack and slack."""
     manifest = emitted.manifest
-    areas = sum(4 * max(1, e["max_elements"]) + 64 for e in manifest["inputs"] + manifest["outputs"])
+    areas = sum(C_TYPES[e["dtype"]][2] * max(1, e["max_elements"]) + 64
+                for e in manifest["inputs"] + manifest["outputs"])
     total = manifest["weights"]["bytes"] + 64 + manifest["arena_capacity"] + 64 + areas + WASM_STACK + WASM_SLACK
     return (total + WASM_PAGE - 1) // WASM_PAGE * WASM_PAGE
 

@@ -1,7 +1,8 @@
 """`carrack.CompiledModel(DIR)`: a model built by ``carrack compile --target native``, run with the session's API.
 
 Inputs are accepted in any layout numpy can describe (any alignment, strides or byte order): each is copied into
-a 64-byte-aligned, C-ordered, native-endian float32 buffer when it is not one already. The run-time dims are read
+a 64-byte-aligned, C-ordered, native-endian buffer of its element type (float32, int64, int32, int16, bool, uint8, int8)
+when it is not one already. The run-time dims are read
 from the inputs' shapes and checked against the declared maxima before the library is called.
 """
 
@@ -22,6 +23,11 @@ from carrack.errors import CarrackError, InvalidArgument, RunFailure
 ALIGNMENT = 64
 #: the most dims an input or output of a compiled model may have (the C API's shape buffers)
 MAX_RANK_IO = 16
+#: the manifest's element types: numpy dtype and the session's type string
+DTYPES = {"float32": (np.dtype("=f4"), "tensor(float)"), "int64": (np.dtype("=i8"), "tensor(int64)"),
+          "int32": (np.dtype("=i4"), "tensor(int32)"), "bool": (np.dtype("bool"), "tensor(bool)"),
+          "uint8": (np.dtype("u1"), "tensor(uint8)"), "int8": (np.dtype("i1"), "tensor(int8)"),
+          "int16": (np.dtype("=i2"), "tensor(int16)")}
 
 
 def aligned_empty(count: int, dtype: np.dtype, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -68,7 +74,8 @@ class IOInfo:
     def __init__(self, entry: Mapping[str, Any]):
         self.name: str = entry["name"]
         self.shape: list[int | str] = list(entry["shape"])
-        self.type = "tensor(float)"
+        self.dtype: str = entry.get("dtype", "float32")
+        self.type = DTYPES[self.dtype][1]
 
     def __repr__(self) -> str:
         return f"IOInfo(name={self.name!r}, type={self.type!r}, shape={self.shape})"
@@ -123,7 +130,8 @@ class CompiledModel:
         for k in range(len(self._outputs)):
             rank = self._lib.model_output_shape(k, dims.ctypes.data, shape.ctypes.data)
             dims_k = tuple(int(d) for d in shape[:rank])
-            outputs.append(aligned_empty(int(np.prod(dims_k)), np.float32).reshape(dims_k))
+            dtype = DTYPES[self._outputs[k].dtype][0]
+            outputs.append(aligned_empty(int(np.prod(dims_k)), dtype).reshape(dims_k))
         in_pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[b.ctypes.data for b in buffers])
         out_pointers = (ctypes.c_void_p * max(1, len(outputs)))(*[o.ctypes.data for o in outputs])
         with self._lock:  # one static arena per library
@@ -141,10 +149,11 @@ class CompiledModel:
 
     def _input_buffer(self, info: IOInfo, feed: Mapping[str, Any], sizes: dict[str, int]) -> np.ndarray:
         if info.name not in feed:
-            raise InvalidArgument(f"CompiledModel.run: missing input '{info.name}' (float32 {info.shape})")
+            raise InvalidArgument(f"CompiledModel.run: missing input '{info.name}' ({info.dtype} {info.shape})")
         value = np.asarray(feed[info.name])
-        if value.dtype.kind != "f" or value.dtype.itemsize != 4:
-            raise InvalidArgument(f"CompiledModel.run: input '{info.name}' must be float32, got {value.dtype}")
+        expected = DTYPES[info.dtype][0]
+        if value.dtype.newbyteorder("=") != expected:
+            raise InvalidArgument(f"CompiledModel.run: input '{info.name}' must be {info.dtype}, got {value.dtype}")
         if value.ndim != len(info.shape):
             raise InvalidArgument(f"CompiledModel.run: input '{info.name}' must have rank {len(info.shape)} "
                                   f"(shape {info.shape}), got shape {list(value.shape)}")
@@ -163,10 +172,10 @@ class CompiledModel:
             if not 1 <= got <= self._maxima[want]:
                 raise InvalidArgument(f"CompiledModel.run: input '{info.name}' dim {axis} ('{want}') must be in "
                                       f"1..{self._maxima[want]} (its declared maximum), got {got}")
-        ready = (value.dtype == np.dtype("=f4") and value.flags.c_contiguous
+        ready = (value.dtype == expected and value.flags.c_contiguous
                  and value.ctypes.data % ALIGNMENT == 0)
         if ready:
             return value
-        buffer = aligned_empty(value.size, np.float32).reshape(value.shape)
+        buffer = aligned_empty(value.size, expected).reshape(value.shape)
         buffer[...] = value  # any strides or byte order, converted in the copy
         return buffer

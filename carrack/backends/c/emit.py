@@ -32,6 +32,10 @@ from carrack.plan import Plan
 from carrack.plan.arena import ALIGNMENT, Block, align, order_blocks
 
 RUNTIME_HEADER = "carrack_rt.h"
+#: the kernels for values of any element type (integers, bools), beside carrack_rt.h
+VALUES_HEADER = "carrack_values.h"
+#: the integer kernels of quantized models (QLinearConvExact, QuantizeLinear, ...), beside them
+QUANT_HEADER = "carrack_quant.h"
 #: output channels per group from which a convolution is vectorized over its channels rather than its pixels
 CHANNEL_VECTORIZED_MIN = 16
 #: output rows shorter than this (or strided, or of run-time length) are not what a convolution vectorizes over
@@ -42,7 +46,13 @@ MAX_RANK = 6
 
 #: error codes of model_run, as the manifest tells the loaders
 RUN_ERRORS = {1: "model_init was not called", 2: "a dim is outside 1..its declared maximum",
-              3: "the arena is too small for these dims"}
+              3: "the arena is too small for these dims",
+              5: "an index is out of range (Gather: each index must be in -size..size-1 of its axis)"}
+#: the element types a compiled value may have: ONNX element type -> name, and name -> (C type, cr_type, bytes)
+ELEMENT_TYPES = {1: "float32", 7: "int64", 6: "int32", 9: "bool", 2: "uint8", 3: "int8", 5: "int16"}
+C_TYPES = {"float32": ("float", "CR_F32", 4), "int64": ("int64_t", "CR_I64", 8), "int32": ("int32_t", "CR_I32", 4),
+           "bool": ("uint8_t", "CR_BOOL", 1), "uint8": ("uint8_t", "CR_U8", 1), "int8": ("int8_t", "CR_I8", 1),
+           "int16": ("int16_t", "CR_I16", 2)}
 
 _ACTIVATIONS = {"": "CR_ACT_NONE", "Relu": "CR_ACT_RELU", "Clip": "CR_ACT_CLIP", "LeakyRelu": "CR_ACT_LEAKY",
                 "Sigmoid": "CR_ACT_SIGMOID", "Tanh": "CR_ACT_TANH", "HardSigmoid": "CR_ACT_HARDSIGMOID",
@@ -81,7 +91,8 @@ class Emitted:
 class _Value:
     name: str
     shape: tuple[DimLike, ...]
-    pointer: str  # C expression of its float pointer
+    pointer: str  # C expression of its typed pointer (float * for float32)
+    dtype: str = "float32"
 
 
 @dataclass
@@ -97,6 +108,8 @@ class _Emitter:
     extra_blocks: list[Block] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # Constant nodes' values
+    failing_steps: set[str] = field(default_factory=set)  # steps that may set run_status (an index out of range)
+    facts: dict = field(default_factory=dict)  # shape inference's facts at the fixed dims
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -139,6 +152,31 @@ class _Emitter:
             self.weights.extend(data)
         return f"(const float *)(r->weights + {self.weight_offsets[name]})"
 
+    def typed_constant(self, name: str, array: np.ndarray, dtype: str) -> str:
+        """The weights-file pointer of a constant stored as `dtype` (a bool as one byte, 0 or 1)."""
+        if dtype == "float32":
+            return self.constant(name, array)
+        if name not in self.weight_offsets:
+            data = np.ascontiguousarray(array).astype(_numpy_dtype(dtype)).tobytes()
+            self.weights.extend(b"\0" * (align(len(self.weights)) - len(self.weights)))
+            self.weight_offsets[name] = len(self.weights)
+            self.weights.extend(data)
+        return f"(const {C_TYPES[dtype][0]} *)(r->weights + {self.weight_offsets[name]})"
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    return np.dtype("u1") if dtype == "bool" else np.dtype(dtype).newbyteorder("<")
+
+
+def _dtype_of_array(array: np.ndarray) -> str | None:
+    """The compiled element type of a constant's numpy dtype (None: not compiled)."""
+    name = "bool" if array.dtype == np.bool_ else array.dtype.name
+    return name if name in C_TYPES else None
+
+
+def _itemsize(dtype: str) -> int:
+    return C_TYPES[dtype][2]
+
 
 def _symbol_macro(name: str) -> str:
     return "S_" + _identifier(name)
@@ -156,6 +194,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     _check_symbols(plan, fixed, maxima)
     em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
     facts = plan.facts(fixed)
+    em.facts = facts
     graph = plan.graph
     em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
@@ -171,13 +210,12 @@ def _copy_unwritten_outputs(em: _Emitter) -> None:
     """Outputs no step wrote into the caller's buffer (an input or a constant passed through) are copied there."""
     for k, v in enumerate(em.plan.graph.outputs):
         value = em.values.get(v.name)
-        target = f"(float *)r->out[{k}]"
-        if value is None or value.pointer == target:
+        if value is None or value.pointer == f"({C_TYPES[value.dtype][0]} *)r->out[{k}]":
             continue
         source = _pointer(em, v.name)
         size = em.c_dim(_elements(value.shape))
         em.steps.append((f"copy_output_{k}", f"output {v.name}: copied into the caller's buffer",
-                         [f"memcpy({target}, {source}, (size_t)({size}) * 4);"]))
+                         [f"memcpy(r->out[{k}], {source}, (size_t)({size}) * {_itemsize(value.dtype)});"]))
 
 
 def _check_symbols(plan: Plan, fixed: Mapping[str, int], maxima: Mapping[str, int]) -> None:
@@ -202,9 +240,10 @@ def _check_inputs_outputs(plan: Plan, facts) -> list[tuple[str, str]]:
     for v in list(plan.inputs) + list(plan.graph.outputs):
         fact = facts.get(v.name)
         dtype = None if fact is None or fact.tensor is None else fact.elem_type
-        if dtype != 1 or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
+        if dtype not in ELEMENT_TYPES or fact.shape is None or len(fact.shape) > MAX_RANK_IO:
             wrong.append(f"'{v.name}' ({'unknown type' if dtype is None else f'element type {dtype}'})")
-    rule = f"only float32 tensors of known rank (at most {MAX_RANK_IO}) are compiled"
+    rule = (f"only {', '.join(ELEMENT_TYPES.values())} tensors of known rank (at most {MAX_RANK_IO}) "
+            "are compiled")
     return [("input/output", f"{w}: {rule}") for w in wrong]
 
 
@@ -212,18 +251,21 @@ def _place_inputs_outputs(em: _Emitter, facts) -> None:
     for k, v in enumerate(em.plan.inputs):
         if facts.get(v.name) is None or facts[v.name].shape is None:
             continue  # listed as unsupported already
-        em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const float *)r->in[{k}]")
-    for name, array in em.plan.graph.initializers.items():
-        em.values[name] = _Value(name, tuple(array.shape), "")  # pointer made on first use (float32 only)
+        dtype = ELEMENT_TYPES.get(facts[v.name].elem_type, "float32")
+        em.values[v.name] = _Value(v.name, tuple(facts[v.name].shape), f"(const {C_TYPES[dtype][0]} *)r->in[{k}]",
+                                   dtype)
+    for name, array in em.plan.graph.initializers.items():  # pointer made on first use
+        em.values[name] = _Value(name, tuple(array.shape), "", _dtype_of_array(np.asarray(array)) or "float32")
     for p in em.plan.placed:
-        em.values[p.name] = _Value(p.name, tuple(facts[p.name].shape), f"(float *)(r->arena + r->off[{p.block}])")
+        dtype = ELEMENT_TYPES.get(facts[p.name].elem_type, "float32")
+        em.values[p.name] = _Value(p.name, tuple(facts[p.name].shape),
+                                   f"({C_TYPES[dtype][0]} *)(r->arena + r->off[{p.block}])", dtype)
 
 
 def _pointer(em: _Emitter, name: str) -> str:
     value = em.values[name]
     if not value.pointer:
-        array = _const(em, name)
-        value.pointer = em.constant(name, np.asarray(array, dtype=np.float32))
+        value.pointer = em.typed_constant(name, np.asarray(_const(em, name)), value.dtype)
     return value.pointer
 
 
@@ -232,21 +274,22 @@ def _const(em: _Emitter, name: str) -> np.ndarray | None:
     return None if array is None else np.asarray(array)
 
 
-def _output_value(em: _Emitter, step: int, name: str, shape: tuple[DimLike, ...]) -> _Value:
+def _output_value(em: _Emitter, step: int, name: str, shape: tuple[DimLike, ...], dtype: str = "float32") -> _Value:
     """Where a node's output goes: the caller's output buffer, its plan block, or a block of its own."""
     outputs = [o.name for o in em.plan.graph.outputs]
+    c_type = C_TYPES[dtype][0]
     if name in outputs:
-        value = _Value(name, shape, f"(float *)r->out[{outputs.index(name)}]")
+        value = _Value(name, shape, f"({c_type} *)r->out[{outputs.index(name)}]", dtype)
     elif name in em.values:
         value = em.values[name]
         value.shape = shape
     else:
-        size: DimLike = 4
+        size: DimLike = _itemsize(dtype)
         for d in shape:
             size = symbolic.mul(size, d)
         em.extra_blocks.append(Block(name, size, step, _last_use(em, name, step)))
         index = len(em.plan.arena.blocks if em.plan.arena else ()) + len(em.extra_blocks) - 1
-        value = _Value(name, shape, f"(float *)(r->arena + r->off[{index}])")
+        value = _Value(name, shape, f"({c_type} *)(r->arena + r->off[{index}])", dtype)
     em.values[name] = value
     return value
 
@@ -305,21 +348,25 @@ def _fold(em: _Emitter, node: Node, facts) -> bool:
     for name, value in zip(node.outputs, results):
         if name and isinstance(value, np.ndarray):
             em.constants[name] = value
-            em.values[name] = _Value(name, tuple(value.shape), "")
+            em.values[name] = _Value(name, tuple(value.shape), "", _dtype_of_array(value) or "float32")
     return True
 
 
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
     op = node.op_type
-    if op not in _VIEWS and op != "Constant" and _fold(em, node, facts):
+    if op != "Constant" and _fold(em, node, facts):
         return
-    emitter = _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
+    emitter = _typed_emitter(em, node, facts)
+    emitter = emitter or _EMITTERS.get((node.domain or "", op)) or _EMITTERS.get(("*", op))
     if emitter is None:
         em.missing.append((f"{op}" + (f" (domain '{node.domain}')" if node.domain else ""), node.label()))
         return
     out_facts = [facts.get(o) for o in node.outputs if o]
-    if any(f is None or f.shape is None or f.elem_type != 1 for f in out_facts):
-        em.missing.append((op, f"{node.label()}: only float32 outputs of known shape are compiled"))
+    any_type = emitter in _any_type_emitters()
+    if any(f is None or f.shape is None or f.elem_type != 1 and not (any_type and f.elem_type in ELEMENT_TYPES)
+           for f in out_facts):
+        kinds = "outputs of a compiled element type" if any_type else "float32 outputs"
+        em.missing.append((op, f"{node.label()}: only {kinds} of known shape are compiled"))
         return
     shapes = {name: tuple(facts[name].shape) for name in node.inputs if name and facts.get(name) is not None
               and facts[name].shape is not None}
@@ -334,6 +381,8 @@ def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
         return
     label = node.name or node.outputs[0]
     function = f"step_{step:03d}_{_identifier(op)}_{_identifier(label)}"[:80]
+    if any("run_status" in line for line in body):
+        em.failing_steps.add(function)
     comment = f"step {step}: {op} {node.name or ''} ({', '.join(node.inputs)} -> {', '.join(node.outputs)})"
     em.steps.append((function, comment.replace("*/", "* /"), body))
 
@@ -346,10 +395,26 @@ class _Skipped(Exception):
     """A node reading a value no emitter produced: the producer is the one to list."""
 
 
+def _require_known(em: _Emitter, names) -> None:
+    """Inputs of any element type must have been produced (or be constants of a compiled type)."""
+    for name in names:
+        if name and name not in em.values:
+            derived = next((d for d in em.plan.derived if d.name == name), None)
+            if derived is None:
+                raise _Skipped()  # its producer is listed already
+            from carrack.backends.c.emit_values import materialize_derived
+
+            materialize_derived(em, derived)
+        if name and em.values[name].dtype not in C_TYPES:
+            raise _Unsupported(f"input '{name}' has element type {em.values[name].dtype}")
+
+
 def _require_float(em: _Emitter, node: Node, names) -> None:
     for name in names:
         if name and _const(em, name) is not None and _const(em, name).dtype != np.float32:
             raise _Unsupported(f"input '{name}' is not float32")
+        if name and name in em.values and em.values[name].dtype != "float32":
+            raise _Unsupported(f"input '{name}' is {em.values[name].dtype}, not float32")
         if name and name not in em.values:
             if any(d.name == name for d in em.plan.derived):
                 raise _Unsupported(f"input '{name}' is shape arithmetic computed from the dims at run time")
@@ -385,10 +450,10 @@ def _emit_constant(em, step, node, shapes, out_shape):
         value = np.asarray(node.attrs.get("value_float", node.attrs.get("value_floats")), dtype=np.float32)
     else:
         raise _Unsupported(f"Constant with {sorted(node.attrs)}")
-    if value.dtype != np.float32:
+    if _dtype_of_array(value) is None:
         raise _Unsupported(f"a {value.dtype} Constant")
     em.constants[node.outputs[0]] = value
-    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "", _dtype_of_array(value))
     return None
 
 
@@ -398,26 +463,27 @@ def _emit_constant_of_shape(em, step, node, shapes, out_shape):
         raise _Unsupported("a shape that depends on the run-time dims")
     fill = node.attrs.get("value")
     fill = np.zeros(1, np.float32) if fill is None else np.asarray(fill).reshape(-1)
-    if fill.dtype != np.float32:
+    if _dtype_of_array(fill) is None:
         raise _Unsupported(f"a {fill.dtype} fill value")
-    value = np.full(tuple(int(d) for d in out_shape), fill[0], dtype=np.float32)
+    value = np.full(tuple(int(d) for d in out_shape), fill[0], dtype=fill.dtype)
     em.constants[node.outputs[0]] = value
-    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "")
+    em.values[node.outputs[0]] = _Value(node.outputs[0], tuple(value.shape), "", _dtype_of_array(value))
     return None
 
 
 def _emit_view(em, step, node, shapes, out_shape):
     source = node.inputs[0]
-    _require_float(em, node, [source])
+    _require_known(em, [source])
     value = em.values[source]
     if not value.pointer:
         _pointer(em, source)
     outputs = [o.name for o in em.plan.graph.outputs]
     name = node.outputs[0]
     if name in outputs:  # the caller's buffer: copy
-        target = _output_value(em, step, name, out_shape)
-        return [f"memcpy({target.pointer}, {value.pointer}, (size_t)({em.c_dim(_elements(out_shape))}) * 4);"]
-    em.values[name] = _Value(name, out_shape, value.pointer)
+        target = _output_value(em, step, name, out_shape, value.dtype)
+        return [f"memcpy({target.pointer}, {value.pointer}, (size_t)({em.c_dim(_elements(out_shape))}) * "
+                f"{_itemsize(value.dtype)});"]
+    em.values[name] = _Value(name, out_shape, value.pointer, value.dtype)
     return None
 
 
@@ -855,7 +921,10 @@ _EMITTERS = {(d if d != "ai.onnx" else "", op): f for (d, op), f in _EMITTERS.it
 
 
 def supported_operators() -> list[str]:
-    return sorted({op if d in ("", "*") else f"{d}:{op}" for d, op in _EMITTERS})
+    ops = {op if d in ("", "*") else f"{d}:{op}" for d, op in _EMITTERS}
+    from carrack.backends.c import emit_quant, emit_values
+
+    return sorted(ops | set(emit_values.OPERATORS) | set(emit_quant.OPERATORS))
 
 
 # assembly ----------------------------------------------------------------------------------------------------------
@@ -898,6 +967,8 @@ def _assemble(em: _Emitter) -> Emitted:
         f"/* model inputs: {_describe(inputs)} */",
         f"/* model outputs: {_describe(outputs)} */",
         f"#include \"{RUNTIME_HEADER}\"",
+        f"#include \"{VALUES_HEADER}\"",
+        f"#include \"{QUANT_HEADER}\"",
         "",
         f"#define MODEL_N_INPUTS {len(inputs)}",
         f"#define MODEL_N_OUTPUTS {len(outputs)}",
@@ -916,6 +987,7 @@ def _assemble(em: _Emitter) -> Emitted:
         "",
         "static _Alignas(CR_ALIGN) unsigned char arena[MODEL_ARENA_CAPACITY > 0 ? MODEL_ARENA_CAPACITY : 1];",
         "static const unsigned char *model_weights;",
+        "static int run_status;  /* set by a step that fails (model_run's error code) */",
         f"static const int64_t dim_maxima[{max(1, len(em.runtime))}] = "
         f"{{{', '.join(str(em.maxima[s]) for s in em.runtime) or '0'}}};",
         "",
@@ -951,7 +1023,9 @@ def _assemble(em: _Emitter) -> Emitted:
         "    run_t run = {model_weights, arena, dims, {0}, inputs, outputs};",
         "    if (layout(dims, run.off) > MODEL_ARENA_CAPACITY) return 3;",
         "    const run_t *r = &run;",
-        *[f"    {function}(r);" for function, _, _ in em.steps],
+        "    run_status = 0;",
+        *[f"    {function}(r);" + (" if (run_status) return run_status;" if function in em.failing_steps else "")
+          for function, _, _ in em.steps],
         "    return 0;",
         "}",
         "",
@@ -1020,7 +1094,7 @@ def _io_entry(em: _Emitter, name: str) -> dict:
         d = symbolic.evaluate(d, {Sym(k): v for k, v in em.fixed.items()}) if not isinstance(d, int) else d
         shape.append(int(d) if isinstance(d, (int, np.integer)) else str(d))
     max_elements = em.at_maxima(_elements(tuple(em.values[name].shape)))
-    return {"name": name, "dtype": "float32", "shape": shape, "max_elements": max_elements}
+    return {"name": name, "dtype": em.values[name].dtype, "shape": shape, "max_elements": max_elements}
 
 
 def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[str]:
@@ -1030,8 +1104,8 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
              f"static int64_t dims_area[{max(1, len(em.runtime))}];"]
     for kind, entries in (("input", inputs), ("output", outputs)):
         for k, entry in enumerate(entries):
-            lines.append(f"static _Alignas(CR_ALIGN) float {kind}_{k}[{max(1, entry['max_elements'])}];  "
-                         f"/* {entry['name']} */")
+            size = max(1, entry["max_elements"]) * _itemsize(entry["dtype"])
+            lines.append(f"static _Alignas(CR_ALIGN) unsigned char {kind}_{k}[{size}];  /* {entry['name']} */")
     lines += [f"static const void *const input_areas[{max(1, len(inputs))}] = "
               f"{{{', '.join(f'input_{k}' for k in range(len(inputs))) or '0'}}};",
               f"static void *const output_areas[{max(1, len(outputs))}] = "
@@ -1060,3 +1134,18 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
 
 def manifest_json(manifest: dict) -> str:
     return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def _typed_emitter(em: _Emitter, node: Node, facts):
+    """The emitter of a node outside the float32 kernels (integer, bool and quantized values), where it has one."""
+    from carrack.backends.c import emit_quant, emit_values
+
+    return emit_quant.emitter_for(em, node, facts) or emit_values.emitter_for(em, node, facts)
+
+
+def _any_type_emitters() -> set:
+    """Emitters whose outputs may have any compiled element type (the others write float32)."""
+    from carrack.backends.c import emit_quant, emit_values
+
+    return emit_values.ANY_TYPE_EMITTERS | emit_quant.ANY_TYPE_EMITTERS | {_emit_view, _emit_constant,
+                                                                             _emit_constant_of_shape}

@@ -6,9 +6,9 @@
     session = carrack.InferenceSession("model.onnx", options)
 
 At session creation the plan is compiled (`carrack compile --target native` into a temporary directory, with the
-system C compiler); a run whose inputs are float32 arrays within the declared maxima goes to the library (no
-per-node Python dispatch), any other run (other dtypes, larger dims, profiling, overridden initializers) to the
-session's own program. A model with operators the C backend lacks warns once and keeps the Python program.
+system C compiler); a run whose inputs are arrays of the inputs' types within the declared maxima goes to the
+library (no per-node Python dispatch), any other run (other dtypes, larger dims, profiling, overridden initializers)
+to the session's own program. A model with operators the C backend lacks warns once and keeps the Python program.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from carrack.backends.c.compiled import DTYPES
 from carrack.errors import InvalidArgument, UnsupportedModel
 
 EXECUTOR_KEY = "session.carrack.compiled_executor"
@@ -65,7 +66,8 @@ class CompiledExecutor:
         sizes: dict[str, int] = {}
         for info in self._inputs:
             value = feed[info.name]
-            if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.ndim != len(info.shape):
+            if not isinstance(value, np.ndarray) or value.dtype != DTYPES[info.dtype][0] \
+                    or value.ndim != len(info.shape):
                 return False
             for want, got in zip(info.shape, value.shape):
                 if isinstance(want, int):

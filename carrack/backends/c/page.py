@@ -18,8 +18,9 @@ TEMPLATE = Path(__file__).parent / "index.html.in"
 
 def is_image_classifier(manifest: dict) -> bool:
     inputs, outputs = manifest["inputs"], manifest["outputs"]
-    if len(inputs) != 1 or not outputs:
-        return False
+    if len(inputs) != 1 or not outputs or inputs[0].get("dtype", "float32") != "float32" \
+            or outputs[0].get("dtype", "float32") != "float32":
+        return False  # the page feeds a Float32Array image and reads float scores
     shape = inputs[0]["shape"]
     return len(shape) == 4 and shape[0] == 1 and shape[1] in (1, 3) and all(isinstance(d, int) for d in shape[2:])
 

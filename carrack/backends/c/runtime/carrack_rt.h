@@ -665,11 +665,12 @@ static CR_UNUSED void cr_attention(const float *q, const float *k, const float *
                     top = scores[j] > top ? scores[j] : top;
                 }
                 float total = 0.0f;
+                if (top == -INFINITY) top = 0.0f; /* every key masked: zeros, as the session's masked softmax */
                 for (int64_t j = 0; j < l; j++) {
                     scores[j] = expf(scores[j] - top);
                     total += scores[j];
                 }
-                float *yi = y + (b * s + i) * heads * hv + h * hv, inv = 1.0f / total;
+                float *yi = y + (b * s + i) * heads * hv + h * hv, inv = total == 0.0f ? 1.0f : 1.0f / total;
                 for (int64_t e = 0; e < hv; e++) yi[e] = 0.0f;
                 for (int64_t j = 0; j < l; j++) {
                     const float *vj = vb + j * heads * hv;

@@ -1,0 +1,446 @@
+/* carrack's integer kernels for quantized models in compiled models (`carrack compile`), bit for bit equal to
+ * carrack's session (carrack/ops/contrib_quant.py, carrack/native/qconv.c and qgemm.c define the arithmetic):
+ *
+ *   cr_qconv2d / cr_qmatmul  QLinearConvExact / QLinearMatMulExact: 8-bit activations minus their zero point
+ *                            times the pre-shifted weights, summed exactly in int32, plus the integer bias, then
+ *                            requantized: saturate(rint(float32(acc) * multiplier) + y_zero_point).
+ *   cr_quantize              QuantizeLinear per tensor: saturate(rint(x / scale) + zero_point) in float32.
+ *   cr_dequantize            DequantizeLinear per tensor: (float32(x) - zero_point) * scale.
+ *   cr_qlinear_add           QLinearAdd: rint(a * ka + b * kb + offset) in float32 in exactly this order.
+ *   cr_qmaxpool2d            MaxPool over 8-bit planes (padding never wins).
+ *
+ * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes, one lane
+ * per output channel: one instruction per pair on every target with vectors (WebAssembly SIMD128
+ * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd) and a plain C loop elsewhere; integer sums are
+ * exact, so every target gives the same bytes. Weights are stored as int8 (int16 when a shifted weight needs it)
+ * in blocks of CR_QCB output channels, [block][k / 2][channel][2], widened as they are loaded. Activations are
+ * packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for convolutions, a transpose for
+ * matrix products) into a scratch block of the arena, and one pixel's pair is splat across the lanes. The float
+ * steps round once per operation as numpy does: no contraction into fused multiply-adds (which
+ * -ffp-contract=fast would allow).
+ */
+#ifndef CARRACK_QUANT_H
+#define CARRACK_QUANT_H
+
+#include "carrack_values.h"
+
+/* CR_QUANT_PORTABLE (-DCR_QUANT_PORTABLE) keeps the plain C loop on any target (the tests' portable build) */
+#if defined(CR_QUANT_PORTABLE)
+#elif defined(__wasm_simd128__)
+#include <wasm_simd128.h>
+#elif defined(__AVX2__) || defined(__AVX512BW__)
+#include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#if defined(__clang__)
+#define CR_EXACT_FLOAT _Pragma("clang fp contract(off)")
+#define CR_EXACT_FN
+#else
+#define CR_EXACT_FLOAT
+#define CR_EXACT_FN __attribute__((optimize("fp-contract=off")))
+#endif
+
+/* output pixels per packed activation block */
+#define CR_QNB 32
+/* output channels per weight block: weights are stored [block][k / 2][16 channels][2] (int8 or int16), so each
+ * target reads its lanes' channels of a pair of k as one contiguous load */
+#define CR_QCB 16
+
+/* -- int32 lanes, one output channel each: acc[l] += w[2l] * a0 + w[2l + 1] * a1, a = one pixel's activation
+ * pair (a0, a1) as one int32, splat; w = the lanes' weight pairs, loaded (and widened from int8) as int16 ------- */
+#if defined(CR_QUANT_PORTABLE) || !(defined(__wasm_simd128__) || defined(__AVX512BW__) || defined(__AVX2__) || \
+                                      defined(__SSE2__))
+#define CR_QL 4
+#define CR_QCV 2 /* channel vectors per register tile */
+#define CR_QPR 6 /* pixels per register tile */
+typedef struct { int32_t lane[4]; } cr_qv;
+typedef struct { int16_t pair[8]; } cr_qw;
+static inline cr_qv cr_qv_zero(void) { cr_qv v = {{0, 0, 0, 0}}; return v; }
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    cr_qv v = {{w, w, w, w}};
+    return v;
+}
+static inline cr_qw cr_qw_load8(const int8_t *w) {
+    cr_qw v;
+    for (int i = 0; i < 8; i++) v.pair[i] = w[i];
+    return v;
+}
+static inline cr_qw cr_qw_load16(const int16_t *w) {
+    cr_qw v;
+    memcpy(v.pair, w, sizeof v.pair);
+    return v;
+}
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) {
+    int16_t pair[2];
+    memcpy(pair, &a.lane[0], sizeof pair);
+    for (int l = 0; l < 4; l++) acc.lane[l] += (int32_t)w.pair[2 * l] * pair[0] + (int32_t)w.pair[2 * l + 1] * pair[1];
+    return acc;
+}
+static inline void cr_qv_store(int32_t *p, cr_qv v) { memcpy(p, v.lane, sizeof v.lane); }
+#elif defined(__wasm_simd128__)
+/* SIMD128's i32x4.dot_i16x8_s: four int32 sums of two int16 products; v128.load8x8_s widens int8 weights */
+#define CR_QL 4
+#define CR_QCV 2
+#define CR_QPR 6
+typedef v128_t cr_qv;
+typedef v128_t cr_qw;
+static inline cr_qv cr_qv_zero(void) { return wasm_i32x4_splat(0); }
+static inline cr_qv cr_qv_splat(const int16_t *a) { return wasm_v128_load32_splat(a); }
+static inline cr_qw cr_qw_load8(const int8_t *w) { return wasm_i16x8_load8x8(w); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return wasm_v128_load(w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(w, a)); }
+static inline void cr_qv_store(int32_t *p, cr_qv v) { wasm_v128_store(p, v); }
+#elif defined(__AVX512BW__)
+#define CR_QL 16
+#define CR_QCV 1
+#define CR_QPR 8
+typedef __m512i cr_qv;
+typedef __m512i cr_qw;
+static inline cr_qv cr_qv_zero(void) { return _mm512_setzero_si512(); }
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm512_set1_epi32(w);
+}
+static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm512_loadu_si512((const void *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a)); }
+static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm512_storeu_si512((void *)p, v); }
+#elif defined(__AVX2__)
+#define CR_QL 8
+#define CR_QCV 2
+#define CR_QPR 6
+typedef __m256i cr_qv;
+typedef __m256i cr_qw;
+static inline cr_qv cr_qv_zero(void) { return _mm256_setzero_si256(); }
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm256_set1_epi32(w);
+}
+static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm256_loadu_si256((const __m256i *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
+static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm256_storeu_si256((__m256i *)p, v); }
+#elif defined(__SSE2__)
+#define CR_QL 4
+#define CR_QCV 2
+#define CR_QPR 6
+typedef __m128i cr_qv;
+typedef __m128i cr_qw;
+static inline cr_qv cr_qv_zero(void) { return _mm_setzero_si128(); }
+static inline cr_qv cr_qv_splat(const int16_t *a) {
+    int32_t w;
+    memcpy(&w, a, sizeof w);
+    return _mm_set1_epi32(w);
+}
+static inline cr_qw cr_qw_load8(const int8_t *w) {
+    __m128i v = _mm_loadl_epi64((const __m128i *)w);
+    return _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8); /* each byte twice, then its sign from the high copy */
+}
+static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm_loadu_si128((const __m128i *)w); }
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm_add_epi32(acc, _mm_madd_epi16(w, a)); }
+static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm_storeu_si128((__m128i *)p, v); }
+#endif
+
+/* the same lanes as plain vectors (GCC/Clang vector extensions) for the requantization */
+typedef int32_t cr_qi __attribute__((vector_size(CR_QL * 4)));
+typedef float cr_qf __attribute__((vector_size(CR_QL * 4)));
+/* 1.5 * 2**23: (v + it) - it is v rounded half to even for |v| <= 2**22 (v is clamped well inside) */
+#define CR_ROUNDER 12582912.0f
+
+static inline cr_qf cr_qf_clamp(cr_qf v, float lo, float hi) {
+    cr_qi low = v < lo, high = v > hi, bits, lo_bits, hi_bits;
+    cr_qf lo_v = (cr_qf){0} + lo, hi_v = (cr_qf){0} + hi;
+    memcpy(&bits, &v, sizeof bits);
+    memcpy(&lo_bits, &lo_v, sizeof lo_bits);
+    memcpy(&hi_bits, &hi_v, sizeof hi_bits);
+    bits = (low & lo_bits) | (high & hi_bits) | (~(low | high) & bits);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline int32_t cr_qload(const void *x, int is_signed, int64_t i) {
+    return is_signed ? (int32_t)((const int8_t *)x)[i] : (int32_t)((const uint8_t *)x)[i];
+}
+
+/* saturate(rint(float32(acc + bias) * multiplier) + zero_point) into the output type's range, CR_QL channels at
+ * once: clamping to the integer bounds before rounding gives the same integers as after, and keeps the rounding
+ * trick's range. The product is rounded before the clamp reads it, so no multiply-add is fused. */
+static inline cr_qi cr_requantize(cr_qi acc, const int32_t *bias, const float *multiplier, float zero_point,
+                                  float lo, float hi) {
+    cr_qi b;
+    cr_qf m;
+    memcpy(&b, bias, sizeof b);
+    memcpy(&m, multiplier, sizeof m);
+    cr_qf v = __builtin_convertvector(acc + b, cr_qf) * m;
+    v = cr_qf_clamp(v, lo - zero_point, hi - zero_point);
+    v = (v + CR_ROUNDER) - CR_ROUNDER;
+    return __builtin_convertvector(v + zero_point, cr_qi);
+}
+
+static inline void cr_qstore(void *y, int is_signed, int64_t i, int32_t v) {
+    if (is_signed) ((int8_t *)y)[i] = (int8_t)v;
+    else ((uint8_t *)y)[i] = (uint8_t)v;
+}
+
+/* where a group's requantized outputs go: y[m * m_stride + p * p_stride] for its `channels` channels, with their
+ * bias and multiplier (both padded to whole weight blocks) */
+typedef struct {
+    void *y;
+    int y_signed;
+    float y_zero_point, lo, hi;
+    int64_t m_stride, p_stride, channels;
+    const int32_t *bias;
+    const float *multiplier;
+} cr_qout;
+
+/* channels c0.. (CR_QCV vectors) of one weight block times pixels t.. of the packed activations (`count` valid
+ * in the block), requantized into out; pixels past count repeat the first and are not stored */
+static inline __attribute__((always_inline)) void cr_qgemm_tile(const void *wblock, int wide, int64_t c0,
+                                                                int64_t pairs, const int16_t *panel, int64_t p0,
+                                                                int64_t t, int64_t count, const cr_qout *out) {
+    cr_qv acc[CR_QPR][CR_QCV];
+    const int16_t *a[CR_QPR];
+    for (int r = 0; r < CR_QPR; r++) {
+        a[r] = panel + (t + r < count ? t + r : t) * 2;
+        for (int v = 0; v < CR_QCV; v++) acc[r][v] = cr_qv_zero();
+    }
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        cr_qw w[CR_QCV];
+        for (int v = 0; v < CR_QCV; v++) {
+            const int64_t at = kp * CR_QCB * 2 + (c0 + v * CR_QL) * 2;
+            w[v] = wide ? cr_qw_load16((const int16_t *)wblock + at) : cr_qw_load8((const int8_t *)wblock + at);
+        }
+        for (int r = 0; r < CR_QPR; r++) {
+            cr_qv x = cr_qv_splat(a[r] + kp * CR_QNB * 2);
+            for (int v = 0; v < CR_QCV; v++) acc[r][v] = cr_qv_dot(acc[r][v], w[v], x);
+        }
+    }
+    for (int r = 0; r < CR_QPR && t + r < count; r++) {
+        for (int v = 0; v < CR_QCV; v++) {
+            const int64_t m = c0 + v * CR_QL; /* the vector's first channel within the block */
+            int32_t raw[CR_QL];
+            cr_qi lanes;
+            cr_qv_store(raw, acc[r][v]);
+            memcpy(&lanes, raw, sizeof lanes);
+            lanes = cr_requantize(lanes, out->bias + m, out->multiplier + m, out->y_zero_point, out->lo, out->hi);
+            memcpy(raw, &lanes, sizeof lanes);
+            const int64_t valid = out->channels - m < CR_QL ? out->channels - m : CR_QL;
+            for (int64_t l = 0; l < valid; l++)
+                cr_qstore(out->y, out->y_signed, (m + l) * out->m_stride + (p0 + t + r) * out->p_stride, raw[l]);
+        }
+    }
+}
+
+/* all channels of one group (blocks of CR_QCB, `pairs` pairs of k each) times the packed pixels p0..p0+count-1;
+ * out's y, bias and multiplier are at the group's first channel */
+static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *panel, int64_t p0, int64_t count,
+                     const cr_qout *out) {
+    const int64_t block_elements = pairs * CR_QCB * 2;
+    for (int64_t b = 0; b * CR_QCB < out->channels; b++) {
+        const void *wblock = wide ? (const void *)((const int16_t *)w + b * block_elements)
+                                  : (const void *)((const int8_t *)w + b * block_elements);
+        cr_qout block = *out;
+        block.y = (unsigned char *)out->y + b * CR_QCB * out->m_stride;
+        block.bias = out->bias + b * CR_QCB;
+        block.multiplier = out->multiplier + b * CR_QCB;
+        block.channels = out->channels - b * CR_QCB < CR_QCB ? out->channels - b * CR_QCB : CR_QCB;
+        for (int64_t c0 = 0; c0 < block.channels; c0 += CR_QCV * CR_QL)
+            for (int64_t t = 0; t < count; t += CR_QPR) {
+                if (wide) cr_qgemm_tile(wblock, 1, c0, pairs, panel, p0, t, count, &block);
+                else cr_qgemm_tile(wblock, 0, c0, pairs, panel, p0, t, count, &block);
+            }
+    }
+}
+
+/* -- QLinearConvExact ------------------------------------------------------------------------------------------- */
+/* panel[k / 2][p][k % 2] = x[c][ih][iw] - x_zero_point (0 outside the image: the shifted padding) for the k = (c, i,
+ * j) of one group and the pixels p0..p0+count-1; pixels past count and the odd k's pair are zeros */
+static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int64_t channels, int64_t h,
+                          int64_t wd, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
+                          int64_t dw, int64_t pt, int64_t pl, int64_t kpad, int64_t p0, int64_t count,
+                          int16_t *panel) {
+    memset(panel, 0, (size_t)(kpad * CR_QNB) * sizeof(int16_t));
+    for (int64_t p = 0; p < count;) { /* a run of pixels along one output row */
+        const int64_t q = p0 + p, out_row = q / ow, out_col = q % ow;
+        const int64_t run = count - p < ow - out_col ? count - p : ow - out_col;
+        int64_t k = 0;
+        for (int64_t c = 0; c < channels; c++) {
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t row = out_row * sh - pt + i * dh;
+                if (row < 0 || row >= h) { /* the padding: zeros already */
+                    k += kw;
+                    continue;
+                }
+                const int64_t line = (c * h + row) * wd;
+                for (int64_t j = 0; j < kw; j++, k++) {
+                    int16_t *dst = panel + (k / 2) * CR_QNB * 2 + (k & 1) + p * 2;
+                    const int64_t first = out_col * sw - pl + j * dw; /* the run's first column */
+                    int64_t begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
+                    int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
+                    end = end < run ? end : run;
+                    if (x_signed) {
+                        const int8_t *src = (const int8_t *)x + line + first;
+                        for (int64_t t = begin; t < end; t++) dst[t * 2] = (int16_t)(src[t * sw] - x_zero_point);
+                    } else {
+                        const uint8_t *src = (const uint8_t *)x + line + first;
+                        for (int64_t t = begin; t < end; t++) dst[t * 2] = (int16_t)(src[t * sw] - x_zero_point);
+                    }
+                }
+            }
+        }
+        p += run;
+    }
+}
+
+/* y[n][m][oh][ow] for x [n][c][h][w] (uint8 or int8). w: per group, its (m / groups) channels' shifted weights
+ * in blocks of CR_QCB channels, [block][k / 2][CR_QCB][2] over the group's k = (c / groups) * kh * kw padded to
+ * 2 * pairs, int8 (wide 0) or int16 (wide 1); bias int32 and multiplier per channel, each group's padded to whole
+ * blocks; panel: the scratch of 2 * pairs * CR_QNB int16 */
+static CR_UNUSED void cr_qconv2d(const void *x, int x_signed, int32_t x_zero_point, const void *w, int wide,
+                                 const int32_t *bias, const float *multiplier, void *y, int y_signed,
+                                 int32_t y_zero_point, int64_t n, int64_t c, int64_t h, int64_t wd, int64_t m,
+                                 int64_t oh, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
+                                 int64_t dw, int64_t pt, int64_t pl, int64_t groups, int64_t pairs, int16_t *panel) {
+    const int64_t cg = c / groups, mg = m / groups, pixels = oh * ow, padded = (mg + CR_QCB - 1) / CR_QCB * CR_QCB;
+    const int64_t group_elements = padded * pairs * 2;
+    for (int64_t b = 0; b < n; b++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const void *xg = (const unsigned char *)x + (b * c + g * cg) * h * wd;
+            const void *wg = wide ? (const void *)((const int16_t *)w + g * group_elements)
+                                  : (const void *)((const int8_t *)w + g * group_elements);
+            cr_qout out = {(unsigned char *)y + (b * m + g * mg) * pixels, y_signed, (float)y_zero_point,
+                           y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, pixels, 1, mg,
+                           bias + g * padded, multiplier + g * padded};
+            for (int64_t p0 = 0; p0 < pixels; p0 += CR_QNB) {
+                int64_t count = pixels - p0 < CR_QNB ? pixels - p0 : CR_QNB;
+                cr_qpack_conv(xg, x_signed, x_zero_point, cg, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl, 2 * pairs,
+                              p0, count, panel);
+                cr_qgemm(wg, wide, pairs, panel, p0, count, &out);
+            }
+        }
+    }
+}
+
+/* -- QLinearMatMulExact ----------------------------------------------------------------------------------------- */
+/* y[r][n] for x [rows][k] (8-bit) and the weight [k][n] as cr_qconv2d's one group of n channels */
+static CR_UNUSED void cr_qmatmul(const void *x, int x_signed, int32_t x_zero_point, const void *w, int wide,
+                                 const int32_t *bias, const float *multiplier, void *y, int y_signed,
+                                 int32_t y_zero_point, int64_t rows, int64_t k, int64_t n, int64_t pairs,
+                                 int16_t *panel) {
+    cr_qout out = {y, y_signed, (float)y_zero_point, y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, 1, n, n,
+                   bias, multiplier};
+    for (int64_t p0 = 0; p0 < rows; p0 += CR_QNB) {
+        int64_t count = rows - p0 < CR_QNB ? rows - p0 : CR_QNB;
+        memset(panel, 0, (size_t)(2 * pairs * CR_QNB) * sizeof(int16_t));
+        for (int64_t p = 0; p < count; p++)
+            for (int64_t j = 0; j < k; j++)
+                panel[(j / 2) * CR_QNB * 2 + p * 2 + (j & 1)] =
+                    (int16_t)(cr_qload(x, x_signed, (p0 + p) * k + j) - x_zero_point);
+        cr_qgemm(w, wide, pairs, panel, p0, count, &out);
+    }
+}
+
+/* -- QuantizeLinear, DequantizeLinear, QLinearAdd ------------------------------------------------------------------ */
+static CR_EXACT_FN CR_UNUSED void cr_quantize(const float *x, float scale, float zero_point, void *y, int y_signed,
+                                              int64_t count) {
+    CR_EXACT_FLOAT
+    const float lo = y_signed ? -128.0f : 0.0f, hi = y_signed ? 127.0f : 255.0f;
+    for (int64_t i = 0; i < count; i++) {
+        float v = rintf(x[i] / scale) + zero_point;
+        v = v > lo ? v : lo;
+        v = v < hi ? v : hi;
+        cr_qstore(y, y_signed, i, (int32_t)v);
+    }
+}
+
+static CR_EXACT_FN CR_UNUSED void cr_dequantize(const void *x, int x_signed, float zero_point, float scale, float *y,
+                                                int64_t count) {
+    CR_EXACT_FLOAT
+    for (int64_t i = 0; i < count; i++) y[i] = ((float)cr_qload(x, x_signed, i) - zero_point) * scale;
+}
+
+/* y = saturate(rint(a * ka + b * kb + offset)) with a and b broadcast over a 6-D shape (element strides) */
+static CR_EXACT_FN CR_UNUSED void cr_qlinear_add(const void *a, int a_signed, const int64_t *sa, const void *b,
+                                                 int b_signed, const int64_t *sb, float ka, float kb, float offset,
+                                                 void *y, int y_signed, const int64_t *shape) {
+    CR_EXACT_FLOAT
+    const float lo = y_signed ? -128.0f : 0.0f, hi = y_signed ? 127.0f : 255.0f;
+    int64_t count = cr_count(shape), index[CR_RANK] = {0}, oa = 0, ob = 0;
+    for (int64_t i = 0; i < count; i++) {
+        float v = (float)cr_qload(a, a_signed, oa) * ka;
+        v = v + (float)cr_qload(b, b_signed, ob) * kb;
+        v = rintf(v + offset);
+        v = v > lo ? v : lo;
+        v = v < hi ? v : hi;
+        cr_qstore(y, y_signed, i, (int32_t)v);
+        for (int d = CR_RANK - 1; d >= 0; d--) {
+            index[d]++;
+            oa += sa[d];
+            ob += sb[d];
+            if (index[d] < shape[d]) break;
+            oa -= sa[d] * shape[d];
+            ob -= sb[d] * shape[d];
+            index[d] = 0;
+        }
+    }
+}
+
+/* the same for a and b of one shape, contiguous */
+#define CR_QADD_FLAT(TA, TB, TY, LO, HI)                                                                    \
+    do {                                                                                                 \
+        const TA *pa = (const TA *)a;                                                                    \
+        const TB *pb = (const TB *)b;                                                                    \
+        TY *py = (TY *)y;                                                                                \
+        for (int64_t i = 0; i < count; i++) {                                                            \
+            float v = (float)pa[i] * ka;                                                                 \
+            float u = (float)pb[i] * kb;                                                                 \
+            v = (v + u) + offset;                                                                        \
+            v = v > (LO) ? v : (LO);                                                                     \
+            v = v < (HI) ? v : (HI);                                                                     \
+            py[i] = (TY)(int32_t)((v + CR_ROUNDER) - CR_ROUNDER);                                        \
+        }                                                                                                \
+    } while (0)
+
+static CR_EXACT_FN CR_UNUSED void cr_qlinear_add_flat(const void *a, int a_signed, const void *b, int b_signed,
+                                                      float ka, float kb, float offset, void *y, int y_signed,
+                                                      int64_t count) {
+    CR_EXACT_FLOAT
+    if (a_signed || b_signed || y_signed) { /* the rarer mixes: the broadcasting loop over one flat dim */
+        const int64_t shape[CR_RANK] = {1, 1, 1, 1, 1, count}, strides[CR_RANK] = {0, 0, 0, 0, 0, 1};
+        cr_qlinear_add(a, a_signed, strides, b, b_signed, strides, ka, kb, offset, y, y_signed, shape);
+        return;
+    }
+    CR_QADD_FLAT(uint8_t, uint8_t, uint8_t, 0.0f, 255.0f);
+}
+
+/* -- MaxPool on 8-bit planes: windows' taps inside the image (padding never wins) ------------------------------ */
+static CR_UNUSED void cr_qmaxpool2d(const void *x, int is_signed, void *y, int64_t planes, int64_t h, int64_t wd,
+                                    int64_t oh, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw,
+                                    int64_t dh, int64_t dw, int64_t pt, int64_t pl) {
+    for (int64_t p = 0; p < planes; p++) {
+        for (int64_t r = 0; r < oh; r++) {
+            for (int64_t q = 0; q < ow; q++) {
+                int32_t best = is_signed ? -128 : 0;
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = r * sh - pt + i * dh;
+                    if (row < 0 || row >= h) continue;
+                    for (int64_t j = 0; j < kw; j++) {
+                        int64_t col = q * sw - pl + j * dw;
+                        if (col < 0 || col >= wd) continue;
+                        int32_t v = cr_qload(x, is_signed, p * h * wd + row * wd + col);
+                        best = v > best ? v : best;
+                    }
+                }
+                cr_qstore(y, is_signed, p * oh * ow + r * ow + q, best);
+            }
+        }
+    }
+}
+
+#endif
