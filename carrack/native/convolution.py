@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +25,8 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "H
 #: multiply-adds a thread should get at least before work is split: ~10-20 us of work, against the 1-5 us a hand-off
 #: to a spinning pool worker costs (more when it has gone to sleep)
 MIN_TASK_WORK = 1 << 19
-GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile
+GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile (packconv.c's too)
+_INT32_MAX = 2**31 - 1
 
 Activation = tuple[int, float, float]  # (code, alpha, beta)
 NO_ACTIVATION: Activation = (0, 0.0, 0.0)
@@ -131,14 +133,44 @@ class NativeConvolution:
         # convgemm.c's products and direct convolution have vector code for AVX-512 only: elsewhere (the avx2 and
         # portable variants) numpy's BLAS is several times faster, so they decline and the numpy path runs
         self.products = bool(gemm.matmul_f32_vectorized())
+        self._packconv = self._pack_weights = None
+        self._packed: dict[tuple[int, int], tuple[weakref.ref, np.ndarray]] = {}
+        packconv = native.library("packconv")
+        if packconv is not None:
+            _declare(packconv, "packconv_vectorized", _i64)
+            if packconv.packconv_vectorized():
+                _declare(packconv, "packconv_weights_size", _i64, _i64, _i64, _i64)
+                _declare(packconv, "packconv_pack_weights", None, _ptr, _ptr, _i64, _i64, _i64, _i64)
+                _declare(packconv, "packconv_f32_threads", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32,
+                         _f32, _i64)
+                self._packconv, self._pack_weights = packconv.packconv_f32_threads, packconv
+        #: whether packconv.c's convolution on packed weights runs here (AVX-512 only)
+        self.packs = self._packconv is not None
+
+    def packed_weights(self, w: np.ndarray, group: int) -> np.ndarray:
+        """w[M, C / group, KH, KW] (C-contiguous float32) in packconv.c's panels, packed once per weight array and
+        group count (kept while w lives)."""
+        key = (id(w), group)
+        known = self._packed.get(key)
+        if known is not None and known[0]() is w:
+            return known[1]
+        m, cg = w.shape[:2]
+        taps = math.prod(w.shape[2:])
+        lib = self._pack_weights
+        wp = np.empty(lib.packconv_weights_size(group, m // group, cg * taps), _F32)
+        lib.packconv_pack_weights(data_address(w), data_address(wp), group, m // group, cg, taps)
+        packed = self._packed
+        packed[key] = (weakref.ref(w, lambda _, key=key: packed.pop(key, None)), wp)
+        return wp
 
     def bind(self, kind: str, x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None,
              strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
              activation: Activation) -> BoundConvolution | None:
-        """The `kind` ("pointwise", "direct" or "depthwise") convolution of inputs shaped x_shape by these constant
-        weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise` would run
-        it (2-D for direct and depthwise, unit strides and no pads for pointwise); None when it does not apply."""
-        if kind != "depthwise" and not self.products:
+        """The `kind` ("pointwise", "direct", "depthwise" or "packed") convolution of inputs shaped x_shape by these
+        constant weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise`
+        would run it (2-D for direct and depthwise, unit strides and no pads for pointwise), or "packed": any 2-D
+        convolution on weights packed once (packconv.c); None when it does not apply."""
+        if (kind != "depthwise" and not self.products) or (kind == "packed" and not self.packs):
             return None
         for a in (w, bias):
             if a is not None and (a.dtype != _F32 or not a.flags.c_contiguous or not a.flags.aligned):
@@ -172,6 +204,14 @@ class NativeConvolution:
             middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dconv, w, bias, x_shape, (n, m, oh, ow), middle, tiles,
                                     GEMM_ROWS * GEMM_PIXELS * cg * kh * kw, activation, True, True)
+        if kind == "packed":
+            if cg * group != c or m % group or max(h * wd, oh * ow) > _INT32_MAX // 4:
+                return None
+            panels = -(-(oh * ow) // GEMM_PIXELS)
+            middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
+            return BoundConvolution(self._packconv, w, bias, x_shape, (n, m, oh, ow), middle, n * group * panels,
+                                    (m // group) * GEMM_PIXELS * cg * kh * kw, activation, True, True,
+                                    self.packed_weights(w, group))
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
             middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
@@ -364,10 +404,10 @@ class BoundConvolution:
 
     def __init__(self, fn, w: np.ndarray, bias: np.ndarray | None, x_shape: tuple[int, ...],
                  y_shape: tuple[int, ...], middle: tuple, count: int, work: int, activation: Activation,
-                 residual: bool, failures: bool):
-        self.fn, self.w, self.bias = fn, w, bias
+                 residual: bool, failures: bool, packed: np.ndarray | None = None):
+        self.fn, self.w, self.bias, self.packed = fn, w, bias, packed
         self.x_shape, self.y_shape = x_shape, y_shape
-        self.constants = (data_address(w), address(bias))
+        self.constants = (data_address(w if packed is None else packed), address(bias))
         self.middle, self.count, self.work, self.activation = middle, count, work, activation
         self.residual, self.failures = residual, failures
 

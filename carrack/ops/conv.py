@@ -241,11 +241,17 @@ class PreparedShapes:
 
 
 def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
-                 dilations: Sequence[int], group: int, residual: bool) -> str | None:
+                 dilations: Sequence[int], group: int, residual: bool, packs: bool = False) -> str | None:
     """Which native kernel `_native_convolve` runs for this geometry when it runs one that can be bound
-    ("pointwise", "direct" or "depthwise"); None for the rest (columns, strided 1x1, 1-D, N-D)."""
+    ("pointwise", "direct" or "depthwise"), or "packed" (any 2-D convolution but depthwise, on weights packed
+    once) when `packs` (the kernels have packconv.c's vector code); None for the rest (columns, strided 1x1, 1-D,
+    N-D)."""
     if min(pads) < 0:
         return None
+    if packs and len(w_shape) == 4 and len(x_shape) == 4:
+        kind = _kind_2d(x_shape, w_shape, strides, pads, dilations, group)
+        if kind in ("direct", "columns"):
+            return "packed"
     if w_shape[2:] == (1,) * (len(w_shape) - 2) and not any(pads):
         return "pointwise" if all(s == 1 for s in strides) else None
     if len(w_shape) != 4 or len(x_shape) != 4:
@@ -626,7 +632,8 @@ class Conv(_ConvBase):
             strides, dilations = self.geometry(len(x_shape) - 2)
             pads = conv_pads(self.auto_pad, self.pads, x_shape[2:], w.shape[2:], strides, dilations)
             if len(w.shape) == len(x_shape) and len(pads) == 2 * (len(x_shape) - 2):
-                kind = _native_kind(x_shape, w.shape, strides, pads, dilations, self.group, residual)
+                kind = _native_kind(x_shape, w.shape, strides, pads, dilations, self.group, residual,
+                                    self.native.packs)
                 act = native_conv.NO_ACTIVATION if activation is None else activation.native()
                 if kind is not None:
                     bound = self.native.bind(kind, x_shape, w, b, strides, pads, dilations, self.group, act)
