@@ -207,11 +207,13 @@ class NativeConvolution:
         if kind == "packed":
             if cg * group != c or m % group or max(h * wd, oh * ow) > _INT32_MAX // 4:
                 return None
-            panels = -(-(oh * ow) // GEMM_PIXELS)
+            panels, row_panels = -(-(oh * ow) // GEMM_PIXELS), -(-(m // group) // GEMM_ROWS)
             middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
+            # items: pixel panels; the C code splits the output rows too when they are fewer than the threads
+            tile_work = GEMM_ROWS * GEMM_PIXELS * cg * kh * kw
             return BoundConvolution(self._packconv, w, bias, x_shape, (n, m, oh, ow), middle, n * group * panels,
-                                    (m // group) * GEMM_PIXELS * cg * kh * kw, activation, True, True,
-                                    self.packed_weights(w, group))
+                                    row_panels * tile_work, activation, True, True, self.packed_weights(w, group),
+                                    (n * group * panels * row_panels, tile_work))
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
             middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
@@ -404,8 +406,11 @@ class BoundConvolution:
 
     def __init__(self, fn, w: np.ndarray, bias: np.ndarray | None, x_shape: tuple[int, ...],
                  y_shape: tuple[int, ...], middle: tuple, count: int, work: int, activation: Activation,
-                 residual: bool, failures: bool, packed: np.ndarray | None = None):
+                 residual: bool, failures: bool, packed: np.ndarray | None = None,
+                 split: tuple[int, int] | None = None):
         self.fn, self.w, self.bias, self.packed = fn, w, bias, packed
+        #: (items, work per item) the thread count is chosen for, when the kernel splits finer than `count` items
+        self.split = (count, work) if split is None else split
         self.x_shape, self.y_shape = x_shape, y_shape
         self.constants = (data_address(w if packed is None else packed), address(bias))
         self.middle, self.count, self.work, self.activation = middle, count, work, activation
@@ -427,7 +432,7 @@ class BoundConvolution:
         head = (data_address(x), *self.constants, data_address(y))
         if self.residual:
             head += (None if z is None else data_address(z),)
-        failed = _run(self.fn, self.count, self.work, head + self.middle, self.activation)
+        failed = self.fn(*head, *self.middle, 0, self.count, *self.activation, _threads(*self.split))
         return None if self.failures and failed else y
 
 

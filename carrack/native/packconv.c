@@ -357,8 +357,8 @@ int64_t packconv_f32_threads(const float *x, const float *wp, const float *bias,
     chunk = chunk < 1 ? 1 : chunk;
     pconv_call_t c = {x, wp, bias, z, y, {n, groups, mg, cg, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl},
                       {alpha, beta, (int)act}, 1, chunk};
-    if (threads > 1 && count < 2 * threads && row_panels > 1) { /* few pixel panels: split the rows too */
-        c.row_chunks = (2 * threads + count - 1) / count;
+    if (threads > 1 && count < 4 * threads && row_panels > 1) { /* few pixel panels: split the rows too */
+        c.row_chunks = (4 * threads + count - 1) / count;
         c.row_chunks = c.row_chunks < row_panels ? c.row_chunks : row_panels;
         parallel_for(pconv_piece, &c, begin * c.row_chunks, end * c.row_chunks, count * c.row_chunks, threads);
         return 0;
