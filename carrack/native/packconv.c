@@ -198,10 +198,10 @@ typedef struct {
     if (F->first) {                                                                                                \
         a##i##0 = a##i##1 = a##i##2 = a##i##3 = _mm512_set1_ps(F->bias && F->rows > i ? F->bias[i] : 0.0f);        \
     } else if (F->rows > i) {                                                                                      \
-        a##i##0 = _mm512_maskz_loadu_ps(m[0], y + i * ldy);                                                        \
-        a##i##1 = nv > 1 ? _mm512_maskz_loadu_ps(m[1], y + i * ldy + 16) : a##i##0;                                \
-        a##i##2 = nv > 2 ? _mm512_maskz_loadu_ps(m[2], y + i * ldy + 32) : a##i##0;                                \
-        a##i##3 = nv > 3 ? _mm512_maskz_loadu_ps(m[3], y + i * ldy + 48) : a##i##0;                                \
+        a##i##0 = load_lanes(y + i * ldy, m[0], full);                                                             \
+        a##i##1 = nv > 1 ? load_lanes(y + i * ldy + 16, m[1], full) : a##i##0;                                     \
+        a##i##2 = nv > 2 ? load_lanes(y + i * ldy + 32, m[2], full) : a##i##0;                                     \
+        a##i##3 = nv > 3 ? load_lanes(y + i * ldy + 48, m[3], full) : a##i##0;                                     \
     } else {                                                                                                       \
         a##i##0 = a##i##1 = a##i##2 = a##i##3 = _mm512_setzero_ps();                                               \
     }
@@ -230,16 +230,21 @@ typedef struct {
 /* One 6-row tile over `depth` steps: wp the panel's packed weights at the block's first step, b the columns
  * (ldb floats from one step to the next), y the tile's first output (rows ldy apart), m the lanes of its nv
  * vectors that are outputs. */
+static inline __attribute__((always_inline)) __m512 load_lanes(const float *p, __mmask16 m, const int full) {
+    return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); /* a masked load costs an ALU slot too */
+}
+
+/* full: every lane of the nv vectors is an output (plain loads) */
 static inline __attribute__((always_inline)) void tile(const float *wp, const float *b, int64_t ldb, int64_t depth,
                                                        float *y, int64_t ldy, const __mmask16 *m, const int nv,
-                                                       const finish_t *F) {
+                                                       const int full, const finish_t *F) {
     ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5)
     for (int64_t k = 0; k < depth; k++) {
         const float *xr = b + k * ldb, *wk = wp + k * PR;
-        const __m512 x0 = _mm512_maskz_loadu_ps(m[0], xr);
-        const __m512 x1 = nv > 1 ? _mm512_maskz_loadu_ps(m[1], xr + 16) : x0;
-        const __m512 x2 = nv > 2 ? _mm512_maskz_loadu_ps(m[2], xr + 32) : x0;
-        const __m512 x3 = nv > 3 ? _mm512_maskz_loadu_ps(m[3], xr + 48) : x0;
+        const __m512 x0 = load_lanes(xr, m[0], full);
+        const __m512 x1 = nv > 1 ? load_lanes(xr + 16, m[1], full) : x0;
+        const __m512 x2 = nv > 2 ? load_lanes(xr + 32, m[2], full) : x0;
+        const __m512 x3 = nv > 3 ? load_lanes(xr + 48, m[3], full) : x0;
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5)
     }
     /* none, Relu and Clip as a clamp to [lo, hi]: -inf/inf, 0/inf, a/b */
@@ -250,11 +255,15 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
 
 static void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth, float *y, int64_t ldy,
                     const __mmask16 *m, int nv, const finish_t *F) {
+    if (nv == 4 && m[3] == 0xFFFF) {
+        tile(wp, b, ldb, depth, y, ldy, m, 4, 1, F);
+        return;
+    }
     switch (nv) {
-    case 1: tile(wp, b, ldb, depth, y, ldy, m, 1, F); break;
-    case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, F); break;
-    case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, F); break;
-    default: tile(wp, b, ldb, depth, y, ldy, m, 4, F); break;
+    case 1: tile(wp, b, ldb, depth, y, ldy, m, 1, 0, F); break;
+    case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, 0, F); break;
+    case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, 0, F); break;
+    default: tile(wp, b, ldb, depth, y, ldy, m, 4, 0, F); break;
     }
 }
 
@@ -288,7 +297,8 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                 pack_columns(G, img, p0, k0, kc, buf);
             for (int64_t t = ta; t < tb; t++) {
                 const int64_t row = t * PR, at = out0 + row * pixels + p0;
-                if (t + 1 < tb) /* the next panel's weights of this block: a model's weights come from memory */
+                if (pn == pa && t + 1 < tb) /* the next panel's weights of this block (a model's weights come
+                                               * from memory); the chunk's later pixel panels find them in L2 */
                     prefetch_l2(wp + ((g * row_panels + t + 1) * depth + k0) * PR, kc * PR);
                 const finish_t F = {bias ? bias + g * G->mg + row : NULL, z ? z + at : NULL, k0 == 0,
                                     k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f};
