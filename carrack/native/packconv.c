@@ -255,8 +255,13 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
 
 static void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth, float *y, int64_t ldy,
                     const __mmask16 *m, int nv, const finish_t *F) {
-    if (nv == 4 && m[3] == 0xFFFF) {
-        tile(wp, b, ldb, depth, y, ldy, m, 4, 1, F);
+    if (m[nv - 1] == 0xFFFF) {
+        switch (nv) {
+        case 1: tile(wp, b, ldb, depth, y, ldy, m, 1, 1, F); break;
+        case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, 1, F); break;
+        case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, 1, F); break;
+        default: tile(wp, b, ldb, depth, y, ldy, m, 4, 1, F); break;
+        }
         return;
     }
     switch (nv) {
@@ -264,6 +269,54 @@ static void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth,
     case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, 0, F); break;
     case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, 0, F); break;
     default: tile(wp, b, ldb, depth, y, ldy, m, 4, 0, F); break;
+    }
+}
+
+/* A panel's last few pixels (TAIL_MAX at most past its whole vectors, e.g. the 49th of a 7x7 map) are dot products
+ * along the depth instead of a vector of their own that would idle most of its lanes through the whole depth:
+ * 8 depth steps of a weight panel are 48 contiguous floats (3 vectors), multiplied by the pixel's 8 column values
+ * each repeated 6 times. */
+#define TAIL_MAX 4
+
+/* sums[r] = sum over k < kc of wp[k * PR + r] * column[k], r < PR, in a fixed order */
+static void tail_dot(const float *wp, const float *column, int64_t kc, float *sums) {
+    const __m512i i0 = _mm512_set_epi32(2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0);
+    const __m512i i1 = _mm512_set_epi32(5, 5, 4, 4, 4, 4, 4, 4, 3, 3, 3, 3, 3, 3, 2, 2);
+    const __m512i i2 = _mm512_set_epi32(7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 5, 5, 5, 5);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= kc; k += 8) {
+        const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(column + k));
+        const float *w = wp + k * PR;
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_permutexvar_ps(i0, xv), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + 16), _mm512_permutexvar_ps(i1, xv), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + 32), _mm512_permutexvar_ps(i2, xv), a2);
+    }
+    float lanes[48];
+    _mm512_storeu_ps(lanes, a0), _mm512_storeu_ps(lanes + 16, a1), _mm512_storeu_ps(lanes + 32, a2);
+    for (int r = 0; r < PR; r++) {
+        float total = 0.0f;
+        for (int q = r; q < 48; q += PR) total += lanes[q];
+        for (int64_t j = k; j < kc; j++) total += wp[j * PR + r] * column[j];
+        sums[r] = total;
+    }
+}
+
+/* The tail pixels of a tile: columns[j] the depth block's values of tail pixel j (tails of them, at y[.., j], the
+ * residual at z[.., j]) */
+static __attribute__((noinline)) void tail_pixels(const float *wp, const float *columns, int64_t kc, int64_t tails,
+                                                  float *y, const float *z, int64_t ldy, const finish_t *F) {
+    for (int64_t j = 0; j < tails; j++) {
+        float sums[PR];
+        tail_dot(wp, columns + j * KC, kc, sums);
+        for (int r = 0; r < F->rows; r++) {
+            float v = sums[r] + (F->first ? (F->bias ? F->bias[r] : 0.0f) : y[r * ldy + j]);
+            if (F->last) {
+                if (z) v += z[r * ldy + j];
+                v = act_scalar(v, F->f);
+            }
+            y[r * ldy + j] = v;
+        }
     }
 }
 
@@ -282,10 +335,12 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                          && G->oh == G->h && G->ow == G->w;
     const float *img = x + (n * G->groups + g) * G->cg * plane;
     const int64_t out0 = (n * G->groups * G->mg + g * G->mg) * pixels;
+    float *tail_columns = buf + KC * PW; /* TAIL_MAX columns of KC */
     for (int64_t k0 = 0; k0 < depth; k0 += KC) {
         const int64_t kc = depth - k0 < KC ? depth - k0 : KC;
         for (int64_t pn = pa; pn < pb; pn++) {
-            const int64_t p0 = pn * PW, count = pixels - p0 < PW ? pixels - p0 : PW;
+            const int64_t p0 = pn * PW, all = pixels - p0 < PW ? pixels - p0 : PW;
+            const int64_t tails = all % 16 <= TAIL_MAX ? all % 16 : 0, count = all - tails;
             const int nv = (int)((count + 15) / 16);
             const __mmask16 m[4] = {tail_mask(count), tail_mask(count - 16), tail_mask(count - 32),
                                     tail_mask(count - 48)};
@@ -295,6 +350,8 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                 cols = img + k0 * plane + p0, ldb = plane;
             else
                 pack_columns(G, img, p0, k0, kc, buf);
+            for (int64_t j = 0; j < tails; j++)
+                for (int64_t kk = 0; kk < kc; kk++) tail_columns[j * KC + kk] = cols[kk * ldb + count + j];
             for (int64_t t = ta; t < tb; t++) {
                 const int64_t row = t * PR, at = out0 + row * pixels + p0;
                 if (pn == pa && t + 1 < tb) /* the next panel's weights of this block (a model's weights come
@@ -302,7 +359,10 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                     prefetch_l2(wp + ((g * row_panels + t + 1) * depth + k0) * PR, kc * PR);
                 const finish_t F = {bias ? bias + g * G->mg + row : NULL, z ? z + at : NULL, k0 == 0,
                                     k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f};
-                tile_nv(wp + ((g * row_panels + t) * depth + k0) * PR, cols, ldb, kc, y + at, pixels, m, nv, &F);
+                const float *panel = wp + ((g * row_panels + t) * depth + k0) * PR;
+                if (nv) tile_nv(panel, cols, ldb, kc, y + at, pixels, m, nv, &F);
+                if (tails)
+                    tail_pixels(panel, tail_columns, kc, tails, y + at + count, F.z ? F.z + count : NULL, pixels, &F);
             }
         }
     }
@@ -330,7 +390,7 @@ static void pconv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const pconv_call_t *c = p;
     const geom_t *G = &c->G;
     const int64_t panels = (G->oh * G->ow + PW - 1) / PW, row_panels = (G->mg + PR - 1) / PR;
-    _Alignas(64) float buf[KC * PW];
+    _Alignas(64) float buf[KC * PW + TAIL_MAX * KC];
     if (c->row_chunks > 1) {
         for (int64_t item = begin; item < end; item++) {
             const int64_t q = item % c->row_chunks, cell = item / c->row_chunks;
