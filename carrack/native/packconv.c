@@ -33,7 +33,9 @@
 
 #define PR 6             /* output rows per weight panel (a tile's rows) */
 #define PW 64            /* output pixels per pixel panel (a tile's 4 vectors) */
-#define KC 128           /* depth steps per block: a block's columns for one pixel panel are 32 KiB */
+#ifndef KC
+#define KC 128 /* depth steps per block at most: a block's columns for one pixel panel are 32 KiB */
+#endif
 #define CHUNK_BYTES (512 * 1024) /* a chunk of pixel panels: its output rows (all row panels) stay in the L2 cache */
 
 /* the floats of a packed weight for `groups` groups of mg rows and `depth` steps */
@@ -336,8 +338,11 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
     const float *img = x + (n * G->groups + g) * G->cg * plane;
     const int64_t out0 = (n * G->groups * G->mg + g * G->mg) * pixels;
     float *tail_columns = buf + KC * PW; /* TAIL_MAX columns of KC */
-    for (int64_t k0 = 0; k0 < depth; k0 += KC) {
-        const int64_t kc = depth - k0 < KC ? depth - k0 : KC;
+    /* blocks of near-equal depth (147 = 74 + 73, not 128 + 19): a block's start and finish cost the same however
+     * short it is */
+    const int64_t blocks = (depth + KC - 1) / KC, step = (depth + blocks - 1) / blocks;
+    for (int64_t k0 = 0; k0 < depth; k0 += step) {
+        const int64_t kc = depth - k0 < step ? depth - k0 : step;
         for (int64_t pn = pa; pn < pb; pn++) {
             const int64_t p0 = pn * PW, all = pixels - p0 < PW ? pixels - p0 : PW;
             const int64_t tails = all % 16 <= TAIL_MAX ? all % 16 : 0, count = all - tails;
