@@ -152,17 +152,27 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
         row[v] = _mm512_loadu_si512(r), col[v] = _mm512_loadu_si512(c);
         valid[v] = tail_mask(pixels - p);
     }
-    vread_t reads[4] = {0};
-    int64_t tap = -1;
-    for (int64_t kk = 0; kk < kc; kk++) {
+    vread_t reads[4];
+    for (int64_t kk = 0; kk < kc;) { /* tap by tap: the depth steps [kk, end) read one tap of channels c.. */
         const int64_t k = k0 + kk, t = k / G->cg, c = k % G->cg;
-        if (t != tap) {
-            tap = t;
-            tap_reads(G, row, col, valid, t / G->kw, t % G->kw, reads);
-        }
+        const int64_t end = kc < kk + G->cg - c ? kc : kk + G->cg - c;
+        tap_reads(G, row, col, valid, t / G->kw, t % G->kw, reads);
         const float *src = img + c * plane;
         float *dst = buf + kk * PW;
-        for (int v = 0; v < 4; v++) _mm512_store_ps(dst + 16 * v, read_vector(src, reads + v));
+        if (reads[0].kind == V_RUN && reads[1].kind == V_RUN && reads[2].kind == V_RUN && reads[3].kind == V_RUN) {
+            /* the common case (stride 1, outputs as wide as the input): 4 masked loads a channel */
+            const __mmask16 m0 = reads[0].lanes, m1 = reads[1].lanes, m2 = reads[2].lanes, m3 = reads[3].lanes;
+            const int32_t b0 = reads[0].base, b1 = reads[1].base, b2 = reads[2].base, b3 = reads[3].base;
+            for (; kk < end; kk++, src += plane, dst += PW) {
+                _mm512_store_ps(dst, _mm512_maskz_loadu_ps(m0, src + b0));
+                _mm512_store_ps(dst + 16, _mm512_maskz_loadu_ps(m1, src + b1));
+                _mm512_store_ps(dst + 32, _mm512_maskz_loadu_ps(m2, src + b2));
+                _mm512_store_ps(dst + 48, _mm512_maskz_loadu_ps(m3, src + b3));
+            }
+            continue;
+        }
+        for (; kk < end; kk++, src += plane, dst += PW)
+            for (int v = 0; v < 4; v++) _mm512_store_ps(dst + 16 * v, read_vector(src, reads + v));
     }
 }
 
