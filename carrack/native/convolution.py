@@ -168,8 +168,8 @@ class NativeConvolution:
              activation: Activation) -> BoundConvolution | None:
         """The `kind` ("pointwise", "direct", "depthwise" or "packed") convolution of inputs shaped x_shape by these
         constant weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise`
-        would run it (2-D for direct and depthwise, unit strides and no pads for pointwise), or "packed": any 2-D
-        convolution on weights packed once (packconv.c); None when it does not apply."""
+        would run it (2-D for direct and depthwise, unit strides and no pads for pointwise), or "packed": any 1-D or
+        2-D convolution on weights packed once (packconv.c); None when it does not apply."""
         if (kind != "depthwise" and not self.products) or (kind == "packed" and not self.packs):
             return None
         for a in (w, bias):
@@ -188,11 +188,15 @@ class NativeConvolution:
             middle = (n, group, mg, kg, pixels, c * pixels, pixels, m * pixels, pixels, kg)
             return BoundConvolution(self._gemm, w, bias, x_shape, (n, m) + x_shape[2:], middle, tiles,
                                     GEMM_ROWS * GEMM_PIXELS * max(kg, 1), activation, True, False)
-        if len(x_shape) != 4 or w.ndim != 4:
+        if kind == "packed" and len(x_shape) == 3 == w.ndim and len(pads) == 2:  # 1-D: an image of height 1
+            h, wd, cg, kh, kw = 1, x_shape[2], w.shape[1], 1, w.shape[2]
+            (sh, sw), (dh, dw), pads = (1, strides[0]), (1, dilations[0]), (0, pads[0], 0, pads[1])
+        elif len(x_shape) != 4 or w.ndim != 4:
             return None
-        h, wd = x_shape[2:]
-        _, cg, kh, kw = w.shape
-        (sh, sw), (dh, dw) = strides, dilations
+        else:
+            h, wd = x_shape[2:]
+            _, cg, kh, kw = w.shape
+            (sh, sw), (dh, dw) = strides, dilations
         oh = (h + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1
         ow = (wd + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1
         if min(oh, ow, kh * kw) <= 0:
@@ -211,7 +215,8 @@ class NativeConvolution:
             middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             # items: pixel panels; the C code splits the output rows too when they are fewer than the threads
             tile_work = GEMM_ROWS * GEMM_PIXELS * cg * kh * kw
-            return BoundConvolution(self._packconv, w, bias, x_shape, (n, m, oh, ow), middle, n * group * panels,
+            y_shape = (n, m, oh, ow) if len(x_shape) == 4 else (n, m, ow)
+            return BoundConvolution(self._packconv, w, bias, x_shape, y_shape, middle, n * group * panels,
                                     row_panels * tile_work, activation, True, True, self.packed_weights(w, group),
                                     (n * group * panels * row_panels, tile_work))
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:

@@ -243,14 +243,17 @@ class PreparedShapes:
 def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
                  dilations: Sequence[int], group: int, residual: bool, packs: bool = False) -> str | None:
     """Which native kernel `_native_convolve` runs for this geometry when it runs one that can be bound
-    ("pointwise", "direct" or "depthwise"), or "packed" (any 2-D convolution but depthwise, on weights packed
-    once) when `packs` (the kernels have packconv.c's vector code); None for the rest (columns, strided 1x1, 1-D,
-    N-D)."""
+    ("pointwise", "direct" or "depthwise"), or "packed" (any 1-D or 2-D convolution but depthwise, on weights
+    packed once) when `packs` (the kernels have packconv.c's vector code); None for the rest (columns, strided
+    1x1, 1-D, N-D without packconv)."""
     if min(pads) < 0:
         return None
-    if packs and len(w_shape) == 4 and len(x_shape) == 4:
-        kind = _kind_2d(x_shape, w_shape, strides, pads, dilations, group)
-        if kind in ("direct", "columns"):
+    if packs and len(w_shape) == len(x_shape) == 4:
+        if _kind_2d(x_shape, w_shape, strides, pads, dilations, group) in ("direct", "columns"):
+            return "packed"
+    if packs and len(w_shape) == len(x_shape) == 3 and len(pads) == 2:  # 1-D: as an image of height 1
+        if _kind_2d(x_shape[:2] + (1,) + x_shape[2:], w_shape[:2] + (1,) + w_shape[2:], [1, strides[0]],
+                    [0, pads[0], 0, pads[1]], [1, dilations[0]], group) in ("direct", "columns"):
             return "packed"
     if w_shape[2:] == (1,) * (len(w_shape) - 2) and not any(pads):
         return "pointwise" if all(s == 1 for s in strides) else None

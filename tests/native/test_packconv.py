@@ -119,6 +119,26 @@ def test_packed_convolution_splits_rows_when_pixels_are_few(monkeypatch):
     np.testing.assert_allclose(one, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()))
 
 
+#: 1-D: (x shape, w shape, stride, pads [left, right], dilation, group)
+GEOMETRIES_1D = [((2, 6, 50), (10, 3, 5), 1, (2, 2), 1, 2), ((1, 17, 129), (8, 17, 3), 2, (0, 1), 3, 1),
+                 ((1, 4, 33), (70, 4, 1), 1, (0, 0), 1, 1)]
+
+
+@pytest.mark.parametrize("index", range(len(GEOMETRIES_1D)))
+def test_one_dimensional_convolutions_run_as_images_of_height_one(index):
+    x_shape, w_shape, stride, pads, dilation, group = GEOMETRIES_1D[index]
+    rng, x, w, b = _operands((x_shape, w_shape), 200 + index)
+    bound = KERNELS.bind("packed", x_shape, w, b, [stride], pads, [dilation], group, ACTIVATIONS["relu"])
+    assert bound is not None and len(bound.y_shape) == 3
+    z = rng.standard_normal(bound.y_shape).astype(np.float32)
+    expected = _reference(x, w, b, z, [stride], pads, [dilation], group, ACTIVATIONS["relu"])
+    with intra_op.intra_op_threads(1):
+        y = bound(x, None, z)
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()))
+    kind = conv_ops._native_kind(x_shape, w_shape, [stride], pads, [dilation], group, True, packs=True)
+    assert kind == "packed"
+
+
 def test_weights_are_packed_once_per_array():
     rng, x, w, b = _operands(((1, 8, 9, 9), (10, 8, 3, 3)), 3)
     first = KERNELS.bind("packed", x.shape, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1, ACTIVATIONS["none"])
@@ -149,7 +169,8 @@ def test_torch_network_matches_onnxruntime_at_every_thread_count(tmp_path, monke
         torch.nn.Conv2d(3, 20, 5, stride=2, padding=2), torch.nn.ReLU(),
         torch.nn.Conv2d(20, 36, 3, padding=2, dilation=2, groups=2), torch.nn.ReLU6(),
         torch.nn.Conv2d(36, 50, 1, stride=2), torch.nn.LeakyReLU(0.1),
-        torch.nn.Conv2d(50, 50, (3, 1), padding=(1, 0)), torch.nn.Sigmoid())
+        torch.nn.Conv2d(50, 50, (3, 1), padding=(1, 0)), torch.nn.Sigmoid(), torch.nn.Flatten(2),
+        torch.nn.Conv1d(50, 12, 3, stride=2, padding=1))
     x = torch.randn(2, 3, 37, 45)
     path = tmp_path / "net.onnx"
     torch.onnx.export(net.eval(), (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False)
@@ -165,7 +186,7 @@ def test_torch_network_matches_onnxruntime_at_every_thread_count(tmp_path, monke
         options = SessionOptions()
         options.intra_op_num_threads = threads
         results.append(InferenceSession(str(path), options).run(None, feed)[0])
-    assert packed_calls.count(True) == 3 * 4  # every convolution of every run
+    assert packed_calls.count(True) == 3 * 5  # every convolution of every run
     np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-5)
     for y in results[1:]:
         assert np.array_equal(y, results[0])
