@@ -147,11 +147,11 @@ class NativeConvolution:
         #: whether packconv.c's convolution on packed weights runs here (AVX-512 only)
         self.packs = self._packconv is not None
 
-    def packed_weights(self, w: np.ndarray, group: int) -> np.ndarray:
-        """w[M, C / group, KH, KW] (C-contiguous float32) in packconv.c's panels, packed once per weight array and
-        group count (kept while w lives)."""
+    def packed_weights(self, w: np.ndarray, group: int, keep: bool = True) -> np.ndarray:
+        """w[M, C / group, KH, KW] (C-contiguous float32) in packconv.c's panels; with `keep` (constant weights
+        only: a writable array may change) packed once per weight array and group count, kept while w lives."""
         key = (id(w), group)
-        known = self._packed.get(key)
+        known = self._packed.get(key) if keep else None
         if known is not None and known[0]() is w:
             return known[1]
         m, cg = w.shape[:2]
@@ -159,17 +159,20 @@ class NativeConvolution:
         lib = self._pack_weights
         wp = np.empty(lib.packconv_weights_size(group, m // group, cg * taps), _F32)
         lib.packconv_pack_weights(data_address(w), data_address(wp), group, m // group, cg, taps)
+        if not keep:
+            return wp
         packed = self._packed
         packed[key] = (weakref.ref(w, lambda _, key=key: packed.pop(key, None)), wp)
         return wp
 
     def bind(self, kind: str, x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None,
              strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
-             activation: Activation) -> BoundConvolution | None:
+             activation: Activation, keep: bool = True) -> BoundConvolution | None:
         """The `kind` ("pointwise", "direct", "depthwise" or "packed") convolution of inputs shaped x_shape by these
         constant weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise`
         would run it (2-D for direct and depthwise, unit strides and no pads for pointwise), or "packed": any 1-D or
-        2-D convolution on weights packed once (packconv.c); None when it does not apply."""
+        2-D convolution on weights packed once (packconv.c; `keep`: see packed_weights); None when it does not
+        apply."""
         if (kind != "depthwise" and not self.products) or (kind == "packed" and not self.packs):
             return None
         for a in (w, bias):
@@ -217,13 +220,28 @@ class NativeConvolution:
             tile_work = GEMM_ROWS * GEMM_PIXELS * cg * kh * kw
             y_shape = (n, m, oh, ow) if len(x_shape) == 4 else (n, m, ow)
             return BoundConvolution(self._packconv, w, bias, x_shape, y_shape, middle, n * group * panels,
-                                    row_panels * tile_work, activation, True, True, self.packed_weights(w, group),
+                                    row_panels * tile_work, activation, True, True,
+                                    self.packed_weights(w, group, keep),
                                     (n * group * panels * row_panels, tile_work))
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
             middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
                                     (m // c) * oh * ow * kh * kw, activation, False, True)
         return None
+
+    def packed(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
+               strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
+               activation: Activation = NO_ACTIVATION, z: np.ndarray | None = None) -> np.ndarray | None:
+        """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias + z) on weights packed for this call only
+        (weights that are not constants may change between calls); None when packconv.c cannot do it (z, when
+        given: C-contiguous float32 of y's shape)."""
+        if not self.packs or x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or min(pads) < 0:
+            return None
+        b, ok = _bias(bias, w.shape[0])
+        if not ok:
+            return None
+        bound = self.bind("packed", x.shape, _operand(w), b, strides, pads, dilations, group, activation, keep=False)
+        return None if bound is None else bound(_operand(x), out, z)
 
     def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                   strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],

@@ -172,6 +172,10 @@ def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w
                  _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
     if kind is None or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape):
         return None
+    if kernels.packs:  # weights packed for this call (they are not constants, or the binding was not made)
+        y = kernels.packed(x, w, bias, out, strides, pads, dilations, group, act, z)
+        if y is not None:
+            return y
     if kind == "direct":
         return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
     if not kernels.products:  # no vector code for the product in this variant: numpy's BLAS is faster

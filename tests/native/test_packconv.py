@@ -190,3 +190,27 @@ def test_torch_network_matches_onnxruntime_at_every_thread_count(tmp_path, monke
     np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-5)
     for y in results[1:]:
         assert np.array_equal(y, results[0])
+
+
+def test_weights_fed_as_inputs_are_packed_for_each_run(monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from carrack.runtime.session import InferenceSession
+
+    node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 0, 1, 2], strides=[2, 1])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 5, 11, 12]),
+                                            helper.make_tensor_value_info("w", TensorProto.FLOAT, [9, 5, 3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
+    calls = []
+    original = native_conv.NativeConvolution.packed
+    monkeypatch.setattr(native_conv.NativeConvolution, "packed", lambda self, *a: calls.append(1) or original(self, *a))
+    session, reference = InferenceSession(model), ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(11)
+    feed = {"x": rng.standard_normal((1, 5, 11, 12)).astype(np.float32),
+            "w": rng.standard_normal((9, 5, 3, 3)).astype(np.float32)}
+    for _ in range(2):  # the same weight array, changed in place between runs
+        np.testing.assert_allclose(session.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-5)
+        feed["w"] *= -2.0
+    assert len(calls) == 2
