@@ -241,7 +241,10 @@ class NativeConvolution:
         if not ok:
             return None
         bound = self.bind("packed", x.shape, _operand(w), b, strides, pads, dilations, group, activation, keep=False)
-        return None if bound is None else bound(_operand(x), out, z)
+        # the bound call compares dtypes by identity: an equal dtype object (e.g. unpickled) is viewed as numpy's own
+        x = _operand(x).view(_F32)
+        z = z if z is None or z.dtype != _F32 else z.view(_F32)
+        return None if bound is None else bound(x, out, z)
 
     def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                   strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],

@@ -141,7 +141,8 @@ def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: n
     if x.dtype != np.float32 or w.dtype != np.float32 or x.ndim < 3 or min(pads) < 0:
         return None
     act = native_conv.NO_ACTIVATION if activation is None else activation.native()
-    if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads):
+    # packconv runs 1-D and 2-D 1x1 convolutions too, as the bound calls do (the same sums, the same bits)
+    if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads) and not (kernels.packs and w.ndim in (3, 4)):
         if any(s != 1 for s in strides):
             x = x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
         y = kernels.pointwise(x, w, bias, out, group, act, z)

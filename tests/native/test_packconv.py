@@ -214,3 +214,19 @@ def test_weights_fed_as_inputs_are_packed_for_each_run(monkeypatch):
         np.testing.assert_allclose(session.run(None, feed)[0], reference.run(None, feed)[0], rtol=1e-5, atol=1e-5)
         feed["w"] *= -2.0
     assert len(calls) == 2
+
+
+def test_an_unpickled_input_gets_the_same_bits():
+    # an unpickled array's dtype is equal to numpy's float32 but another object: the bound call (which compares by
+    # identity) refuses it and the general path must still run packconv, not the old product
+    import pickle
+
+    rng, x, w, b = _operands(((1, 6, 9, 10), (8, 6, 3, 3)), 12)
+    w.flags.writeable = False
+    unpickled = pickle.loads(pickle.dumps(x))
+    expected = conv_ops.convolve(x, w, strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1, bias=b,
+                                 kernels=KERNELS)
+    got = conv_ops.convolve(unpickled, w, strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1, bias=b,
+                            kernels=KERNELS)
+    bound = KERNELS.bind("packed", x.shape, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1, ACTIVATIONS["none"])
+    assert np.array_equal(got, expected) and np.array_equal(bound(x, None, None), expected)
