@@ -221,7 +221,7 @@ def test_an_unpickled_input_gets_the_same_bits():
     # identity) refuses it and the general path must still run packconv, not the old product
     import pickle
 
-    rng, x, w, b = _operands(((1, 6, 9, 10), (8, 6, 3, 3)), 12)
+    rng, x, w, b = _operands(((1, 3, 9, 10), (8, 3, 3, 3)), 12)  # 3 channels: the old path is im2col
     w.flags.writeable = False
     unpickled = pickle.loads(pickle.dumps(x))
     expected = conv_ops.convolve(x, w, strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1, bias=b,
