@@ -36,7 +36,9 @@
 #ifndef KC
 #define KC 128 /* depth steps per block at most: a block's columns for one pixel panel are 32 KiB */
 #endif
+#ifndef CHUNK_BYTES
 #define CHUNK_BYTES (512 * 1024) /* a chunk of pixel panels: its output rows (all row panels) stay in the L2 cache */
+#endif
 
 /* the floats of a packed weight for `groups` groups of mg rows and `depth` steps */
 int64_t packconv_weights_size(int64_t groups, int64_t mg, int64_t depth) {
