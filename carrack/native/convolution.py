@@ -1,7 +1,8 @@
 """The native convolution kernels (dwconv.c, convgemm.c, packconv.c) behind carrack.ops.conv, with their fused bias and
 activation. On AVX-512, every 1-D and 2-D convolution but the depthwise ones runs on packconv.c's weights packed once
 (`bind("packed")`, or packed per call for weights that are not constants); convgemm.c's direct, im2col and 1x1
-kernels serve the other variants and what packconv declines.
+kernels serve what packconv declines (N-D convolutions, operands it cannot read in place), and numpy's BLAS the
+variants without AVX-512.
 
 `load()` gives the kernels (None when native kernels are off or cannot be built): a convolution kernel calls it once
 at setup. Each method returns None (or False) when it cannot serve a call (a case the C code does not cover) and the
