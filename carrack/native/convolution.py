@@ -216,7 +216,9 @@ class NativeConvolution:
             return BoundConvolution(self._dconv, w, bias, x_shape, (n, m, oh, ow), middle, tiles,
                                     GEMM_ROWS * GEMM_PIXELS * cg * kh * kw, activation, True, True)
         if kind == "packed":
-            if cg * group != c or m % group or max(h * wd, oh * ow) > _INT32_MAX // 4:
+            # packconv.c works out input positions in 32-bit lanes
+            reach = (h * wd, oh * ow, h + pads[0] + pads[2], wd + pads[1] + pads[3], oh * sh, ow * sw, kh * dh, kw * dw)
+            if cg * group != c or m % group or max(reach) > _INT32_MAX // 4:
                 return None
             panels, row_panels = -(-(oh * ow) // GEMM_PIXELS), -(-(m // group) // GEMM_ROWS)
             middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])

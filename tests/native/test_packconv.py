@@ -157,6 +157,9 @@ def test_geometries_the_binding_refuses():
                         ACTIVATIONS["none"]) is None  # 8 channels, weights for 4 per group and 1 group
     assert KERNELS.bind("packed", (1, 4, 2, 2), w, None, (1, 1), (0, 0, 0, 0), (1, 1), 1,
                         ACTIVATIONS["none"]) is None  # no output pixel
+    # input positions past 32-bit lanes (a huge stride over huge pads): refused, the other paths run it
+    assert KERNELS.bind("packed", (1, 4, 3, 3), w, None, (1 << 20, 1), (1 << 30, 1, 1 << 30, 1), (1, 1), 1,
+                        ACTIVATIONS["none"]) is None
 
 
 def test_torch_network_matches_onnxruntime_at_every_thread_count(tmp_path, monkeypatch):
