@@ -9,13 +9,15 @@
  * - the weights are packed once (packconv_pack_weights, at bind time) into panels of PR = 6 output rows, each
  *   panel's depth contiguous with its 6 rows side by side, zero rows past the group's last: the tile's 6
  *   broadcasts of a depth step come from one 24-byte run of memory;
- * - the depth goes in blocks of KC = 128 steps. For each pixel panel of PW = 64 outputs, a block's columns are
+ * - the depth goes in blocks of at most KC = 128 steps. For each pixel panel of PW = 64 outputs, a block's columns are
  *   gathered into a 32 KiB buffer that stays in the L1 cache (masked vector loads straight from the image where
  *   a vector's 16 outputs read 16 consecutive or every other input, a gather where they cross output rows), then
  *   every row panel runs over it: a 6 x 64 tile in 24 vector registers, started from the bias (first block) or
  *   from the partial sums stored by the previous block, finished with the residual and the activation in the
  *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer);
- * - pixel panels go in chunks whose output rows stay in the L2 cache across the depth blocks.
+ * - a panel's one pixel past its whole vectors (7x7 maps: 49 = 3 x 16 + 1) is a dot product instead (tail_dot);
+ * - pixel panels go in chunks whose output rows stay in the L2 cache across the depth blocks; with fewer pixel
+ *   panels than 4 per thread (7x7 and 14x14 maps) the threads split the output rows too.
  *
  * Each output element sums its depth in the same order whatever the split over threads: results do not depend on
  * the thread count. AVX-512 only (packconv_vectorized); elsewhere carrack uses its other convolution paths.
@@ -286,11 +288,14 @@ static void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth,
     }
 }
 
-/* A panel's last few pixels (TAIL_MAX at most past its whole vectors, e.g. the 49th of a 7x7 map) are dot products
- * along the depth instead of a vector of their own that would idle most of its lanes through the whole depth:
- * 8 depth steps of a weight panel are 48 contiguous floats (3 vectors), multiplied by the pixel's 8 column values
- * each repeated 6 times. */
-#define TAIL_MAX 4
+/* A panel's last pixel past its whole vectors (the 49th of a 7x7 map) is a dot product along the depth instead of a
+ * vector of its own that would idle 15 of its 16 lanes through the whole depth: 8 depth steps of a weight panel are
+ * 48 contiguous floats (3 vectors), multiplied by the pixel's 8 column values each repeated 6 times. It costs
+ * about half a 16-lane vector's work (the permutes share the FMA ports, the 48 lanes are summed at the end), so it
+ * pays for one pixel, not for two (measured the same at 1, 2 and 4 on 7x7 and 14x14 maps). */
+#ifndef TAIL_MAX
+#define TAIL_MAX 1
+#endif
 
 /* sums[r] = sum over k < kc of wp[k * PR + r] * column[k], r < PR, in a fixed order */
 static void tail_dot(const float *wp, const float *column, int64_t kc, float *sums) {
