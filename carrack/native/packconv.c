@@ -94,7 +94,8 @@ static void tap_reads(const geom_t *G, const __m512i *row, const __m512i *col, c
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i zero = _mm512_setzero_si512(), h = _mm512_set1_epi32((int32_t)G->h);
     const __m512i wd = _mm512_set1_epi32((int32_t)G->w);
-    const __m512i di = _mm512_set1_epi32((int32_t)(i * G->dh - G->pt)), dj = _mm512_set1_epi32((int32_t)(j * G->dw - G->pl));
+    const __m512i di = _mm512_set1_epi32((int32_t)(i * G->dh - G->pt));
+    const __m512i dj = _mm512_set1_epi32((int32_t)(j * G->dw - G->pl));
     for (int v = 0; v < 4; v++) {
         const __m512i ih = _mm512_add_epi32(_mm512_mullo_epi32(row[v], _mm512_set1_epi32((int32_t)G->sh)), di);
         const __m512i iw = _mm512_add_epi32(_mm512_mullo_epi32(col[v], _mm512_set1_epi32((int32_t)G->sw)), dj);
