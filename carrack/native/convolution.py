@@ -1,4 +1,8 @@
-"""The native convolution kernels (dwconv.c, convgemm.c) behind carrack.ops.conv, with their fused bias and activation.
+"""The native convolution kernels (dwconv.c, convgemm.c, packconv.c) behind carrack.ops.conv, with their fused bias and
+activation. On AVX-512, every 1-D and 2-D convolution but the depthwise ones runs on packconv.c's weights packed once
+(`bind("packed")`, or packed per call for weights that are not constants); convgemm.c's direct, im2col and 1x1
+kernels serve what packconv declines (N-D convolutions, operands it cannot read in place), and numpy's BLAS the
+variants without AVX-512.
 
 `load()` gives the kernels (None when native kernels are off or cannot be built): a convolution kernel calls it once
 at setup. Each method returns None (or False) when it cannot serve a call (a case the C code does not cover) and the
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,7 +29,8 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "H
 #: multiply-adds a thread should get at least before work is split: ~10-20 us of work, against the 1-5 us a hand-off
 #: to a spinning pool worker costs (more when it has gone to sleep)
 MIN_TASK_WORK = 1 << 19
-GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile
+GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile (packconv.c's too)
+_INT32_MAX = 2**31 - 1
 
 Activation = tuple[int, float, float]  # (code, alpha, beta)
 NO_ACTIVATION: Activation = (0, 0.0, 0.0)
@@ -131,14 +137,47 @@ class NativeConvolution:
         # convgemm.c's products and direct convolution have vector code for AVX-512 only: elsewhere (the avx2 and
         # portable variants) numpy's BLAS is several times faster, so they decline and the numpy path runs
         self.products = bool(gemm.matmul_f32_vectorized())
+        self._packconv = self._pack_weights = None
+        self._packed: dict[tuple[int, int], tuple[weakref.ref, np.ndarray]] = {}
+        packconv = native.library("packconv")
+        if packconv is not None:
+            _declare(packconv, "packconv_vectorized", _i64)
+            if packconv.packconv_vectorized():
+                _declare(packconv, "packconv_weights_size", _i64, _i64, _i64, _i64)
+                _declare(packconv, "packconv_pack_weights", None, _ptr, _ptr, _i64, _i64, _i64, _i64)
+                _declare(packconv, "packconv_f32_threads", _i64, _ptr, _ptr, _ptr, _ptr, _ptr, *[_i64] * 19, _f32,
+                         _f32, _i64)
+                self._packconv, self._pack_weights = packconv.packconv_f32_threads, packconv
+        #: whether packconv.c's convolution on packed weights runs here (AVX-512 only)
+        self.packs = self._packconv is not None
+
+    def packed_weights(self, w: np.ndarray, group: int, keep: bool = True) -> np.ndarray:
+        """w[M, C / group, KH, KW] (C-contiguous float32) in packconv.c's panels; with `keep` (constant weights
+        only: a writable array may change) packed once per weight array and group count, kept while w lives."""
+        key = (id(w), group)
+        known = self._packed.get(key) if keep else None
+        if known is not None and known[0]() is w:
+            return known[1]
+        m, cg = w.shape[:2]
+        taps = math.prod(w.shape[2:])
+        lib = self._pack_weights
+        wp = np.empty(lib.packconv_weights_size(group, m // group, cg * taps), _F32)
+        lib.packconv_pack_weights(data_address(w), data_address(wp), group, m // group, cg, taps)
+        if not keep:
+            return wp
+        packed = self._packed
+        packed[key] = (weakref.ref(w, lambda _, key=key: packed.pop(key, None)), wp)
+        return wp
 
     def bind(self, kind: str, x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None,
              strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
-             activation: Activation) -> BoundConvolution | None:
-        """The `kind` ("pointwise", "direct" or "depthwise") convolution of inputs shaped x_shape by these constant
-        weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise` would run
-        it (2-D for direct and depthwise, unit strides and no pads for pointwise); None when it does not apply."""
-        if kind != "depthwise" and not self.products:
+             activation: Activation, keep: bool = True) -> BoundConvolution | None:
+        """The `kind` ("pointwise", "direct", "depthwise" or "packed") convolution of inputs shaped x_shape by these
+        constant weights (C-contiguous float32; bias too, [M]) bound once, as `pointwise`, `direct` and `depthwise`
+        would run it (2-D for direct and depthwise, unit strides and no pads for pointwise), or "packed": any 1-D or
+        2-D convolution on weights packed once (packconv.c; `keep`: see packed_weights); None when it does not
+        apply."""
+        if (kind != "depthwise" and not self.products) or (kind == "packed" and not self.packs):
             return None
         for a in (w, bias):
             if a is not None and (a.dtype != _F32 or not a.flags.c_contiguous or not a.flags.aligned):
@@ -156,11 +195,15 @@ class NativeConvolution:
             middle = (n, group, mg, kg, pixels, c * pixels, pixels, m * pixels, pixels, kg)
             return BoundConvolution(self._gemm, w, bias, x_shape, (n, m) + x_shape[2:], middle, tiles,
                                     GEMM_ROWS * GEMM_PIXELS * max(kg, 1), activation, True, False)
-        if len(x_shape) != 4 or w.ndim != 4:
+        if kind == "packed" and len(x_shape) == 3 == w.ndim and len(pads) == 2:  # 1-D: an image of height 1
+            h, wd, cg, kh, kw = 1, x_shape[2], w.shape[1], 1, w.shape[2]
+            (sh, sw), (dh, dw), pads = (1, strides[0]), (1, dilations[0]), (0, pads[0], 0, pads[1])
+        elif len(x_shape) != 4 or w.ndim != 4:
             return None
-        h, wd = x_shape[2:]
-        _, cg, kh, kw = w.shape
-        (sh, sw), (dh, dw) = strides, dilations
+        else:
+            h, wd = x_shape[2:]
+            _, cg, kh, kw = w.shape
+            (sh, sw), (dh, dw) = strides, dilations
         oh = (h + pads[0] + pads[2] - (kh - 1) * dh - 1) // sh + 1
         ow = (wd + pads[1] + pads[3] - (kw - 1) * dw - 1) // sw + 1
         if min(oh, ow, kh * kw) <= 0:
@@ -172,11 +215,42 @@ class NativeConvolution:
             middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dconv, w, bias, x_shape, (n, m, oh, ow), middle, tiles,
                                     GEMM_ROWS * GEMM_PIXELS * cg * kh * kw, activation, True, True)
+        if kind == "packed":
+            # packconv.c works out input positions in 32-bit lanes
+            reach = (h * wd, oh * ow, h + pads[0] + pads[2], wd + pads[1] + pads[3], oh * sh, ow * sw, kh * dh, kw * dw)
+            if cg * group != c or m % group or max(reach) > _INT32_MAX // 4:
+                return None
+            panels, row_panels = -(-(oh * ow) // GEMM_PIXELS), -(-(m // group) // GEMM_ROWS)
+            middle = (n, group, m // group, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
+            # items: pixel panels; the C code splits the output rows too when they are fewer than the threads
+            tile_work = GEMM_ROWS * GEMM_PIXELS * cg * kh * kw
+            y_shape = (n, m, oh, ow) if len(x_shape) == 4 else (n, m, ow)
+            return BoundConvolution(self._packconv, w, bias, x_shape, y_shape, middle, n * group * panels,
+                                    row_panels * tile_work, activation, True, True,
+                                    self.packed_weights(w, group, keep),
+                                    (n * group * panels * row_panels, tile_work))
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
             middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
                                     (m // c) * oh * ow * kh * kw, activation, False, True)
         return None
+
+    def packed(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
+               strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int], group: int,
+               activation: Activation = NO_ACTIVATION, z: np.ndarray | None = None) -> np.ndarray | None:
+        """y = act(conv(x[N, C, H, W], w[M, C / group, KH, KW]) + bias + z) on weights packed for this call only
+        (weights that are not constants may change between calls); None when packconv.c cannot do it (z, when
+        given: C-contiguous float32 of y's shape)."""
+        if not self.packs or x.dtype != _F32 or w.dtype != _F32 or x.ndim != 4 or w.ndim != 4 or min(pads) < 0:
+            return None
+        b, ok = _bias(bias, w.shape[0])
+        if not ok:
+            return None
+        bound = self.bind("packed", x.shape, _operand(w), b, strides, pads, dilations, group, activation, keep=False)
+        # the bound call compares dtypes by identity: an equal dtype object (e.g. unpickled) is viewed as numpy's own
+        x = _operand(x).view(_F32)
+        z = z if z is None or z.dtype != _F32 else z.view(_F32)
+        return None if bound is None else bound(x, out, z)
 
     def depthwise(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
                   strides: Sequence[int], pads: Sequence[int], dilations: Sequence[int],
@@ -364,10 +438,13 @@ class BoundConvolution:
 
     def __init__(self, fn, w: np.ndarray, bias: np.ndarray | None, x_shape: tuple[int, ...],
                  y_shape: tuple[int, ...], middle: tuple, count: int, work: int, activation: Activation,
-                 residual: bool, failures: bool):
-        self.fn, self.w, self.bias = fn, w, bias
+                 residual: bool, failures: bool, packed: np.ndarray | None = None,
+                 split: tuple[int, int] | None = None):
+        self.fn, self.w, self.bias, self.packed = fn, w, bias, packed
+        #: (items, work per item) the thread count is chosen for, when the kernel splits finer than `count` items
+        self.split = (count, work) if split is None else split
         self.x_shape, self.y_shape = x_shape, y_shape
-        self.constants = (data_address(w), address(bias))
+        self.constants = (data_address(w if packed is None else packed), address(bias))
         self.middle, self.count, self.work, self.activation = middle, count, work, activation
         self.residual, self.failures = residual, failures
 
@@ -387,7 +464,7 @@ class BoundConvolution:
         head = (data_address(x), *self.constants, data_address(y))
         if self.residual:
             head += (None if z is None else data_address(z),)
-        failed = _run(self.fn, self.count, self.work, head + self.middle, self.activation)
+        failed = self.fn(*head, *self.middle, 0, self.count, *self.activation, _threads(*self.split))
         return None if self.failures and failed else y
 
 

@@ -141,7 +141,8 @@ def _native_convolve(kernels: native_conv.NativeConvolution, x: np.ndarray, w: n
     if x.dtype != np.float32 or w.dtype != np.float32 or x.ndim < 3 or min(pads) < 0:
         return None
     act = native_conv.NO_ACTIVATION if activation is None else activation.native()
-    if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads):
+    # packconv runs 1-D and 2-D 1x1 convolutions too, as the bound calls do (the same sums, the same bits)
+    if w.shape[2:] == (1,) * (w.ndim - 2) and not any(pads) and not (kernels.packs and w.ndim in (3, 4)):
         if any(s != 1 for s in strides):
             x = x[(Ellipsis,) + tuple(slice(None, None, s) for s in strides)]
         y = kernels.pointwise(x, w, bias, out, group, act, z)
@@ -172,6 +173,10 @@ def _native_convolve_2d(kernels: native_conv.NativeConvolution, x: np.ndarray, w
                  _output_size(wd, kw, strides[1], dilations[1], pads[1], pads[3]))
     if kind is None or (bias is not None and bias.size != m) or (z is not None and z.shape != (n, m) + out_shape):
         return None
+    if kernels.packs:  # weights packed for this call (they are not constants, or the binding was not made)
+        y = kernels.packed(x, w, bias, out, strides, pads, dilations, group, act, z)
+        if y is not None:
+            return y
     if kind == "direct":
         return kernels.direct(x, w, bias, out, strides, pads, dilations, group, act, z)
     if not kernels.products:  # no vector code for the product in this variant: numpy's BLAS is faster
@@ -241,11 +246,20 @@ class PreparedShapes:
 
 
 def _native_kind(x_shape: tuple[int, ...], w_shape: tuple[int, ...], strides: Sequence[int], pads: Sequence[int],
-                 dilations: Sequence[int], group: int, residual: bool) -> str | None:
+                 dilations: Sequence[int], group: int, residual: bool, packs: bool = False) -> str | None:
     """Which native kernel `_native_convolve` runs for this geometry when it runs one that can be bound
-    ("pointwise", "direct" or "depthwise"); None for the rest (columns, strided 1x1, 1-D, N-D)."""
+    ("pointwise", "direct" or "depthwise"), or "packed" (any 1-D or 2-D convolution but depthwise, on weights
+    packed once) when `packs` (the kernels have packconv.c's vector code); None for the rest (columns, strided
+    1x1, 1-D, N-D without packconv)."""
     if min(pads) < 0:
         return None
+    if packs and len(w_shape) == len(x_shape) == 4:
+        if _kind_2d(x_shape, w_shape, strides, pads, dilations, group) in ("direct", "columns"):
+            return "packed"
+    if packs and len(w_shape) == len(x_shape) == 3 and len(pads) == 2:  # 1-D: as an image of height 1
+        if _kind_2d(x_shape[:2] + (1,) + x_shape[2:], w_shape[:2] + (1,) + w_shape[2:], [1, strides[0]],
+                    [0, pads[0], 0, pads[1]], [1, dilations[0]], group) in ("direct", "columns"):
+            return "packed"
     if w_shape[2:] == (1,) * (len(w_shape) - 2) and not any(pads):
         return "pointwise" if all(s == 1 for s in strides) else None
     if len(w_shape) != 4 or len(x_shape) != 4:
@@ -626,7 +640,8 @@ class Conv(_ConvBase):
             strides, dilations = self.geometry(len(x_shape) - 2)
             pads = conv_pads(self.auto_pad, self.pads, x_shape[2:], w.shape[2:], strides, dilations)
             if len(w.shape) == len(x_shape) and len(pads) == 2 * (len(x_shape) - 2):
-                kind = _native_kind(x_shape, w.shape, strides, pads, dilations, self.group, residual)
+                kind = _native_kind(x_shape, w.shape, strides, pads, dilations, self.group, residual,
+                                    self.native.packs)
                 act = native_conv.NO_ACTIVATION if activation is None else activation.native()
                 if kind is not None:
                     bound = self.native.bind(kind, x_shape, w, b, strides, pads, dilations, self.group, act)
