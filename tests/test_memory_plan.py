@@ -151,3 +151,45 @@ def test_convolutions_write_into_the_arena():
         assert written & {"Conv", "FusedConv"}, written
         np.testing.assert_allclose(sess.run(None, {"x": x})[0],
                                    carrack.InferenceSession(model, plain).run(None, {"x": x})[0], rtol=1e-6)
+
+
+def _conv_net():
+    """A 3x3 convolution, a depthwise one and a 1x1 one, with constant weights."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("w3", (20, 8, 3, 3)), ("wd", (20, 1, 3, 3)), ("w1", (13, 20, 1, 1)))]
+    nodes = [helper.make_node("Conv", ["x", "w3"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "wd"], ["d"], pads=[1, 1, 1, 1], group=20),
+             helper.make_node("Conv", ["d", "w1"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 13, 12, 12])
+    graph = helper.make_graph(nodes, "convs", [x], [y], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_weights_packed_for_the_kernels_are_in_the_plan():
+    """The packed copies of convolution weights (packconv.c) are counted before the first run, exactly, and not
+    when the plan runs the convolutions on numpy."""
+    import carrack
+    from carrack.native import convolution as native_conv
+
+    model = _conv_net()
+    kernels = native_conv.load()
+    sess = carrack.InferenceSession(model.SerializeToString())
+    expected = 0
+    if kernels is not None and kernels.packs:  # 6-row panels: 20 rows -> 24, 13 -> 18; the depthwise one is not
+        expected = 4 * (24 * 8 * 9 + 18 * 20)
+    plan = sess.memory_plan()
+    assert plan.prepared_bytes == expected
+    assert plan.peak_bytes == plan.weight_bytes + expected + plan.input_bytes + plan.arena_bytes + plan.output_bytes
+    assert "prepared" in plan.summary()
+    x = np.random.default_rng(0).standard_normal((1, 8, 12, 12)).astype(np.float32)
+    sess.run(None, {"x": x})
+    if expected:
+        held = sum(wp.nbytes for ref, wp in kernels._packed.values() if ref() is not None and wp.size in (24 * 72, 18 * 20))
+        assert held >= expected
+
+    opts = carrack.SessionOptions()
+    opts.add_session_config_entry("carrack.kernels", "numpy")
+    assert carrack.InferenceSession(model.SerializeToString(), opts).memory_plan().prepared_bytes == 0

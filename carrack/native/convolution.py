@@ -151,6 +151,13 @@ class NativeConvolution:
         #: whether packconv.c's convolution on packed weights runs here (AVX-512 only)
         self.packs = self._packconv is not None
 
+    def packed_weight_bytes(self, w_shape: Sequence[int], group: int) -> int:
+        """Bytes of `packed_weights` for weights shaped w_shape [M, C / group, ...] (0 without packconv)."""
+        if not self.packs:
+            return 0
+        m = w_shape[0]
+        return 4 * self._pack_weights.packconv_weights_size(group, m // group, math.prod(w_shape[1:]))
+
     def packed_weights(self, w: np.ndarray, group: int, keep: bool = True) -> np.ndarray:
         """w[M, C / group, KH, KW] (C-contiguous float32) in packconv.c's panels; with `keep` (constant weights
         only: a writable array may change) packed once per weight array and group count, kept while w lives."""

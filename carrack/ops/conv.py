@@ -553,6 +553,21 @@ def convolution_scratch_bytes(node: Node, facts: Mapping[str, Any], integer: boo
     return padded + min(columns, COLUMN_BYTES)  # columns are built in blocks of at most COLUMN_BYTES
 
 
+def convolution_prepared_bytes(node: Node, constants: Mapping[str, Any]) -> int:
+    """What the native kernels keep of a convolution's constant weights besides the graph's copy: a float32 copy
+    of float16 weights, and the weights packed into packconv.c's panels (every 1-D and 2-D convolution but the
+    depthwise ones, whose weights have one input channel a group)."""
+    w = constants.get(node.inputs[1]) if len(node.inputs) > 1 else None
+    kernels = native_conv.load() if isinstance(w, np.ndarray) and w.ndim >= 3 else None
+    if kernels is None or w.dtype not in (np.float32, np.float16) or w.flags.writeable:
+        return 0
+    held = w.size * 4 if w.dtype == np.float16 else 0
+    group = int(node.attrs.get("group", 1))
+    if w.ndim in (3, 4) and w.shape[1] != 1 and group >= 1 and w.shape[0] % group == 0:
+        held += kernels.packed_weight_bytes(w.shape, group)
+    return held
+
+
 class _ConvBase(Kernel):
     """Attributes shared by the convolution family."""
 
@@ -589,6 +604,10 @@ class Conv(_ConvBase):
     @classmethod
     def scratch_bytes(cls, node: Node, facts: Mapping[str, Any]) -> int:
         return convolution_scratch_bytes(node, facts)
+
+    @classmethod
+    def prepared_bytes(cls, node: Node, constants: Mapping[str, Any]) -> int:
+        return convolution_prepared_bytes(node, constants)
 
     def setup(self):
         super().setup()

@@ -9,7 +9,7 @@ import numpy as np
 
 from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import half, registry
-from carrack.ops.conv import Epilogue, convolution_scratch_bytes
+from carrack.ops.conv import Epilogue, convolution_prepared_bytes, convolution_scratch_bytes
 from carrack.ops.registry import Kernel, register
 
 MS = "com.microsoft"
@@ -143,6 +143,10 @@ class FusedConv(_FusedIntoBase):
     @classmethod
     def scratch_bytes(cls, node, facts) -> int:
         return convolution_scratch_bytes(node, facts)
+
+    @classmethod
+    def prepared_bytes(cls, node, constants) -> int:
+        return convolution_prepared_bytes(node, constants)
 
     def setup(self) -> None:
         super().setup()

@@ -53,6 +53,13 @@ class Kernel:
         return 0
 
     @classmethod
+    def prepared_bytes(cls, node: Node, constants: Mapping[str, Any]) -> int:
+        """Bytes the kernel keeps beside the graph's constants once prepared (e.g. weights repacked for its native
+        code), from `node`'s constant inputs (`constants`: the graph's initializers); the memory report counts
+        them with the weights."""
+        return 0
+
+    @classmethod
     def writes_into(cls) -> bool:
         """Whether the kernel can compute its single output into a buffer it is given (`run_into`, or `_into`
         offered per node by `carrack.ops.contrib.offer_run_into`)."""

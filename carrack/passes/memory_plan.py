@@ -56,11 +56,14 @@ class MemoryPlan:
         return block.offset, fact_shape, dtype
 
     _shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = field(default_factory=dict, repr=False)
+    #: what kernels keep beside the weights once prepared (weights repacked for their native code)
+    prepared_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        """Expected peak: weights + caller inputs + the arena + the outputs handed back."""
-        return self.weight_bytes + self.input_bytes + self.arena_bytes + self.output_bytes
+        """Expected peak: weights (and their prepared copies) + caller inputs + the arena + the outputs handed
+        back."""
+        return self.weight_bytes + self.prepared_bytes + self.input_bytes + self.arena_bytes + self.output_bytes
 
     @property
     def efficiency(self) -> float:
@@ -70,6 +73,7 @@ class MemoryPlan:
     def summary(self) -> str:
         mib = 2**20
         lines = [f"weights:       {self.weight_bytes / mib:10.2f} MiB",
+                 f"prepared:      {self.prepared_bytes / mib:10.2f} MiB  (weights repacked for the kernels)",
                  f"inputs:        {self.input_bytes / mib:10.2f} MiB",
                  f"outputs:       {self.output_bytes / mib:10.2f} MiB",
                  f"arena:         {self.arena_bytes / mib:10.2f} MiB  ({len(self.blocks)} intermediates, "
@@ -95,12 +99,14 @@ def _align(n: int) -> int:
 
 def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, int] | None = None,
                 facts: Mapping[str, Fact] | None = None,
-                writes_into: Callable[[Node], bool] | None = None) -> MemoryPlan:
+                writes_into: Callable[[Node], bool] | None = None,
+                numpy_nodes: Callable[[Node], bool] | None = None) -> MemoryPlan:
     """Plan the arena for `graph` with symbolic input dims bound to `bindings` (dim name -> size).
 
     By default every intermediate is placed (the whole working set: what `session.memory_plan()` reports). With
     `writes_into`, only the outputs of nodes for which it is true are placed (the executor's arena: the nodes whose
-    kernels can write into a given buffer; the others allocate their own results).
+    kernels can write into a given buffer; the others allocate their own results). `numpy_nodes`: the nodes the
+    plan runs on numpy rather than native kernels (they prepare nothing).
     """
     facts = dict(facts) if facts is not None else infer(graph, opsets, input_facts(graph, bindings))
     weights = sum(a.nbytes for a in graph.initializers.values() if isinstance(a, np.ndarray))
@@ -116,9 +122,11 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
     storage: dict[str, str] = {}  # value -> block holding its bytes (its own, or its input's when in place)
     view_of: dict[str, str] = {}  # value -> block it may be a view of
     shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    output_bytes = 0
+    output_bytes = prepared = 0
     for step, node in enumerate(graph.nodes):
         kernel = registry.traits(node, opsets)
+        if kernel is not None and (numpy_nodes is None or not numpy_nodes(node)):
+            prepared += kernel.prepared_bytes(node, graph.initializers)
         placed_here = writes_into is None or writes_into(node)
         for name in node.outputs:
             if not name:
@@ -155,7 +163,7 @@ def plan_memory(graph: Graph, opsets: Mapping[str, int], bindings: Mapping[str, 
     arena = _place(list(blocks.values()))
     total = sum(b.nbytes for b in blocks.values())
     return MemoryPlan(arena, weights, inputs, total, blocks, unknown, output_bytes, storage, frozenset(view_of),
-                      shapes)
+                      shapes, prepared)
 
 
 def _place(blocks: list[Block]) -> int:

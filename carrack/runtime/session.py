@@ -211,7 +211,9 @@ class InferenceSession(OrtSessionApi):
             plan = self._plans.get(key)
         if plan is None:
             graph = self._plan.graph
-            plan = plan_memory(graph, self._model.opsets, dict(key), facts=self._plan.facts(dict(key)))
+            chosen = self._plan.implementations
+            plan = plan_memory(graph, self._model.opsets, dict(key), facts=self._plan.facts(dict(key)),
+                               numpy_nodes=lambda node: chosen.get(select.node_key(node)) == "numpy")
             with self._lock:
                 self._plans.setdefault(key, plan)
         return plan
@@ -248,10 +250,12 @@ class InferenceSession(OrtSessionApi):
 
     def _check_memory(self, plan: MemoryPlan, what: str) -> None:
         limit = self._options.memory_limit_bytes
-        needed = plan.peak_bytes if not plan.unknown else plan.weight_bytes + plan.input_bytes
+        known = plan.weight_bytes + plan.prepared_bytes + plan.input_bytes
+        needed = plan.peak_bytes if not plan.unknown else known
         if needed > limit:
             raise MemoryLimitExceeded(
-                f"{what} needs {needed:,} bytes (weights {plan.weight_bytes:,} + inputs {plan.input_bytes:,} + "
+                f"{what} needs {needed:,} bytes (weights {plan.weight_bytes:,} + their prepared copies "
+                f"{plan.prepared_bytes:,} + inputs {plan.input_bytes:,} + "
                 f"working arena {plan.arena_bytes:,}), more than SessionOptions.memory_limit_bytes = {limit:,}")
 
     def _dim_bindings(self, feed: dict[str, Any]) -> dict[str, int]:
