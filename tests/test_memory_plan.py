@@ -187,7 +187,8 @@ def test_weights_packed_for_the_kernels_are_in_the_plan():
     x = np.random.default_rng(0).standard_normal((1, 8, 12, 12)).astype(np.float32)
     sess.run(None, {"x": x})
     if expected:
-        held = sum(wp.nbytes for ref, wp in kernels._packed.values() if ref() is not None and wp.size in (24 * 72, 18 * 20))
+        held = sum(wp.nbytes for ref, wp in kernels._packed.values()
+                   if ref() is not None and wp.size in (24 * 72, 18 * 20))
         assert held >= expected
 
     opts = carrack.SessionOptions()
