@@ -323,7 +323,7 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
 
 /* ---- the packed matrix product: per-target register tiles over GCC/Clang vector extensions ------------------------
  * CR_VW float lanes per vector: 16 with AVX-512, 8 with AVX/AVX2, else 4 (SSE, WebAssembly SIMD128 with -msimd128,
- * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = 2 * CR_VW columns keeps
+ * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = CR_GNV * CR_VW columns keeps
  * its sums in registers; B is packed (zero-padded) into CR_GN-wide panels of CR_KC rows that stay in L1/L2 while
  * every row tile of A streams past them (the blocking of carrack/native/convgemm.c). */
 #if defined(__AVX512F__)
@@ -333,14 +333,28 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
 #else
 #define CR_VW 4
 #endif
+/* tile shapes measured per target (gcc on x86, node for SIMD128): 4 x 2 vectors on 4 lanes (the 16 registers of
+ * SSE/SIMD128: 6 rows or 3-4 vectors measured slower in node), 6 x 2 on AVX2 (12 accumulators of 16 registers),
+ * 6 x 4 on AVX-512 (24 of 32); -DCR_GM/-DCR_GNV override them for experiments */
+#ifndef CR_GM
 #if CR_VW == 4
-#define CR_GM 4 /* 8 accumulators: SIMD128 engines keep them in 16 xmm registers */
+#define CR_GM 4
 #else
-#define CR_GM 6 /* 12 accumulators of the 16 (AVX2) or 32 (AVX-512) vector registers */
+#define CR_GM 6
 #endif
-#define CR_GN (2 * CR_VW)
+#endif
+#ifndef CR_GNV
+#if CR_VW == 16
+#define CR_GNV 4
+#else
+#define CR_GNV 2
+#endif
+#endif
+#define CR_GN (CR_GNV * CR_VW) /* columns per tile */
 #define CR_KC 256 /* depth per packed panel */
-#define CR_NC 128 /* columns per packed block (a multiple of CR_GN) */
+#ifndef CR_NC
+#define CR_NC (CR_VW == 16 ? 256 : 128) /* columns per packed block (a multiple of CR_GN) */
+#endif
 
 typedef float cr_vf __attribute__((vector_size(CR_VW * 4)));
 
@@ -440,54 +454,37 @@ static inline __attribute__((always_inline)) void cr_gemm_tile(
     float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
     const float *row[CR_GM];
     for (int t = 0; t < rows; t++) row[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
-    cr_vf acc[CR_GM][2];
-    for (int t = 0; t < rows; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
-    if (sa_k == 1) {
-        for (int64_t kk = 0; kk < kc; kk++) {
-            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
-            for (int t = 0; t < rows; t++) {
-                cr_vf av = (cr_vf){0} + row[t][kk];
-                acc[t][0] += av * b0;
-                acc[t][1] += av * b1;
-            }
-        }
-    } else {
-        for (int64_t kk = 0; kk < kc; kk++) {
-            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
-            for (int t = 0; t < rows; t++) {
-                cr_vf av = (cr_vf){0} + row[t][kk * sa_k];
-                acc[t][0] += av * b0;
-                acc[t][1] += av * b1;
-            }
+    cr_vf acc[CR_GM][CR_GNV];
+    for (int t = 0; t < rows; t++)
+        for (int v = 0; v < CR_GNV; v++) acc[t][v] = (cr_vf){0};
+    for (int64_t kk = 0; kk < kc; kk++) {
+        cr_vf bv[CR_GNV];
+        for (int v = 0; v < CR_GNV; v++) bv[v] = cr_vload(panel + kk * ldp + v * CR_VW);
+        for (int t = 0; t < rows; t++) {
+            float av = row[t][kk * sa_k]; /* scalar x vector: a broadcast load, not an add and a shuffle */
+            for (int v = 0; v < CR_GNV; v++) acc[t][v] += av * bv[v];
         }
     }
     for (int64_t t = 0; t < mr && t < rows; t++) {
         float *ct = c + t * ldc;
         const float *pt = prev ? prev + t * ldc : NULL;
         float tile[CR_GN];
-        if (pt && nq == CR_GN) {
-            acc[t][0] += cr_vload(pt);
-            acc[t][1] += cr_vload(pt + CR_VW);
-        }
-        if (last && last->row_bias) {
-            acc[t][0] += last->row_bias[t];
-            acc[t][1] += last->row_bias[t];
-        }
+        if (pt && nq == CR_GN)
+            for (int v = 0; v < CR_GNV; v++) acc[t][v] += cr_vload(pt + v * CR_VW);
+        if (last && last->row_bias)
+            for (int v = 0; v < CR_GNV; v++) acc[t][v] += last->row_bias[t];
         int in_registers = !last || (!last->col_bias && (last->act == CR_ACT_NONE || last->act == CR_ACT_RELU
                                                          || last->act == CR_ACT_CLIP));
         if (nq == CR_GN && in_registers) {
             if (last && last->act != CR_ACT_NONE) {
                 float lo = last->act == CR_ACT_RELU ? 0.0f : last->a;
                 float hi = last->act == CR_ACT_RELU ? INFINITY : last->b;
-                acc[t][0] = cr_vclamp(acc[t][0], lo, hi);
-                acc[t][1] = cr_vclamp(acc[t][1], lo, hi);
+                for (int v = 0; v < CR_GNV; v++) acc[t][v] = cr_vclamp(acc[t][v], lo, hi);
             }
-            cr_vstore(ct, acc[t][0]);
-            cr_vstore(ct + CR_VW, acc[t][1]);
+            for (int v = 0; v < CR_GNV; v++) cr_vstore(ct + v * CR_VW, acc[t][v]);
             continue;
         }
-        cr_vstore(tile, acc[t][0]);
-        cr_vstore(tile + CR_VW, acc[t][1]);
+        for (int v = 0; v < CR_GNV; v++) cr_vstore(tile + v * CR_VW, acc[t][v]);
         if (pt && nq < CR_GN)
             for (int64_t q = 0; q < nq; q++) tile[q] += pt[q];
         if (last) {
