@@ -733,31 +733,50 @@ static CR_UNUSED void cr_layer_norm(const float *x, const float *skip, const flo
     }
 }
 
+static inline float cr_max1(float acc, float v) { return v > acc || v != v ? v : acc; } /* NaN sticks */
+
 /* 2-D max or average pooling over planes (n * c of them); padding is skipped by max and by average without
- * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule) */
+ * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule). Separable: per
+ * output row, the window's valid input rows are first reduced column by column (contiguous, CR_VW lanes at a
+ * time) into `cols`, then each output reduces its window's columns of that row; the counts are per row and
+ * column range. Max gives the same values as a window-at-a-time loop (and NaN propagates); average sums in
+ * another order (float32 rounding). */
 static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_t h, int64_t wd, int64_t oh, int64_t ow,
                                 int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
                                 int64_t pl, int64_t pb, int64_t pr, int is_max, int count_pad) {
+    float cols[wd > 0 ? wd : 1];
+    const float start = is_max ? -INFINITY : 0.0f;
     for (int64_t p = 0; p < planes; p++) {
         const float *xp = x + p * h * wd;
         float *yp = y + p * oh * ow;
         for (int64_t r = 0; r < oh; r++) {
-            for (int64_t q = 0; q < ow; q++) {
-                float acc = is_max ? -INFINITY : 0.0f;
-                int64_t count = 0, padded = 0;
-                for (int64_t i = 0; i < kh; i++) {
-                    int64_t row = r * sh - pt + i * dh;
-                    for (int64_t j = 0; j < kw; j++) {
-                        int64_t col = q * sw - pl + j * dw;
-                        if (row >= -pt && row < h + pb && col >= -pl && col < wd + pr) padded++;
-                        if (row < 0 || row >= h || col < 0 || col >= wd) continue;
-                        float v = xp[row * wd + col];
-                        if (is_max) acc = v > acc || v != v ? v : acc;
-                        else acc += v;
-                        count++;
-                    }
+            int64_t rows = 0, padded_rows = 0, c = 0;
+            for (; c + CR_VW <= wd; c += CR_VW) cr_vstore(cols + c, (cr_vf){0} + start);
+            for (; c < wd; c++) cols[c] = start;
+            for (int64_t i = 0; i < kh; i++) {
+                int64_t row = r * sh - pt + i * dh;
+                if (row >= -pt && row < h + pb) padded_rows++;
+                if (row < 0 || row >= h) continue;
+                rows++;
+                const float *xr = xp + row * wd;
+                for (c = 0; c + CR_VW <= wd; c += CR_VW) {
+                    cr_vf acc = cr_vload(cols + c), v = cr_vload(xr + c);
+                    acc = is_max ? cr_vselect((v > acc) | (v != v), v, acc) : acc + v;
+                    cr_vstore(cols + c, acc);
                 }
-                if (!is_max) acc /= (float)(count_pad ? padded : count);
+                for (; c < wd; c++) cols[c] = is_max ? cr_max1(cols[c], xr[c]) : cols[c] + xr[c];
+            }
+            for (int64_t q = 0; q < ow; q++) {
+                float acc = start;
+                int64_t count = 0, padded = 0;
+                for (int64_t j = 0; j < kw; j++) {
+                    int64_t col = q * sw - pl + j * dw;
+                    if (col >= -pl && col < wd + pr) padded++;
+                    if (col < 0 || col >= wd) continue;
+                    acc = is_max ? cr_max1(acc, cols[col]) : acc + cols[col];
+                    count++;
+                }
+                if (!is_max) acc /= (float)(count_pad ? padded * padded_rows : count * rows);
                 yp[r * ow + q] = acc;
             }
         }
@@ -805,17 +824,27 @@ static CR_UNUSED void cr_concat_part(const float *x, float *y, int64_t outer, in
     for (int64_t o = 0; o < outer; o++) memcpy(y + o * whole + offset, x + o * part, (size_t)part * sizeof(float));
 }
 
-/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded) */
+/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded).
+ * Trailing dims that stay contiguous in x (a channel shuffle's rows) merge into one run, copied whole; the other
+ * dims step an offset, not a per-element index sum. */
 static CR_UNUSED void cr_transpose(const float *x, float *y, const int64_t *shape, const int64_t *strides) {
-    int64_t total = 1;
-    for (int d = 0; d < CR_MAX_RANK; d++) total *= shape[d];
-    int64_t index[CR_MAX_RANK] = {0};
-    for (int64_t t = 0; t < total; t++) {
-        int64_t at = 0;
-        for (int d = 0; d < CR_MAX_RANK; d++) at += index[d] * strides[d];
-        y[t] = x[at];
-        for (int d = CR_MAX_RANK - 1; d >= 0; d--) {
+    int64_t run = shape[CR_MAX_RANK - 1], step = strides[CR_MAX_RANK - 1];
+    int last = CR_MAX_RANK - 2; /* the innermost dim that is not part of the run */
+    if (step == 1)
+        for (; last >= 0 && strides[last] == run; last--) run *= shape[last];
+    int64_t outer = 1;
+    for (int d = 0; d <= last; d++) outer *= shape[d];
+    if (run == 0 || outer == 0) return;
+    int64_t index[CR_MAX_RANK] = {0}, at = 0;
+    for (int64_t o = 0; o < outer; o++) {
+        float *yo = y + o * run;
+        if (step == 1) memcpy(yo, x + at, (size_t)run * sizeof(float));
+        else
+            for (int64_t i = 0; i < run; i++) yo[i] = x[at + i * step];
+        for (int d = last; d >= 0; d--) {
+            at += strides[d];
             if (++index[d] < shape[d]) break;
+            at -= index[d] * strides[d];
             index[d] = 0;
         }
     }
