@@ -274,7 +274,7 @@ ARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64-v4": {"avx512f"
 
 
 @pytest.mark.parametrize("arch", list(ARCHES))
-@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp"])
+@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp", "strided_edges"])
 def test_every_vector_width_equals_the_session(exported, tmp_path, arch, name):
     """The packed product's register tiles per target (4, 8 and 16 lanes) all give the session's results."""
     if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
