@@ -351,7 +351,9 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
 #endif
 #endif
 #define CR_GN (CR_GNV * CR_VW) /* columns per tile */
+#ifndef CR_KC
 #define CR_KC 256 /* depth per packed panel */
+#endif
 #ifndef CR_NC
 #define CR_NC (CR_VW == 16 ? 256 : 128) /* columns per packed block (a multiple of CR_GN) */
 #endif
