@@ -587,16 +587,33 @@ static inline float cr_dw_pixel(const float *xc, const float *wc, float start, i
     return sum;
 }
 
-/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments, for stride 1 along
- * the width: the columns whose taps are all inside the row are summed CR_VW at a time in registers over every tap,
- * the few at the padded edges one by one */
+/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments: the output columns
+ * whose taps are all inside the row are summed CR_VW at a time in registers over every tap, the few at the padded
+ * edges one by one. At a column stride sw > 1 the input rows a band of output rows reads are first split into sw
+ * phases (columns ph, ph + sw, ...; in the packing buffer), so that every tap reads its CR_VW columns
+ * contiguously from one phase; rows too wide for the buffer take the one-by-one path. */
 static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
                                   int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
                                   int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                   int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
-    (void)m_out, (void)groups, (void)sw; /* sw == 1, groups == m_out == c_in: the emitter's choice */
-    int64_t lo = pl < ow ? pl : ow, hi = wd - (kw - 1) * dw + pl; /* columns [lo, hi) read no padding */
+    (void)m_out, (void)groups; /* groups == m_out == c_in: the emitter's choice */
+    int64_t reach = wd - 1 + pl - (kw - 1) * dw; /* columns [lo, hi) read no padding */
+    int64_t lo = (pl + sw - 1) / sw, hi = reach < 0 ? 0 : reach / sw + 1;
+    lo = lo < ow ? lo : ow;
     hi = hi < lo ? lo : hi > ow ? ow : hi;
+    int64_t phase = (wd + sw - 1) / sw, row_floats = sw * phase, band = oh; /* output rows per band */
+    float *split = (float *)cr_pack_buffer;
+    if (sw > 1) {
+        int64_t rows = (int64_t)(sizeof cr_pack_buffer / sizeof(float)) / row_floats - (kh - 1) * dh - 1;
+        band = rows < 0 ? 0 : rows / sh + 1;
+        if (band < 1) hi = lo; /* no room for even one output row's input rows */
+        band = band < 1 ? oh : band;
+    }
+    int64_t tap_at[kw > 0 ? kw : 1]; /* tap j of output column q reads its row's (phase) buffer at q + tap_at[j] */
+    for (int64_t j = 0; j < kw; j++) {
+        int64_t offset = j * dw - pl;
+        tap_at[j] = sw == 1 ? offset : cr_mod(offset, sw) * phase + cr_floordiv(offset, sw);
+    }
     int fast_act = act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
     float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
@@ -605,28 +622,40 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
             const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
             const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
             float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
-            for (int64_t r = 0; r < oh; r++) {
-                float *yr = yc + r * ow;
-                const float *zr = zc ? zc + r * ow : NULL;
-                int64_t q = lo;
-                if (fast_act) {
-                    for (; q + CR_VW <= hi; q += CR_VW) {
-                        cr_vf acc = (cr_vf){0} + start;
-                        for (int64_t i = 0; i < kh; i++) {
-                            int64_t row = r * sh - pt + i * dh;
-                            if (row < 0 || row >= h) continue;
-                            const float *xr = xc + row * wd + q - pl;
-                            for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + j * dw);
-                        }
-                        if (zr) acc += cr_vload(zr + q);
-                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+            for (int64_t r0 = 0; r0 < oh; r0 += band) {
+                int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
+                if (sw > 1 && hi > lo) { /* split the band's input rows into their column phases */
+                    int64_t last = (r1 - 1) * sh - pt + (kh - 1) * dh;
+                    for (int64_t row = first < 0 ? 0 : first; row <= last && row < h; row++) {
+                        const float *xr = xc + row * wd;
+                        float *out = split + (row - first) * row_floats;
+                        for (int64_t ph = 0; ph < sw; ph++)
+                            for (int64_t t = 0; t * sw + ph < wd; t++) out[ph * phase + t] = xr[t * sw + ph];
                     }
                 }
-                for (int64_t k = 0; k < ow; k++) {
-                    if (k >= lo && k < q) k = q; /* the columns done in registers */
-                    if (k >= ow) break;
-                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, 1, dh, dw, pt, pl);
-                    yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
+                for (int64_t r = r0; r < r1; r++) {
+                    float *yr = yc + r * ow;
+                    const float *zr = zc ? zc + r * ow : NULL;
+                    int64_t q = lo;
+                    if (fast_act) {
+                        for (; q + CR_VW <= hi; q += CR_VW) {
+                            cr_vf acc = (cr_vf){0} + start;
+                            for (int64_t i = 0; i < kh; i++) {
+                                int64_t row = r * sh - pt + i * dh;
+                                if (row < 0 || row >= h) continue;
+                                const float *xr = (sw == 1 ? xc + row * wd : split + (row - first) * row_floats) + q;
+                                for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
+                            }
+                            if (zr) acc += cr_vload(zr + q);
+                            cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                        }
+                    }
+                    for (int64_t k = 0; k < ow; k++) {
+                        if (k >= lo && k < q) k = q; /* the columns done in registers */
+                        if (k >= ow) break;
+                        float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, sw, dh, dw, pt, pl);
+                        yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
+                    }
                 }
             }
         }
