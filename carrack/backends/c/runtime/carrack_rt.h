@@ -587,34 +587,69 @@ static inline float cr_dw_pixel(const float *xc, const float *wc, float start, i
     return sum;
 }
 
-/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments: the output columns
- * whose taps are all inside the row are summed CR_VW at a time in registers over every tap, the few at the padded
- * edges one by one. At a column stride sw > 1 the input rows a band of output rows reads are first split into sw
- * phases (columns ph, ph + sw, ...; in the packing buffer), so that every tap reads its CR_VW columns
- * contiguously from one phase; rows too wide for the buffer take the one-by-one path. */
+/* the activations a depthwise tile applies in registers (others go through cr_act1 per column) */
+static inline int cr_dw_fast_act(int act) { return act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP; }
+
+/* One channel of a depthwise convolution from a buffer of its input rows, zero-padded and split into sw column
+ * phases (padded column pc of input row `row` at split[(row - first) * sw * phase + pc % sw * phase + pc / sw]):
+ * output rows r0..r1, every column CR_VW at a time with no bounds check (the last, partial vector through a
+ * copy). Tap j of output column q reads phase j*dw % sw at q + j*dw / sw. */
+static void cr_dw_split_rows(const float *split, int64_t first, int64_t phase, const float *wc, float start,
+                             const float *zc, float *yc, int64_t r0, int64_t r1, int64_t h, int64_t ow, int64_t kh,
+                             int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int act,
+                             float a, float b) {
+    int64_t tap_at[kw > 0 ? kw : 1];
+    for (int64_t j = 0; j < kw; j++) tap_at[j] = j * dw % sw * phase + j * dw / sw;
+    float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
+    float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t q = 0; q < ow; q += CR_VW) {
+            cr_vf acc = (cr_vf){0} + start;
+            for (int64_t i = 0; i < kh; i++) {
+                int64_t row = r * sh - pt + i * dh;
+                if (row < 0 || row >= h) continue;
+                const float *xr = split + (row - first) * sw * phase + q;
+                for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
+            }
+            float lanes[CR_VW];
+            int64_t count = ow - q < CR_VW ? ow - q : CR_VW;
+            if (zc) {
+                memcpy(lanes, zc + r * ow + q, (size_t)count * sizeof(float));
+                for (int64_t l = count; l < CR_VW; l++) lanes[l] = 0.0f;
+                acc += cr_vload(lanes);
+            }
+            if (cr_dw_fast_act(act)) {
+                if (act != CR_ACT_NONE) acc = cr_vclamp(acc, act_lo, act_hi);
+                cr_vstore(lanes, acc);
+            } else {
+                cr_vstore(lanes, acc);
+                for (int64_t l = 0; l < count; l++) lanes[l] = cr_act1(lanes[l], act, a, b);
+            }
+            memcpy(yc + r * ow + q, lanes, (size_t)count * sizeof(float));
+        }
+    }
+}
+
+/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments. Wide rows at column
+ * stride 1 are read in place: the columns whose taps are all inside the row are summed CR_VW at a time in
+ * registers over every tap, the few at the padded edges one by one. Narrow rows (7 or 14 columns would leave a
+ * 16-lane vector's columns to the one-by-one path) and column strides > 1 first copy the input rows a band of
+ * output rows reads into the packing buffer, zero-padded and split into column phases, so that every tap reads
+ * CR_VW contiguous columns of one phase (cr_dw_split_rows); rows too wide for the buffer go one by one. */
 static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
                                   int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
                                   int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                   int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
     (void)m_out, (void)groups; /* groups == m_out == c_in: the emitter's choice */
-    int64_t reach = wd - 1 + pl - (kw - 1) * dw; /* columns [lo, hi) read no padding */
-    int64_t lo = (pl + sw - 1) / sw, hi = reach < 0 ? 0 : reach / sw + 1;
-    lo = lo < ow ? lo : ow;
-    hi = hi < lo ? lo : hi > ow ? ow : hi;
-    int64_t phase = (wd + sw - 1) / sw, row_floats = sw * phase, band = oh; /* output rows per band */
+    int direct = sw == 1 && ow >= 4 * CR_VW;
+    int64_t reach = wd - 1 + pl - (kw - 1) * dw; /* in place, columns [lo, hi) read no padding */
+    int64_t lo = pl < ow ? pl : ow, hi = reach < 0 ? 0 : reach + 1;
+    hi = !direct || hi < lo ? lo : hi > ow ? ow : hi;
+    /* the split rows: phases long enough for every vector of output columns and every tap */
+    int64_t phase = (ow + CR_VW - 1) / CR_VW * CR_VW + (kw - 1) * dw / sw + 1, row_floats = sw * phase;
+    int64_t fit = (int64_t)(sizeof cr_pack_buffer / sizeof(float)) / row_floats - (kh - 1) * dh - 1;
+    int64_t band = direct ? oh : fit < 0 ? 0 : fit / sh + 1; /* output rows per band; 0: none fits */
     float *split = (float *)cr_pack_buffer;
-    if (sw > 1) {
-        int64_t rows = (int64_t)(sizeof cr_pack_buffer / sizeof(float)) / row_floats - (kh - 1) * dh - 1;
-        band = rows < 0 ? 0 : rows / sh + 1;
-        if (band < 1) hi = lo; /* no room for even one output row's input rows */
-        band = band < 1 ? oh : band;
-    }
-    int64_t tap_at[kw > 0 ? kw : 1]; /* tap j of output column q reads its row's (phase) buffer at q + tap_at[j] */
-    for (int64_t j = 0; j < kw; j++) {
-        int64_t offset = j * dw - pl;
-        tap_at[j] = sw == 1 ? offset : cr_mod(offset, sw) * phase + cr_floordiv(offset, sw);
-    }
-    int fast_act = act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
     float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
     for (int64_t img = 0; img < n; img++) {
@@ -622,40 +657,45 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
             const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
             const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
             float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
-            for (int64_t r0 = 0; r0 < oh; r0 += band) {
-                int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
-                if (sw > 1 && hi > lo) { /* split the band's input rows into their column phases */
+            if (!direct && band > 0) {
+                for (int64_t r0 = 0; r0 < oh; r0 += band) {
+                    int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
                     int64_t last = (r1 - 1) * sh - pt + (kh - 1) * dh;
                     for (int64_t row = first < 0 ? 0 : first; row <= last && row < h; row++) {
                         const float *xr = xc + row * wd;
                         float *out = split + (row - first) * row_floats;
-                        for (int64_t ph = 0; ph < sw; ph++)
-                            for (int64_t t = 0; t * sw + ph < wd; t++) out[ph * phase + t] = xr[t * sw + ph];
-                    }
-                }
-                for (int64_t r = r0; r < r1; r++) {
-                    float *yr = yc + r * ow;
-                    const float *zr = zc ? zc + r * ow : NULL;
-                    int64_t q = lo;
-                    if (fast_act) {
-                        for (; q + CR_VW <= hi; q += CR_VW) {
-                            cr_vf acc = (cr_vf){0} + start;
-                            for (int64_t i = 0; i < kh; i++) {
-                                int64_t row = r * sh - pt + i * dh;
-                                if (row < 0 || row >= h) continue;
-                                const float *xr = (sw == 1 ? xc + row * wd : split + (row - first) * row_floats) + q;
-                                for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
-                            }
-                            if (zr) acc += cr_vload(zr + q);
-                            cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                        for (int64_t pc = 0; pc < row_floats; pc++) { /* padded column pc, phase pc % sw */
+                            int64_t col = pc - pl;
+                            out[pc % sw * phase + pc / sw] = col >= 0 && col < wd ? xr[col] : 0.0f;
                         }
                     }
-                    for (int64_t k = 0; k < ow; k++) {
-                        if (k >= lo && k < q) k = q; /* the columns done in registers */
-                        if (k >= ow) break;
-                        float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, sw, dh, dw, pt, pl);
-                        yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
+                    cr_dw_split_rows(split, first, phase, wc, start, zc, yc, r0, r1, h, ow, kh, kw, sh, sw, dh, dw,
+                                     pt, act, a, b);
+                }
+                continue;
+            }
+            for (int64_t r = 0; r < oh; r++) {
+                float *yr = yc + r * ow;
+                const float *zr = zc ? zc + r * ow : NULL;
+                int64_t q = lo;
+                if (cr_dw_fast_act(act)) {
+                    for (; q + CR_VW <= hi; q += CR_VW) {
+                        cr_vf acc = (cr_vf){0} + start;
+                        for (int64_t i = 0; i < kh; i++) {
+                            int64_t row = r * sh - pt + i * dh;
+                            if (row < 0 || row >= h) continue;
+                            const float *xr = xc + row * wd + q - pl;
+                            for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + j * dw);
+                        }
+                        if (zr) acc += cr_vload(zr + q);
+                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
                     }
+                }
+                for (int64_t k = 0; k < ow; k++) {
+                    if (k >= lo && k < q) k = q; /* the columns done in registers */
+                    if (k >= ow) break;
+                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, sw, dh, dw, pt, pl);
+                    yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
                 }
             }
         }
