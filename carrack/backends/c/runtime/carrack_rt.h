@@ -390,7 +390,8 @@ typedef struct {
     int64_t h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl;
 } cr_bsrc;
 
-static cr_vf cr_pack_buffer[CR_KC * CR_NC / CR_VW]; /* aligned as a vector; the model is single-threaded */
+#define CR_PACK_FLOATS (CR_KC * CR_NC)
+static cr_vf cr_pack_buffer[CR_PACK_FLOATS / CR_VW]; /* aligned as a vector; the model is single-threaded */
 
 /* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN */
 static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float *panel) {
@@ -647,7 +648,7 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
     hi = !direct || hi < lo ? lo : hi > ow ? ow : hi;
     /* the split rows: phases long enough for every vector of output columns and every tap */
     int64_t phase = (ow + CR_VW - 1) / CR_VW * CR_VW + (kw - 1) * dw / sw + 1, row_floats = sw * phase;
-    int64_t fit = (int64_t)(sizeof cr_pack_buffer / sizeof(float)) / row_floats - (kh - 1) * dh - 1;
+    int64_t fit = CR_PACK_FLOATS / row_floats - (kh - 1) * dh - 1;
     int64_t band = direct ? oh : fit < 0 ? 0 : fit / sh + 1; /* output rows per band; 0: none fits */
     float *split = (float *)cr_pack_buffer;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
