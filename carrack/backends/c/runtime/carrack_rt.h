@@ -631,6 +631,22 @@ static void cr_dw_split_rows(const float *split, int64_t first, int64_t phase, c
     }
 }
 
+/* one input row into the split buffer: phase ph holds padded columns ph, ph + sw, ... (input column pc - pl, zero
+ * outside the row), `phase` of them */
+static inline void cr_dw_split_row(const float *xr, float *out, int64_t wd, int64_t sw, int64_t pl, int64_t phase) {
+    for (int64_t ph = 0; ph < sw; ph++, out += phase) {
+        int64_t lo = pl - ph <= 0 ? 0 : (pl - ph + sw - 1) / sw, hi = (wd + pl - ph + sw - 1) / sw; /* in the row */
+        lo = lo < phase ? lo : phase;
+        hi = hi < lo ? lo : hi > phase ? phase : hi;
+        memset(out, 0, (size_t)lo * sizeof(float));
+        const float *from = xr + lo * sw + ph - pl;
+        if (sw == 1) memcpy(out + lo, from, (size_t)(hi - lo) * sizeof(float));
+        else
+            for (int64_t t = 0; t < hi - lo; t++) out[lo + t] = from[t * sw];
+        memset(out + hi, 0, (size_t)(phase - hi) * sizeof(float));
+    }
+}
+
 /* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments. Wide rows at column
  * stride 1 are read in place: the columns whose taps are all inside the row are summed CR_VW at a time in
  * registers over every tap, the few at the padded edges one by one. Narrow rows (7 or 14 columns would leave a
@@ -663,12 +679,7 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
                     int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
                     int64_t last = (r1 - 1) * sh - pt + (kh - 1) * dh;
                     for (int64_t row = first < 0 ? 0 : first; row <= last && row < h; row++) {
-                        const float *xr = xc + row * wd;
-                        float *out = split + (row - first) * row_floats;
-                        for (int64_t pc = 0; pc < row_floats; pc++) { /* padded column pc, phase pc % sw */
-                            int64_t col = pc - pl;
-                            out[pc % sw * phase + pc / sw] = col >= 0 && col < wd ? xr[col] : 0.0f;
-                        }
+                        cr_dw_split_row(xc + row * wd, split + (row - first) * row_floats, wd, sw, pl, phase);
                     }
                     cr_dw_split_rows(split, first, phase, wc, start, zc, yc, r0, r1, h, ow, kh, kw, sh, sw, dh, dw,
                                      pt, act, a, b);
