@@ -591,6 +591,22 @@ static inline float cr_dw_pixel(const float *xc, const float *wc, float start, i
 /* the activations a depthwise tile applies in registers (others go through cr_act1 per column) */
 static inline int cr_dw_fast_act(int act) { return act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP; }
 
+/* acc plus a 3x3 depthwise window of CR_VW outputs: rows x0..x2 (at the first output), tap j at x + at[j],
+ * weights splatted in w[0..8]; summed in the order of the general loop (row by row, tap by tap) */
+static inline __attribute__((always_inline)) cr_vf cr_dw3x3(cr_vf acc, const float *x0, const float *x1,
+                                                            const float *x2, const int64_t *at, const cr_vf *w) {
+    acc += w[0] * cr_vload(x0 + at[0]);
+    acc += w[1] * cr_vload(x0 + at[1]);
+    acc += w[2] * cr_vload(x0 + at[2]);
+    acc += w[3] * cr_vload(x1 + at[0]);
+    acc += w[4] * cr_vload(x1 + at[1]);
+    acc += w[5] * cr_vload(x1 + at[2]);
+    acc += w[6] * cr_vload(x2 + at[0]);
+    acc += w[7] * cr_vload(x2 + at[1]);
+    acc += w[8] * cr_vload(x2 + at[2]);
+    return acc;
+}
+
 /* One channel of a depthwise convolution from a buffer of its input rows, zero-padded and split into sw column
  * phases (padded column pc of input row `row` at split[(row - first) * sw * phase + pc % sw * phase + pc / sw]):
  * output rows r0..r1, every column CR_VW at a time with no bounds check (the last, partial vector through a
@@ -603,24 +619,40 @@ static void cr_dw_split_rows(const float *split, int64_t first, int64_t phase, c
     for (int64_t j = 0; j < kw; j++) tap_at[j] = j * dw % sw * phase + j * dw / sw;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
     float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    cr_vf taps[9];
+    if (kh == 3 && kw == 3)
+        for (int t = 0; t < 9; t++) taps[t] = (cr_vf){0} + wc[t];
     for (int64_t r = r0; r < r1; r++) {
+        int64_t top = r * sh - pt;
+        int inside = kh == 3 && kw == 3 && top >= 0 && top + 2 * dh < h; /* the common 3x3 case, unrolled */
+        const float *x0 = split + (top - first) * sw * phase, *x1 = x0 + dh * sw * phase, *x2 = x1 + dh * sw * phase;
         for (int64_t q = 0; q < ow; q += CR_VW) {
             cr_vf acc = (cr_vf){0} + start;
-            for (int64_t i = 0; i < kh; i++) {
-                int64_t row = r * sh - pt + i * dh;
-                if (row < 0 || row >= h) continue;
-                const float *xr = split + (row - first) * sw * phase + q;
-                for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
+            if (inside) {
+                acc = cr_dw3x3(acc, x0 + q, x1 + q, x2 + q, tap_at, taps);
+            } else {
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = top + i * dh;
+                    if (row < 0 || row >= h) continue;
+                    const float *xr = split + (row - first) * sw * phase + q;
+                    for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
+                }
             }
             float lanes[CR_VW];
             int64_t count = ow - q < CR_VW ? ow - q : CR_VW;
-            if (zc) {
+            if (zc && count == CR_VW) {
+                acc += cr_vload(zc + r * ow + q);
+            } else if (zc) {
                 memcpy(lanes, zc + r * ow + q, (size_t)count * sizeof(float));
                 for (int64_t l = count; l < CR_VW; l++) lanes[l] = 0.0f;
                 acc += cr_vload(lanes);
             }
             if (cr_dw_fast_act(act)) {
                 if (act != CR_ACT_NONE) acc = cr_vclamp(acc, act_lo, act_hi);
+                if (count == CR_VW) {
+                    cr_vstore(yc + r * ow + q, acc);
+                    continue;
+                }
                 cr_vstore(lanes, acc);
             } else {
                 cr_vstore(lanes, acc);
@@ -669,11 +701,15 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
     float *split = (float *)cr_pack_buffer;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
     float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    int64_t tap_at[3] = {0, dw, 2 * dw}; /* the in-place 3x3 path's taps */
+    cr_vf taps[9];
     for (int64_t img = 0; img < n; img++) {
         for (int64_t ch = 0; ch < c_in; ch++) {
             const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
             const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
             float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
+            if (kh == 3 && kw == 3)
+                for (int t = 0; t < 9; t++) taps[t] = (cr_vf){0} + wc[t];
             if (!direct && band > 0) {
                 for (int64_t r0 = 0; r0 < oh; r0 += band) {
                     int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
@@ -689,7 +725,15 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
             for (int64_t r = 0; r < oh; r++) {
                 float *yr = yc + r * ow;
                 const float *zr = zc ? zc + r * ow : NULL;
-                int64_t q = lo;
+                int64_t q = lo, top = r * sh - pt;
+                if (cr_dw_fast_act(act) && kh == 3 && kw == 3 && top >= 0 && top + 2 * dh < h) {
+                    const float *x0 = xc + top * wd - pl, *x1 = x0 + dh * wd, *x2 = x1 + dh * wd;
+                    for (; q + CR_VW <= hi; q += CR_VW) {
+                        cr_vf acc = cr_dw3x3((cr_vf){0} + start, x0 + q, x1 + q, x2 + q, tap_at, taps);
+                        if (zr) acc += cr_vload(zr + q);
+                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                    }
+                }
                 if (cr_dw_fast_act(act)) {
                     for (; q + CR_VW <= hi; q += CR_VW) {
                         cr_vf acc = (cr_vf){0} + start;
