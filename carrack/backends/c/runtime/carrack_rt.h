@@ -424,12 +424,14 @@ static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int6
                         memset(o + p, 0, (size_t)lo * sizeof(float));
                         memcpy(o + p + lo, xc + row * s->wd + col0 + lo, (size_t)(hi - lo) * sizeof(float));
                         memset(o + p + hi, 0, (size_t)(run - hi) * sizeof(float));
-                    } else {
-                        const float *xr = xc + row * s->wd;
-                        for (int64_t t = 0; t < run; t++) {
-                            int64_t col = col0 + t * s->sw;
-                            o[p + t] = col >= 0 && col < s->wd ? xr[col] : 0.0f;
-                        }
+                    } else { /* strided: the pixels whose column is inside the row, zeros around them */
+                        int64_t lo = col0 < 0 ? (-col0 + s->sw - 1) / s->sw : 0;
+                        int64_t hi = s->wd - col0 <= 0 ? 0 : (s->wd - col0 + s->sw - 1) / s->sw;
+                        lo = lo < run ? lo : run;
+                        hi = hi < lo ? lo : hi > run ? run : hi;
+                        const float *xr = xc + row * s->wd + col0;
+                        for (int64_t t = 0; t < run; t++) o[p + t] = 0.0f;
+                        for (int64_t t = lo; t < hi; t++) o[p + t] = xr[t * s->sw];
                     }
                     p += run;
                     q = 0;
