@@ -455,42 +455,43 @@ typedef struct {
  * is applied while the tile is in registers and L1. `rows` is a constant where it is inlined (CR_GM, or 1 for a
  * matrix-vector product), so the sums stay in registers. */
 static inline __attribute__((always_inline)) void cr_gemm_tile(
-    const int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp, int64_t kc,
-    float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
+    const int rows, const int nv, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp,
+    int64_t kc, float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
     const float *row[CR_GM];
     for (int t = 0; t < rows; t++) row[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
     cr_vf acc[CR_GM][CR_GNV];
     for (int t = 0; t < rows; t++)
-        for (int v = 0; v < CR_GNV; v++) acc[t][v] = (cr_vf){0};
+        for (int v = 0; v < nv; v++) acc[t][v] = (cr_vf){0};
     for (int64_t kk = 0; kk < kc; kk++) {
         cr_vf bv[CR_GNV];
-        for (int v = 0; v < CR_GNV; v++) bv[v] = cr_vload(panel + kk * ldp + v * CR_VW);
+        for (int v = 0; v < nv; v++) bv[v] = cr_vload(panel + kk * ldp + v * CR_VW);
         for (int t = 0; t < rows; t++) {
             float av = row[t][kk * sa_k]; /* scalar x vector: a broadcast load, not an add and a shuffle */
-            for (int v = 0; v < CR_GNV; v++) acc[t][v] += av * bv[v];
+            for (int v = 0; v < nv; v++) acc[t][v] += av * bv[v];
         }
     }
+    int full = nq == nv * CR_VW;
     for (int64_t t = 0; t < mr && t < rows; t++) {
         float *ct = c + t * ldc;
         const float *pt = prev ? prev + t * ldc : NULL;
         float tile[CR_GN];
-        if (pt && nq == CR_GN)
-            for (int v = 0; v < CR_GNV; v++) acc[t][v] += cr_vload(pt + v * CR_VW);
+        if (pt && full)
+            for (int v = 0; v < nv; v++) acc[t][v] += cr_vload(pt + v * CR_VW);
         if (last && last->row_bias)
-            for (int v = 0; v < CR_GNV; v++) acc[t][v] += last->row_bias[t];
+            for (int v = 0; v < nv; v++) acc[t][v] += last->row_bias[t];
         int in_registers = !last || (!last->col_bias && (last->act == CR_ACT_NONE || last->act == CR_ACT_RELU
                                                          || last->act == CR_ACT_CLIP));
-        if (nq == CR_GN && in_registers) {
+        if (full && in_registers) {
             if (last && last->act != CR_ACT_NONE) {
                 float lo = last->act == CR_ACT_RELU ? 0.0f : last->a;
                 float hi = last->act == CR_ACT_RELU ? INFINITY : last->b;
-                for (int v = 0; v < CR_GNV; v++) acc[t][v] = cr_vclamp(acc[t][v], lo, hi);
+                for (int v = 0; v < nv; v++) acc[t][v] = cr_vclamp(acc[t][v], lo, hi);
             }
-            for (int v = 0; v < CR_GNV; v++) cr_vstore(ct + v * CR_VW, acc[t][v]);
+            for (int v = 0; v < nv; v++) cr_vstore(ct + v * CR_VW, acc[t][v]);
             continue;
         }
-        for (int v = 0; v < CR_GNV; v++) cr_vstore(tile + v * CR_VW, acc[t][v]);
-        if (pt && nq < CR_GN)
+        for (int v = 0; v < nv; v++) cr_vstore(tile + v * CR_VW, acc[t][v]);
+        if (pt && !full)
             for (int64_t q = 0; q < nq; q++) tile[q] += pt[q];
         if (last) {
             if (last->col_bias)
@@ -499,6 +500,25 @@ static inline __attribute__((always_inline)) void cr_gemm_tile(
         }
         memcpy(ct, tile, (size_t)nq * sizeof(float));
     }
+}
+
+/* a panel's last, narrower tile: only the vectors that hold its nq columns (a 14x14 plane's last 4 columns of 196
+ * would otherwise cost a whole 64-column AVX-512 tile) */
+static void cr_gemm_tile_narrow(int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp,
+                                int64_t kc, float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev,
+                                const cr_epilogue *last) {
+    int nv = (int)((nq + CR_VW - 1) / CR_VW);
+#define CR_NARROW(NV)                                                                                                 \
+    if (rows == 1) cr_gemm_tile(1, NV, a, sa_m, sa_k, panel, ldp, kc, c, ldc, mr, nq, prev, last);                   \
+    else cr_gemm_tile(CR_GM, NV, a, sa_m, sa_k, panel, ldp, kc, c, ldc, mr, nq, prev, last);
+    if (nv == 1) {
+        CR_NARROW(1)
+    } else if (nv == 2 || CR_GNV <= 2) {
+        CR_NARROW(2 < CR_GNV ? 2 : CR_GNV)
+    } else {
+        CR_NARROW(3 < CR_GNV ? 3 : CR_GNV)
+    }
+#undef CR_NARROW
 }
 
 /* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
@@ -543,12 +563,14 @@ static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k,
                     epilogue.col_bias = col_bias ? col_bias + j0 + t * CR_GN : NULL;
                     const float *prev = k0 > 0 ? c + at : z ? z + at : NULL;
                     const float *ai = a + i0 * sa_m + k0 * sa_k;
-                    if (mr == 1)
-                        cr_gemm_tile(1, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
-                                     is_last ? &epilogue : NULL);
+                    const cr_epilogue *last = is_last ? &epilogue : NULL;
+                    if (nq <= CR_GN - CR_VW)
+                        cr_gemm_tile_narrow(mr == 1 ? 1 : CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                            last);
+                    else if (mr == 1)
+                        cr_gemm_tile(1, CR_GNV, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev, last);
                     else
-                        cr_gemm_tile(CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
-                                     is_last ? &epilogue : NULL);
+                        cr_gemm_tile(CR_GM, CR_GNV, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev, last);
                 }
             }
         }
