@@ -17,6 +17,12 @@
 
 #include "activations.h"
 
+#if defined(__SSE__) || defined(__AVX__)
+#include <immintrin.h> /* the compiler's own: max/min instructions for cr_vclamp */
+#elif defined(__wasm_simd128__)
+#include <wasm_simd128.h>
+#endif
+
 #define CR_UNUSED __attribute__((unused))
 #define CR_ALIGN 64
 
@@ -376,9 +382,22 @@ static inline cr_vf cr_vselect(cr_vi take, cr_vf a, cr_vf b) {
 
 /* the activations a tile applies in registers: relu and clip (mobilenet's relu6); others go through cr_unary */
 static inline cr_vf cr_vclamp(cr_vf v, float lo, float hi) {
+    /* (v < lo ? lo : v), then (v > hi ? hi : v): NaN stays NaN. One max and one min instruction where the target
+     * has them with these semantics (x86 maxps(lo, v) = lo > v ? lo : v; wasm pmax(v, lo) = v < lo ? lo : v),
+     * else a compare and a select each */
+#if CR_VW == 16 && defined(__AVX512F__)
+    return (cr_vf)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)v));
+#elif CR_VW == 8 && defined(__AVX__)
+    return (cr_vf)_mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), (__m256)v));
+#elif CR_VW == 4 && defined(__SSE__)
+    return (cr_vf)_mm_min_ps(_mm_set1_ps(hi), _mm_max_ps(_mm_set1_ps(lo), (__m128)v));
+#elif CR_VW == 4 && defined(__wasm_simd128__)
+    return (cr_vf)wasm_f32x4_pmin(wasm_f32x4_pmax((v128_t)v, wasm_f32x4_splat(lo)), wasm_f32x4_splat(hi));
+#else
     cr_vf vlo = (cr_vf){0} + lo, vhi = (cr_vf){0} + hi;
     v = cr_vselect(v < vlo, vlo, v);
     return cr_vselect(v > vhi, vhi, v);
+#endif
 }
 
 /* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
