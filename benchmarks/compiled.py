@@ -44,8 +44,10 @@ def interleaved_medians(runs: dict, iters: int) -> dict[str, float]:
 
 def measure(name: str, iters: int) -> dict[str, float]:
     path = model_path(name)
-    first = onnx.load(path, load_external_data=False).graph.input[0]
-    symbols = {d.dim_param: 1 for d in first.type.tensor_type.shape.dim if d.dim_param}
+    graph = onnx.load(path, load_external_data=False).graph
+    stored = {t.name for t in graph.initializer}
+    symbols = {d.dim_param: 1 for i in graph.input if i.name not in stored
+               for d in i.type.tensor_type.shape.dim if d.dim_param}
     with tempfile.TemporaryDirectory() as directory:
         compile_model(path, directory, "native", dims=symbols)
         compiled = carrack.CompiledModel(directory)
