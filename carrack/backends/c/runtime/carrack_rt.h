@@ -920,21 +920,21 @@ static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_
         const float *xp = x + p * h * wd;
         float *yp = y + p * oh * ow;
         for (int64_t r = 0; r < oh; r++) {
-            int64_t rows = 0, padded_rows = 0, c = 0;
-            for (; c + CR_VW <= wd; c += CR_VW) cr_vstore(cols + c, (cr_vf){0} + start);
-            for (; c < wd; c++) cols[c] = start;
+            int64_t rows = 0, padded_rows = 0, whole = wd / CR_VW * CR_VW; /* columns in whole vectors */
+            for (int64_t c = 0; c < whole; c += CR_VW) cr_vstore(cols + c, (cr_vf){0} + start);
+            for (int64_t c = whole; c < wd; c++) cols[c] = start;
             for (int64_t i = 0; i < kh; i++) {
                 int64_t row = r * sh - pt + i * dh;
                 if (row >= -pt && row < h + pb) padded_rows++;
                 if (row < 0 || row >= h) continue;
                 rows++;
                 const float *xr = xp + row * wd;
-                for (c = 0; c + CR_VW <= wd; c += CR_VW) {
+                for (int64_t c = 0; c < whole; c += CR_VW) {
                     cr_vf acc = cr_vload(cols + c), v = cr_vload(xr + c);
                     acc = is_max ? cr_vselect((v > acc) | (v != v), v, acc) : acc + v;
                     cr_vstore(cols + c, acc);
                 }
-                for (; c < wd; c++) cols[c] = is_max ? cr_max1(cols[c], xr[c]) : cols[c] + xr[c];
+                for (int64_t c = whole; c < wd; c++) cols[c] = is_max ? cr_max1(cols[c], xr[c]) : cols[c] + xr[c];
             }
             for (int64_t q = 0; q < ow; q++) {
                 float acc = start;
