@@ -30,7 +30,8 @@ ACTIVATIONS_HEADER = Path(__file__).parent.parent.parent / "native" / "activatio
 TARGETS = ("native", "wasm32")
 #: the WebAssembly builds of one model: SIMD128, which every engine runs, and relaxed SIMD, whose fused
 #: multiply-add (f32x4.relaxed_madd, from a * b + c under -ffp-contract=fast) the loader picks where the engine
-#: validates it (Chrome 114+, Firefox 120+, Node 22+); onnxruntime-web's wasm build uses plain SIMD128 only
+#: validates it (Chrome 114+ and Node 22+ ship it; elsewhere the probe decides); onnxruntime-web's wasm build
+#: uses plain SIMD128 only
 WASM_BUILDS = {"model.wasm": [], "model.relaxed.wasm": ["-mrelaxed-simd", "-ffp-contract=fast"]}
 WASM_PAGE = 65536
 WASM_STACK = 1 << 20
