@@ -936,9 +936,19 @@ static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_
                 }
                 for (int64_t c = whole; c < wd; c++) cols[c] = is_max ? cr_max1(cols[c], xr[c]) : cols[c] + xr[c];
             }
+            float inner = (float)(kw * (count_pad ? padded_rows : rows)); /* a window inside the row's divisor */
             for (int64_t q = 0; q < ow; q++) {
                 float acc = start;
-                int64_t count = 0, padded = 0;
+                int64_t count = 0, padded = 0, left = q * sw - pl;
+                if (left >= 0 && left + (kw - 1) * dw < wd) { /* every column inside: no checks */
+                    const float *window = cols + left;
+                    if (is_max)
+                        for (int64_t j = 0; j < kw; j++) acc = cr_max1(acc, window[j * dw]);
+                    else
+                        for (int64_t j = 0; j < kw; j++) acc += window[j * dw];
+                    yp[r * ow + q] = is_max ? acc : acc / inner;
+                    continue;
+                }
                 for (int64_t j = 0; j < kw; j++) {
                     int64_t col = q * sw - pl + j * dw;
                     if (col >= -pl && col < wd + pr) padded++;
