@@ -413,49 +413,62 @@ typedef struct {
 static cr_vf cr_pack_buffer[CR_PACK_FLOATS / CR_VW]; /* aligned as a vector; the model is single-threaded */
 
 /* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN */
+/* row k of an im2col B, columns j0..j0+nc (output pixels), into line: one output row's run of pixels at a time
+ * (a contiguous or strided piece of an input row, zeros where it reads padding) */
+static void cr_im2col_line(const cr_bsrc *s, int64_t k, int64_t j0, int64_t nc, float *line) {
+    int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
+    const float *xc = s->b + c * s->h * s->wd;
+    int64_t r = j0 / s->ow, q = j0 % s->ow;
+    for (int64_t p = 0; p < nc;) {
+        int64_t run = s->ow - q < nc - p ? s->ow - q : nc - p;
+        int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
+        float *o = line + p;
+        if (row < 0 || row >= s->h) {
+            memset(o, 0, (size_t)run * sizeof(float));
+        } else { /* the pixels whose column is inside the row, zeros around them */
+            int64_t lo = col0 < 0 ? (-col0 + s->sw - 1) / s->sw : 0;
+            int64_t hi = s->wd - col0 <= 0 ? 0 : (s->wd - col0 + s->sw - 1) / s->sw;
+            lo = lo < run ? lo : run;
+            hi = hi < lo ? lo : hi > run ? run : hi;
+            const float *xr = xc + row * s->wd + col0;
+            memset(o, 0, (size_t)lo * sizeof(float));
+            if (s->sw == 1) memcpy(o + lo, xr + lo, (size_t)(hi - lo) * sizeof(float));
+            else
+                for (int64_t t = lo; t < hi; t++) o[t] = xr[t * s->sw];
+            memset(o + hi, 0, (size_t)(run - hi) * sizeof(float));
+        }
+        p += run;
+        q = 0;
+        r++;
+    }
+}
+
+/* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN. An
+ * im2col row is first built whole (long runs, one division per row), then cut into the panels a vector at a
+ * time. */
 static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float *panel) {
-    for (int64_t t = 0; t * CR_GN < nc; t++) {
+    int64_t panels = (nc + CR_GN - 1) / CR_GN;
+    if (s->conv) {
+        float line[CR_NC + CR_GN];
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_im2col_line(s, k0 + kk, j0, nc, line);
+            for (int64_t q = nc; q < panels * CR_GN; q++) line[q] = 0.0f;
+            for (int64_t t = 0; t < panels; t++)
+                for (int v = 0; v < CR_GNV; v++)
+                    cr_vstore(panel + (t * kc + kk) * CR_GN + v * CR_VW, cr_vload(line + t * CR_GN + v * CR_VW));
+        }
+        return;
+    }
+    for (int64_t t = 0; t < panels; t++) {
         int64_t first = j0 + t * CR_GN, count = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
         float *out = panel + t * kc * CR_GN;
         for (int64_t kk = 0; kk < kc; kk++) {
             float *o = out + kk * CR_GN;
-            int64_t k = k0 + kk;
-            if (!s->conv) {
-                const float *src = s->b + k * s->row + first * s->col;
-                if (s->col == 1) {
-                    memcpy(o, src, (size_t)count * sizeof(float));
-                } else {
-                    for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
-                }
+            const float *src = s->b + (k0 + kk) * s->row + first * s->col;
+            if (s->col == 1) {
+                memcpy(o, src, (size_t)count * sizeof(float));
             } else {
-                int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
-                const float *xc = s->b + c * s->h * s->wd;
-                int64_t r = first / s->ow, q = first % s->ow;
-                for (int64_t p = 0; p < count;) { /* one output row's run of pixels at a time */
-                    int64_t run = s->ow - q < count - p ? s->ow - q : count - p;
-                    int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
-                    if (row < 0 || row >= s->h) {
-                        memset(o + p, 0, (size_t)run * sizeof(float));
-                    } else if (s->sw == 1) { /* a contiguous piece of the input row, zeros where it pads */
-                        int64_t lo = col0 < 0 ? -col0 : 0, hi = s->wd - col0;
-                        lo = lo < run ? lo : run;
-                        hi = hi < lo ? lo : hi > run ? run : hi;
-                        memset(o + p, 0, (size_t)lo * sizeof(float));
-                        memcpy(o + p + lo, xc + row * s->wd + col0 + lo, (size_t)(hi - lo) * sizeof(float));
-                        memset(o + p + hi, 0, (size_t)(run - hi) * sizeof(float));
-                    } else { /* strided: the pixels whose column is inside the row, zeros around them */
-                        int64_t lo = col0 < 0 ? (-col0 + s->sw - 1) / s->sw : 0;
-                        int64_t hi = s->wd - col0 <= 0 ? 0 : (s->wd - col0 + s->sw - 1) / s->sw;
-                        lo = lo < run ? lo : run;
-                        hi = hi < lo ? lo : hi > run ? run : hi;
-                        const float *xr = xc + row * s->wd + col0;
-                        for (int64_t t = 0; t < run; t++) o[p + t] = 0.0f;
-                        for (int64_t t = lo; t < hi; t++) o[p + t] = xr[t * s->sw];
-                    }
-                    p += run;
-                    q = 0;
-                    r++;
-                }
+                for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
             }
             for (int64_t q = count; q < CR_GN; q++) o[q] = 0.0f;
         }
