@@ -2,7 +2,7 @@
 real architectures shipped in the onnx wheel (placeholder weights: the latency is the architecture's), runs
 interleaved so a shared machine's load hits every engine alike.
 
-    python benchmarks/compiled.py squeezenet shufflenet resnet50 [--iters 7]
+    python benchmarks/compiled.py squeezenet shufflenet mobilenetv2 resnet50 [--iters 7]
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ import carrack
 from carrack.backends.c.build import compile_model
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+#: models the browser benchmark prepares (benchmarks/wasm_browser.py: mobilenetv2, ...), symbolic dims set to 1
+CACHE = os.path.expanduser("~/.cache/carrack-bench")
+
+
+def model_path(name: str) -> str:
+    for path in (os.path.join(LIGHT, f"light_{name}.onnx"), os.path.join(CACHE, f"{name}.onnx")):
+        if os.path.exists(path):
+            return path
+    raise SystemExit(f"no light_{name}.onnx in the onnx wheel and no {name}.onnx in {CACHE} "
+                     "(python benchmarks/wasm_browser.py {name} prepares it)")
 
 
 def interleaved_medians(runs: dict, iters: int) -> dict[str, float]:
@@ -33,16 +43,21 @@ def interleaved_medians(runs: dict, iters: int) -> dict[str, float]:
 
 
 def measure(name: str, iters: int) -> dict[str, float]:
-    path = os.path.join(LIGHT, f"light_{name}.onnx")
+    path = model_path(name)
+    graph = onnx.load(path, load_external_data=False).graph
+    stored = {t.name for t in graph.initializer}
+    symbols = {d.dim_param: 1 for i in graph.input if i.name not in stored
+               for d in i.type.tensor_type.shape.dim if d.dim_param}
     with tempfile.TemporaryDirectory() as directory:
-        compile_model(path, directory, "native")
+        compile_model(path, directory, "native", dims=symbols)
         compiled = carrack.CompiledModel(directory)
         session = carrack.InferenceSession(path)
         options = ort.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         reference = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         info = session.get_inputs()[0]
-        feed = {info.name: np.random.default_rng(0).standard_normal(info.shape).astype(np.float32)}
+        shape = [d if isinstance(d, int) else 1 for d in info.shape]
+        feed = {info.name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
         runs = {"compiled": lambda: compiled.run(None, feed), "session": lambda: session.run(None, feed),
                 "onnxruntime_1t": lambda: reference.run(None, feed)}
         for run in runs.values():

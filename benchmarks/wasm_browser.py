@@ -180,8 +180,9 @@ if (engine === "ort") {
   for (const entry of spec) feeds[entry.name] = new ort.Tensor(entry.dtype, fill(entry), entry.shape);
   runOnce = async () => { const t = performance.now(); await session.run(feeds); return performance.now() - t; };
 } else {
-  const { load } = await import(`/carrack/${model}/model.mjs`);
-  const m = await load(`/carrack/${model}/model.wasm`);
+  const { load, hasRelaxedSimd } = await import(`/carrack/${model}/model.mjs`);
+  const m = await load(`/carrack/${model}/model.wasm`, { relaxed: engine === "carrack" && hasRelaxedSimd() });
+  window.simd = m.simd;
   const feeds = {};
   for (const entry of spec) feeds[entry.name] = { data: fill(entry), shape: entry.shape };
   runOnce = async () => { const t = performance.now(); m.run(feeds); return performance.now() - t; };
@@ -254,7 +255,8 @@ def measure(browser, origin: str, site: Path, name: str, iters: int) -> dict:
     stopped = compile_for_browser(path, spec, site / "carrack" / name)
     engines = {"onnxruntime-web": Engine(browser, origin, "ort", name)}
     if stopped is None:
-        engines["carrack"] = Engine(browser, origin, "carrack", name)
+        engines["carrack"] = Engine(browser, origin, "carrack", name)  # relaxed SIMD where Chromium has it
+        engines["carrack-simd128"] = Engine(browser, origin, "carrack-simd128", name)  # ort-web's instruction set
     times: dict[str, list[float]] = {engine: [] for engine in engines}
     for engine in engines.values():
         engine.run_once()  # warm-up
@@ -264,7 +266,7 @@ def measure(browser, origin: str, site: Path, name: str, iters: int) -> dict:
     row = {"model": name, "stopped": stopped}
     for label, engine in engines.items():
         row[label] = {"ms": float(np.median(times[label])), "downloaded": engine.downloaded,
-                      "peak_memory": engine.peak_memory()}
+                      "peak_memory": engine.peak_memory(), "simd": engine.page.evaluate("window.simd ?? null")}
         engine.page.close()
     if stopped is None:
         manifest = json.loads((site / "carrack" / name / "model.json").read_text())
@@ -280,8 +282,11 @@ def format_row(row: dict) -> str:
         cells.append(f"carrack: not compiled ({row['stopped']})")
     else:
         c = row["carrack"]
-        cells.append(f"carrack {c['ms']:8.1f} ms {c['downloaded'] / 1e6:7.1f} MB mem {c['peak_memory'] / 1e6:7.1f} MB "
-                     f"(plan {c['plan_bytes'] / 1e6:.1f} MB)  carrack/ort-web {c['ms'] / ort['ms']:.2f}x")
+        cells.append(f"carrack ({c['simd']}) {c['ms']:8.1f} ms {c['downloaded'] / 1e6:7.1f} MB "
+                     f"mem {c['peak_memory'] / 1e6:7.1f} MB (plan {c['plan_bytes'] / 1e6:.1f} MB)  "
+                     f"carrack/ort-web {c['ms'] / ort['ms']:.2f}x")
+        plain = row["carrack-simd128"]
+        cells.append(f"simd128 only {plain['ms']:8.1f} ms ({plain['ms'] / ort['ms']:.2f}x)")
     return "  ".join(cells)
 
 

@@ -196,6 +196,41 @@ class FullyConvolutional(nn.Module):
         return torch.softmax(self.classes(torch.relu(self.mix(torch.relu(self.down(x))))), 1)
 
 
+class StridedEdges(nn.Module):
+    """The kernels' edge cases at odd sizes: depthwise convolutions at stride 2 (3x3 and 5x5, padded and not, with a
+    bias and relu6) and at stride 1 (dilated along the rows, with a residual; rows wide enough to be read in
+    place at 4 and 16 lanes), padded max and average pools at stride 2 (average with and without the pads counted, a
+    dilated max pool), a channel shuffle (a Transpose whose rows stay contiguous) and channel-last transposes, and
+    convolutions whose output channels (13, 7) and pixels are not multiples of any target's tile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 12, 3, padding=1)
+        self.flat = nn.Conv2d(12, 12, 3, padding=(1, 2), dilation=(1, 2), groups=12)
+        self.down3 = nn.Conv2d(12, 12, 3, stride=2, padding=1, groups=12)
+        self.down5 = nn.Conv2d(12, 12, 5, stride=2, padding=2, groups=12)
+        self.valid = nn.Conv2d(12, 12, 3, stride=2, groups=12, bias=False)
+        self.mix = nn.Conv2d(12, 13, 1)
+        self.wide = nn.Conv2d(13, 7, 3, padding=1)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.stem(x))
+        y = nn.functional.relu6(self.flat(y)) + y
+        batch, channels, height, width = y.shape
+        y = y.view(batch, 3, channels // 3, height, width).transpose(1, 2).reshape(batch, channels, height, width)
+        a = nn.functional.relu6(self.down3(y))
+        b = self.down5(y)
+        m = nn.functional.max_pool2d(y, 3, stride=2, padding=1)
+        p = nn.functional.avg_pool2d(y, 3, stride=2, padding=1, count_include_pad=False)
+        q = nn.functional.avg_pool2d(y, 3, stride=2, padding=1, count_include_pad=True)
+        y = a + b + m + 0.5 * p + 0.25 * q
+        y = y + nn.functional.max_pool2d(y, 2, stride=1, padding=1, dilation=2)
+        v = self.valid(y).permute(0, 2, 3, 1).mean((1, 2, 3))
+        u = self.wide(self.mix(y)).permute(0, 2, 3, 1).mean((1, 2, 3))
+        return self.head(nn.functional.adaptive_avg_pool2d(y, 1).flatten(1)) + (u + v)[:, None]
+
+
 #: name -> (module class, example input shape, dynamic axes of the input {axis: symbol}, run-time maxima)
 MODELS = {
     "small_cnn": (SmallCNN, (2, 3, 16, 16), {0: "batch"}, {"batch": 4}),
@@ -210,6 +245,8 @@ MODELS = {
     "normalized_residuals": (NormalizedResiduals, (2, 5, 24), {0: "batch", 1: "sequence"},
                              {"batch": 3, "sequence": 9}),
     "self_attention": (SelfAttention, (2, 5, 40), {0: "batch", 1: "sequence"}, {"batch": 3, "sequence": 11}),
+    "strided_edges": (StridedEdges, (1, 3, 15, 17), {0: "batch", 2: "height", 3: "width"},
+                      {"batch": 2, "height": 23, "width": 67}),
 }
 
 #: outputs' dynamic axes where they are not just the batch
@@ -225,6 +262,7 @@ SHAPES = {
     "wide_blocks": [(1, 3, 13, 11), (2, 3, 16, 16), (1, 3, 1, 1)],
     "normalized_residuals": [(2, 5, 24), (3, 9, 24), (1, 1, 24)],
     "self_attention": [(2, 5, 40), (3, 11, 40), (1, 1, 40)],
+    "strided_edges": [(1, 3, 15, 17), (2, 3, 23, 67), (1, 3, 6, 9)],
 }
 
 

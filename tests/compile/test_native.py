@@ -274,7 +274,7 @@ ARCHES = {"x86-64": set(), "x86-64-v3": {"avx2", "fma"}, "x86-64-v4": {"avx512f"
 
 
 @pytest.mark.parametrize("arch", list(ARCHES))
-@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp"])
+@pytest.mark.parametrize("name", ["wide_blocks", "residual_cnn", "sequence_mlp", "strided_edges"])
 def test_every_vector_width_equals_the_session(exported, tmp_path, arch, name):
     """The packed product's register tiles per target (4, 8 and 16 lanes) all give the session's results."""
     if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
@@ -322,3 +322,41 @@ def test_nodes_known_at_the_fixed_dims_are_folded(tmp_path):
     for batch, length in ((1, 1), (2, 7), (1, 4)):
         feed = {"x": np.random.default_rng(length).standard_normal((batch, length, 40)).astype(np.float32)}
         np.testing.assert_allclose(model.run(None, feed)[0], session_outputs(path, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_nan_and_signed_zeros_pass_through_clamps_and_pools_like_the_session(tmp_path):
+    """Relu6/Relu applied in the tile's registers (max and min instructions) and the separable max pool keep NaN
+    where the session does, and a depthwise 3x3 (a NaN in its window) too."""
+    channels = 8
+    eye = numpy_helper_tensor("eye", np.eye(channels, dtype=np.float32).reshape(channels, channels, 1, 1))
+    taps = numpy_helper_tensor("taps", np.full((channels, 1, 3, 3), 0.5, np.float32))
+    nodes = [helper.make_node("Conv", ["x", "eye"], ["c"]),
+             helper.make_node("Clip", ["c", "lo", "hi"], ["c6"]),
+             helper.make_node("Conv", ["x", "eye"], ["d"]),
+             helper.make_node("Relu", ["d"], ["r"]),
+             helper.make_node("Conv", ["x", "taps"], ["w"], group=channels, pads=[1, 1, 1, 1]),
+             helper.make_node("Concat", ["c6", "r", "w"], ["cat"], axis=1),
+             helper.make_node("MaxPool", ["cat"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])]
+    shape = [1, channels, 9, 70]
+    graph = helper.make_graph(
+        nodes, "nan_paths", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [eye, taps, numpy_helper_tensor("lo", np.float32(0.0)), numpy_helper_tensor("hi", np.float32(6.0))])
+    path = tmp_path / "nan_paths.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    compile_model(path, tmp_path / "out", "native")
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32) * 8
+    x[0, :, 4, 7] = np.nan
+    x[0, 2, :, 40] = -0.0
+    x[0, 5, 1, 66:] = np.nan
+    got = carrack.CompiledModel(tmp_path / "out").run(None, {"x": x})[0]
+    want = session_outputs(path, {"x": x})[0]
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def numpy_helper_tensor(name: str, array: np.ndarray):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.asarray(array), name)

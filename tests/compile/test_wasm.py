@@ -25,12 +25,12 @@ needs_toolchain = pytest.mark.skipif(
 DRIVER = r"""
 import fs from "node:fs";
 import { pathToFileURL } from "node:url";
-const [dir, casesPath, outPath] = process.argv.slice(2);
+const [dir, casesPath, outPath, simd] = process.argv.slice(2);
 const { load } = await import(pathToFileURL(`${dir}/model.mjs`).href);
-const m = await load(pathToFileURL(`${dir}/model.wasm`));
+const m = await load(pathToFileURL(`${dir}/model.wasm`), { relaxed: simd === "relaxed" });
 const module = await WebAssembly.compile(fs.readFileSync(`${dir}/model.wasm`));
 const report = { imports: WebAssembly.Module.imports(module).length, memory: [m.memory.buffer.byteLength],
-                 memoryBytes: m.memoryBytes, runs: [], errors: {} };
+                 memoryBytes: m.memoryBytes, simd: m.simd, runs: [], errors: {} };
 const same = (a, b) => a.length === b.length && a.every((v, i) => Object.is(v, b[i]));
 function variants(data, shape) {
   const raw = new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
@@ -91,7 +91,7 @@ fs.writeFileSync(outPath, JSON.stringify(report));
 """
 
 
-def run_in_node(directory, cases_dir, name):
+def run_in_node(directory, cases_dir, name, simd="simd128", node_flags=()):
     cases = []
     for k, feed in enumerate(feeds(name)):
         path = cases_dir / f"{name}_{k}.bin"
@@ -101,20 +101,47 @@ def run_in_node(directory, cases_dir, name):
     driver = cases_dir / "driver.mjs"
     driver.write_text(DRIVER)
     report_path = cases_dir / "report.json"
-    done = subprocess.run([NODE, str(driver), str(directory), str(cases_dir / "cases.json"), str(report_path)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([NODE, *node_flags, str(driver), str(directory), str(cases_dir / "cases.json"),
+                           str(report_path), simd], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(report_path.read_text())
 
 
 @pytest.fixture(scope="module")
-def wasm_reports(exported, tmp_path_factory):
-    reports = {}
+def wasm_builds(exported, tmp_path_factory):
+    """name -> the directory of its wasm32 build (model.wasm and model.relaxed.wasm)"""
+    builds = {}
     for name, (path, maxima) in exported.items():
-        directory = tmp_path_factory.mktemp(f"wasm_{name}")
-        compile_model(path, directory, "wasm32", max_dims=maxima)
-        reports[name] = run_in_node(directory, tmp_path_factory.mktemp(f"node_{name}"), name)
-    return reports
+        builds[name] = tmp_path_factory.mktemp(f"wasm_{name}")
+        compile_model(path, builds[name], "wasm32", max_dims=maxima)
+    return builds
+
+
+@pytest.fixture(scope="module")
+def wasm_reports(wasm_builds, tmp_path_factory):
+    return {name: run_in_node(directory, tmp_path_factory.mktemp(f"node_{name}"), name)
+            for name, directory in wasm_builds.items()}
+
+
+#: Node 20's V8 has relaxed SIMD behind this flag; Node 22+ has it on
+RELAXED_FLAG = "--experimental-wasm-relaxed-simd"
+
+
+def _node_flags_for_relaxed_simd(model_mjs) -> list[str] | None:
+    probe = f"import('{model_mjs.as_uri()}').then((m) => process.exit(m.hasRelaxedSimd() ? 0 : 1))"
+    for flags in ([], [RELAXED_FLAG]):
+        if subprocess.run([NODE, *flags, "-e", probe], capture_output=True, timeout=60).returncode == 0:
+            return flags
+    return None
+
+
+@pytest.fixture(scope="module")
+def relaxed_reports(wasm_builds, tmp_path_factory):
+    flags = _node_flags_for_relaxed_simd(next(iter(wasm_builds.values())) / "model.mjs")
+    if flags is None:
+        pytest.skip(f"this node ({NODE}) has no relaxed SIMD, even with {RELAXED_FLAG}")
+    return {name: run_in_node(directory, tmp_path_factory.mktemp(f"relaxed_{name}"), name, "relaxed", flags)
+            for name, directory in wasm_builds.items()}
 
 
 @needs_toolchain
@@ -129,6 +156,23 @@ def test_node_outputs_equal_the_session(exported, wasm_reports, name):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert len(report["runs"]) == len(SHAPES[name])
+    assert report["simd"] == "simd128"
+
+
+@needs_toolchain
+@pytest.mark.parametrize("name", list(MODELS))
+def test_relaxed_simd_build_equals_the_session(exported, relaxed_reports, name):
+    """model.relaxed.wasm (fused multiply-adds) gives the session's results within float32 rounding, any layout
+    of the inputs gives the same bytes, and its memory is the plain build's."""
+    path, _ = exported[name]
+    report = relaxed_reports[name]
+    assert report["simd"] == "relaxed"
+    for feed, run in zip(feeds(name), report["runs"], strict=True):
+        got = [np.fromfile(o["file"], dtype="<f4").reshape(o["shape"]) for o in run["outputs"].values()]
+        for g, w in zip(got, session_outputs(path, feed), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        assert all(run["variants"].values())
+    assert set(report["memory"]) == {report["memoryBytes"]}
 
 
 @needs_toolchain
@@ -171,7 +215,7 @@ def test_wasm_build_is_reproducible(exported, tmp_path):
     path, maxima = exported["sequence_mlp"]
     for run in ("a", "b"):
         compile_model(path, tmp_path / run, "wasm32", max_dims=maxima)
-    for name in ("model.wasm", "model.mjs", "model.c", "weights.bin"):
+    for name in ("model.wasm", "model.relaxed.wasm", "model.mjs", "model.c", "weights.bin"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 

@@ -28,6 +28,11 @@ RUNTIME_DIR = Path(__file__).parent / "runtime"
 #: the activations the native kernels and the compiled models' runtime share (carrack_rt.h includes it)
 ACTIVATIONS_HEADER = Path(__file__).parent.parent.parent / "native" / "activations.h"
 TARGETS = ("native", "wasm32")
+#: the WebAssembly builds of one model: SIMD128, which every engine runs, and relaxed SIMD, whose fused
+#: multiply-add (f32x4.relaxed_madd, from a * b + c under -ffp-contract=fast) the loader picks where the engine
+#: validates it (Chrome 114+ and Node 22+ ship it; elsewhere the probe decides); onnxruntime-web's wasm build
+#: uses plain SIMD128 only
+WASM_BUILDS = {"model.wasm": [], "model.relaxed.wasm": ["-mrelaxed-simd", "-ffp-contract=fast"]}
 WASM_PAGE = 65536
 WASM_STACK = 1 << 20
 #: room for the C library's data and the compiler's globals above the static areas and the stack
@@ -134,11 +139,12 @@ def _build_wasm(compiler: list[str], out: Path, emitted: Emitted) -> list[str]:
     flags = ["-target", "wasm32-wasi", "-std=c11", "-O3", "-msimd128", "-mexec-model=reactor", "-Wall",
              "-Wno-unused-function", "-Wl,--no-entry", "-Wl,--strip-all", f"-Wl,--initial-memory={memory}",
              f"-Wl,--max-memory={memory}", f"-Wl,-z,stack-size={WASM_STACK}"]
-    _run([*compiler, *flags, "-o", "model.wasm", "model.c"], out)
+    for name, extra in WASM_BUILDS.items():
+        _run([*compiler, *flags, *extra, "-o", name, "model.c"], out)
     from carrack.backends.c.js import module_source
 
     (out / "model.mjs").write_text(module_source(emitted.manifest, memory))
-    files = ["model.wasm", "model.mjs"]
+    files = [*WASM_BUILDS, "model.mjs"]
     from carrack.backends.c.page import is_image_classifier, page_source
 
     if is_image_classifier(emitted.manifest):

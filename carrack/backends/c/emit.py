@@ -626,7 +626,7 @@ def _emit_conv(em, step, node, shapes, out_shape):
     oh, ow = _hw(out_shape, g["spatial"])
     groups = int(node.attrs.get("group", 1))
     short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
-    if groups == x_shape[1] == out_shape[1] and g["s"][1] == 1:  # depthwise, stride 1 along the rows
+    if groups == x_shape[1] == out_shape[1]:  # depthwise
         kernel, weights = "cr_dwconv2d", _pointer(em, w)
     elif w_array.shape[0] // groups >= PACKED_GEMM_MIN:  # weights as stored are the product's A
         kernel, weights = "cr_conv2d_gemm", _pointer(em, w)

@@ -17,6 +17,12 @@
 
 #include "activations.h"
 
+#if defined(__SSE__) || defined(__AVX__)
+#include <immintrin.h> /* the compiler's own: max/min instructions for cr_vclamp */
+#elif defined(__wasm_simd128__)
+#include <wasm_simd128.h>
+#endif
+
 #define CR_UNUSED __attribute__((unused))
 #define CR_ALIGN 64
 
@@ -323,7 +329,7 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
 
 /* ---- the packed matrix product: per-target register tiles over GCC/Clang vector extensions ------------------------
  * CR_VW float lanes per vector: 16 with AVX-512, 8 with AVX/AVX2, else 4 (SSE, WebAssembly SIMD128 with -msimd128,
- * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = 2 * CR_VW columns keeps
+ * NEON, or plain C where the compiler splits the vectors). A tile of CR_GM rows by CR_GN = CR_GNV * CR_VW columns keeps
  * its sums in registers; B is packed (zero-padded) into CR_GN-wide panels of CR_KC rows that stay in L1/L2 while
  * every row tile of A streams past them (the blocking of carrack/native/convgemm.c). */
 #if defined(__AVX512F__)
@@ -333,14 +339,30 @@ static CR_UNUSED void cr_gemm(const float *a, const float *b, const float *c, fl
 #else
 #define CR_VW 4
 #endif
+/* tile shapes measured per target (gcc on x86, node for SIMD128): 4 x 2 vectors on 4 lanes (the 16 registers of
+ * SSE/SIMD128: 6 rows or 3-4 vectors measured slower in node), 6 x 2 on AVX2 (12 accumulators of 16 registers),
+ * 6 x 4 on AVX-512 (24 of 32); -DCR_GM/-DCR_GNV override them for experiments */
+#ifndef CR_GM
 #if CR_VW == 4
-#define CR_GM 4 /* 8 accumulators: SIMD128 engines keep them in 16 xmm registers */
+#define CR_GM 4
 #else
-#define CR_GM 6 /* 12 accumulators of the 16 (AVX2) or 32 (AVX-512) vector registers */
+#define CR_GM 6
 #endif
-#define CR_GN (2 * CR_VW)
+#endif
+#ifndef CR_GNV
+#if CR_VW == 16
+#define CR_GNV 4
+#else
+#define CR_GNV 2
+#endif
+#endif
+#define CR_GN (CR_GNV * CR_VW) /* columns per tile */
+#ifndef CR_KC
 #define CR_KC 256 /* depth per packed panel */
-#define CR_NC 128 /* columns per packed block (a multiple of CR_GN) */
+#endif
+#ifndef CR_NC
+#define CR_NC (CR_VW == 16 ? 256 : 128) /* columns per packed block (a multiple of CR_GN) */
+#endif
 
 typedef float cr_vf __attribute__((vector_size(CR_VW * 4)));
 
@@ -360,9 +382,22 @@ static inline cr_vf cr_vselect(cr_vi take, cr_vf a, cr_vf b) {
 
 /* the activations a tile applies in registers: relu and clip (mobilenet's relu6); others go through cr_unary */
 static inline cr_vf cr_vclamp(cr_vf v, float lo, float hi) {
+    /* (v < lo ? lo : v), then (v > hi ? hi : v): NaN stays NaN. One max and one min instruction where the target
+     * has them with these semantics (x86 maxps(lo, v) = lo > v ? lo : v; wasm pmax(v, lo) = v < lo ? lo : v),
+     * else a compare and a select each */
+#if CR_VW == 16 && defined(__AVX512F__)
+    return (cr_vf)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)v));
+#elif CR_VW == 8 && defined(__AVX__)
+    return (cr_vf)_mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), (__m256)v));
+#elif CR_VW == 4 && defined(__SSE__)
+    return (cr_vf)_mm_min_ps(_mm_set1_ps(hi), _mm_max_ps(_mm_set1_ps(lo), (__m128)v));
+#elif CR_VW == 4 && defined(__wasm_simd128__)
+    return (cr_vf)wasm_f32x4_pmin(wasm_f32x4_pmax((v128_t)v, wasm_f32x4_splat(lo)), wasm_f32x4_splat(hi));
+#else
     cr_vf vlo = (cr_vf){0} + lo, vhi = (cr_vf){0} + hi;
     v = cr_vselect(v < vlo, vlo, v);
     return cr_vselect(v > vhi, vhi, v);
+#endif
 }
 
 /* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
@@ -374,50 +409,66 @@ typedef struct {
     int64_t h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl;
 } cr_bsrc;
 
-static cr_vf cr_pack_buffer[CR_KC * CR_NC / CR_VW]; /* aligned as a vector; the model is single-threaded */
+#define CR_PACK_FLOATS (CR_KC * CR_NC)
+static cr_vf cr_pack_buffer[CR_PACK_FLOATS / CR_VW]; /* aligned as a vector; the model is single-threaded */
 
 /* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN */
+/* row k of an im2col B, columns j0..j0+nc (output pixels), into line: one output row's run of pixels at a time
+ * (a contiguous or strided piece of an input row, zeros where it reads padding) */
+static void cr_im2col_line(const cr_bsrc *s, int64_t k, int64_t j0, int64_t nc, float *line) {
+    int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
+    const float *xc = s->b + c * s->h * s->wd;
+    int64_t r = j0 / s->ow, q = j0 % s->ow;
+    for (int64_t p = 0; p < nc;) {
+        int64_t run = s->ow - q < nc - p ? s->ow - q : nc - p;
+        int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
+        float *o = line + p;
+        if (row < 0 || row >= s->h) {
+            memset(o, 0, (size_t)run * sizeof(float));
+        } else { /* the pixels whose column is inside the row, zeros around them */
+            int64_t lo = col0 < 0 ? (-col0 + s->sw - 1) / s->sw : 0;
+            int64_t hi = s->wd - col0 <= 0 ? 0 : (s->wd - col0 + s->sw - 1) / s->sw;
+            lo = lo < run ? lo : run;
+            hi = hi < lo ? lo : hi > run ? run : hi;
+            const float *xr = xc + row * s->wd + col0;
+            memset(o, 0, (size_t)lo * sizeof(float));
+            if (s->sw == 1) memcpy(o + lo, xr + lo, (size_t)(hi - lo) * sizeof(float));
+            else
+                for (int64_t t = lo; t < hi; t++) o[t] = xr[t * s->sw];
+            memset(o + hi, 0, (size_t)(run - hi) * sizeof(float));
+        }
+        p += run;
+        q = 0;
+        r++;
+    }
+}
+
+/* packs B's rows k0..k0+kc, columns j0..j0+nc into panels of CR_GN columns: panel t holds kc rows of CR_GN. An
+ * im2col row is first built whole (long runs, one division per row), then cut into the panels a vector at a
+ * time. */
 static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float *panel) {
-    for (int64_t t = 0; t * CR_GN < nc; t++) {
+    int64_t panels = (nc + CR_GN - 1) / CR_GN;
+    if (s->conv) {
+        float line[CR_NC + CR_GN];
+        for (int64_t kk = 0; kk < kc; kk++) {
+            cr_im2col_line(s, k0 + kk, j0, nc, line);
+            for (int64_t q = nc; q < panels * CR_GN; q++) line[q] = 0.0f;
+            for (int64_t t = 0; t < panels; t++)
+                for (int v = 0; v < CR_GNV; v++)
+                    cr_vstore(panel + (t * kc + kk) * CR_GN + v * CR_VW, cr_vload(line + t * CR_GN + v * CR_VW));
+        }
+        return;
+    }
+    for (int64_t t = 0; t < panels; t++) {
         int64_t first = j0 + t * CR_GN, count = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN;
         float *out = panel + t * kc * CR_GN;
         for (int64_t kk = 0; kk < kc; kk++) {
             float *o = out + kk * CR_GN;
-            int64_t k = k0 + kk;
-            if (!s->conv) {
-                const float *src = s->b + k * s->row + first * s->col;
-                if (s->col == 1) {
-                    memcpy(o, src, (size_t)count * sizeof(float));
-                } else {
-                    for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
-                }
+            const float *src = s->b + (k0 + kk) * s->row + first * s->col;
+            if (s->col == 1) {
+                memcpy(o, src, (size_t)count * sizeof(float));
             } else {
-                int64_t taps = s->kh * s->kw, c = k / taps, i = k % taps / s->kw, j = k % s->kw;
-                const float *xc = s->b + c * s->h * s->wd;
-                int64_t r = first / s->ow, q = first % s->ow;
-                for (int64_t p = 0; p < count;) { /* one output row's run of pixels at a time */
-                    int64_t run = s->ow - q < count - p ? s->ow - q : count - p;
-                    int64_t row = r * s->sh - s->pt + i * s->dh, col0 = q * s->sw - s->pl + j * s->dw;
-                    if (row < 0 || row >= s->h) {
-                        memset(o + p, 0, (size_t)run * sizeof(float));
-                    } else if (s->sw == 1) { /* a contiguous piece of the input row, zeros where it pads */
-                        int64_t lo = col0 < 0 ? -col0 : 0, hi = s->wd - col0;
-                        lo = lo < run ? lo : run;
-                        hi = hi < lo ? lo : hi > run ? run : hi;
-                        memset(o + p, 0, (size_t)lo * sizeof(float));
-                        memcpy(o + p + lo, xc + row * s->wd + col0 + lo, (size_t)(hi - lo) * sizeof(float));
-                        memset(o + p + hi, 0, (size_t)(run - hi) * sizeof(float));
-                    } else {
-                        const float *xr = xc + row * s->wd;
-                        for (int64_t t = 0; t < run; t++) {
-                            int64_t col = col0 + t * s->sw;
-                            o[p + t] = col >= 0 && col < s->wd ? xr[col] : 0.0f;
-                        }
-                    }
-                    p += run;
-                    q = 0;
-                    r++;
-                }
+                for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
             }
             for (int64_t q = count; q < CR_GN; q++) o[q] = 0.0f;
         }
@@ -436,59 +487,43 @@ typedef struct {
  * is applied while the tile is in registers and L1. `rows` is a constant where it is inlined (CR_GM, or 1 for a
  * matrix-vector product), so the sums stay in registers. */
 static inline __attribute__((always_inline)) void cr_gemm_tile(
-    const int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp, int64_t kc,
-    float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
+    const int rows, const int nv, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp,
+    int64_t kc, float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev, const cr_epilogue *last) {
     const float *row[CR_GM];
     for (int t = 0; t < rows; t++) row[t] = a + (t < mr ? t : mr - 1) * sa_m; /* spare rows repeat the last */
-    cr_vf acc[CR_GM][2];
-    for (int t = 0; t < rows; t++) acc[t][0] = acc[t][1] = (cr_vf){0};
-    if (sa_k == 1) {
-        for (int64_t kk = 0; kk < kc; kk++) {
-            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
-            for (int t = 0; t < rows; t++) {
-                cr_vf av = (cr_vf){0} + row[t][kk];
-                acc[t][0] += av * b0;
-                acc[t][1] += av * b1;
-            }
-        }
-    } else {
-        for (int64_t kk = 0; kk < kc; kk++) {
-            cr_vf b0 = cr_vload(panel + kk * ldp), b1 = cr_vload(panel + kk * ldp + CR_VW);
-            for (int t = 0; t < rows; t++) {
-                cr_vf av = (cr_vf){0} + row[t][kk * sa_k];
-                acc[t][0] += av * b0;
-                acc[t][1] += av * b1;
-            }
+    cr_vf acc[CR_GM][CR_GNV];
+    for (int t = 0; t < rows; t++)
+        for (int v = 0; v < nv; v++) acc[t][v] = (cr_vf){0};
+    for (int64_t kk = 0; kk < kc; kk++) {
+        cr_vf bv[CR_GNV];
+        for (int v = 0; v < nv; v++) bv[v] = cr_vload(panel + kk * ldp + v * CR_VW);
+        for (int t = 0; t < rows; t++) {
+            float av = row[t][kk * sa_k]; /* scalar x vector: a broadcast load, not an add and a shuffle */
+            for (int v = 0; v < nv; v++) acc[t][v] += av * bv[v];
         }
     }
+    int full = nq == nv * CR_VW;
     for (int64_t t = 0; t < mr && t < rows; t++) {
         float *ct = c + t * ldc;
         const float *pt = prev ? prev + t * ldc : NULL;
         float tile[CR_GN];
-        if (pt && nq == CR_GN) {
-            acc[t][0] += cr_vload(pt);
-            acc[t][1] += cr_vload(pt + CR_VW);
-        }
-        if (last && last->row_bias) {
-            acc[t][0] += last->row_bias[t];
-            acc[t][1] += last->row_bias[t];
-        }
+        if (pt && full)
+            for (int v = 0; v < nv; v++) acc[t][v] += cr_vload(pt + v * CR_VW);
+        if (last && last->row_bias)
+            for (int v = 0; v < nv; v++) acc[t][v] += last->row_bias[t];
         int in_registers = !last || (!last->col_bias && (last->act == CR_ACT_NONE || last->act == CR_ACT_RELU
                                                          || last->act == CR_ACT_CLIP));
-        if (nq == CR_GN && in_registers) {
+        if (full && in_registers) {
             if (last && last->act != CR_ACT_NONE) {
                 float lo = last->act == CR_ACT_RELU ? 0.0f : last->a;
                 float hi = last->act == CR_ACT_RELU ? INFINITY : last->b;
-                acc[t][0] = cr_vclamp(acc[t][0], lo, hi);
-                acc[t][1] = cr_vclamp(acc[t][1], lo, hi);
+                for (int v = 0; v < nv; v++) acc[t][v] = cr_vclamp(acc[t][v], lo, hi);
             }
-            cr_vstore(ct, acc[t][0]);
-            cr_vstore(ct + CR_VW, acc[t][1]);
+            for (int v = 0; v < nv; v++) cr_vstore(ct + v * CR_VW, acc[t][v]);
             continue;
         }
-        cr_vstore(tile, acc[t][0]);
-        cr_vstore(tile + CR_VW, acc[t][1]);
-        if (pt && nq < CR_GN)
+        for (int v = 0; v < nv; v++) cr_vstore(tile + v * CR_VW, acc[t][v]);
+        if (pt && !full)
             for (int64_t q = 0; q < nq; q++) tile[q] += pt[q];
         if (last) {
             if (last->col_bias)
@@ -497,6 +532,25 @@ static inline __attribute__((always_inline)) void cr_gemm_tile(
         }
         memcpy(ct, tile, (size_t)nq * sizeof(float));
     }
+}
+
+/* a panel's last, narrower tile: only the vectors that hold its nq columns (a 14x14 plane's last 4 columns of 196
+ * would otherwise cost a whole 64-column AVX-512 tile) */
+static void cr_gemm_tile_narrow(int rows, const float *a, int64_t sa_m, int64_t sa_k, const float *panel, int64_t ldp,
+                                int64_t kc, float *c, int64_t ldc, int64_t mr, int64_t nq, const float *prev,
+                                const cr_epilogue *last) {
+    int nv = (int)((nq + CR_VW - 1) / CR_VW);
+#define CR_NARROW(NV)                                                                                                 \
+    if (rows == 1) cr_gemm_tile(1, NV, a, sa_m, sa_k, panel, ldp, kc, c, ldc, mr, nq, prev, last);                   \
+    else cr_gemm_tile(CR_GM, NV, a, sa_m, sa_k, panel, ldp, kc, c, ldc, mr, nq, prev, last);
+    if (nv == 1) {
+        CR_NARROW(1)
+    } else if (nv == 2 || CR_GNV <= 2) {
+        CR_NARROW(2 < CR_GNV ? 2 : CR_GNV)
+    } else {
+        CR_NARROW(3 < CR_GNV ? 3 : CR_GNV)
+    }
+#undef CR_NARROW
 }
 
 /* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
@@ -541,12 +595,14 @@ static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k,
                     epilogue.col_bias = col_bias ? col_bias + j0 + t * CR_GN : NULL;
                     const float *prev = k0 > 0 ? c + at : z ? z + at : NULL;
                     const float *ai = a + i0 * sa_m + k0 * sa_k;
-                    if (mr == 1)
-                        cr_gemm_tile(1, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
-                                     is_last ? &epilogue : NULL);
+                    const cr_epilogue *last = is_last ? &epilogue : NULL;
+                    if (nq <= CR_GN - CR_VW)
+                        cr_gemm_tile_narrow(mr == 1 ? 1 : CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
+                                            last);
+                    else if (mr == 1)
+                        cr_gemm_tile(1, CR_GNV, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev, last);
                     else
-                        cr_gemm_tile(CR_GM, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev,
-                                     is_last ? &epilogue : NULL);
+                        cr_gemm_tile(CR_GM, CR_GNV, ai, sa_m, sa_k, p, ldp, kc, c + at, ldc, mr, nq, prev, last);
                 }
             }
         }
@@ -588,29 +644,153 @@ static inline float cr_dw_pixel(const float *xc, const float *wc, float start, i
     return sum;
 }
 
-/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments, for stride 1 along
- * the width: the columns whose taps are all inside the row are summed CR_VW at a time in registers over every tap,
- * the few at the padded edges one by one */
+/* the activations a depthwise tile applies in registers (others go through cr_act1 per column) */
+static inline int cr_dw_fast_act(int act) { return act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP; }
+
+/* acc plus a 3x3 depthwise window of CR_VW outputs: rows x0..x2 (at the first output), tap j at x + at[j],
+ * weights splatted in w[0..8]; summed in the order of the general loop (row by row, tap by tap) */
+static inline __attribute__((always_inline)) cr_vf cr_dw3x3(cr_vf acc, const float *x0, const float *x1,
+                                                            const float *x2, const int64_t *at, const cr_vf *w) {
+    acc += w[0] * cr_vload(x0 + at[0]);
+    acc += w[1] * cr_vload(x0 + at[1]);
+    acc += w[2] * cr_vload(x0 + at[2]);
+    acc += w[3] * cr_vload(x1 + at[0]);
+    acc += w[4] * cr_vload(x1 + at[1]);
+    acc += w[5] * cr_vload(x1 + at[2]);
+    acc += w[6] * cr_vload(x2 + at[0]);
+    acc += w[7] * cr_vload(x2 + at[1]);
+    acc += w[8] * cr_vload(x2 + at[2]);
+    return acc;
+}
+
+/* One channel of a depthwise convolution from a buffer of its input rows, zero-padded and split into sw column
+ * phases (padded column pc of input row `row` at split[(row - first) * sw * phase + pc % sw * phase + pc / sw]):
+ * output rows r0..r1, every column CR_VW at a time with no bounds check (the last, partial vector through a
+ * copy). Tap j of output column q reads phase j*dw % sw at q + j*dw / sw. */
+static void cr_dw_split_rows(const float *split, int64_t first, int64_t phase, const float *wc, float start,
+                             const float *zc, float *yc, int64_t r0, int64_t r1, int64_t h, int64_t ow, int64_t kh,
+                             int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int act,
+                             float a, float b) {
+    int64_t tap_at[kw > 0 ? kw : 1];
+    for (int64_t j = 0; j < kw; j++) tap_at[j] = j * dw % sw * phase + j * dw / sw;
+    float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
+    float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    cr_vf taps[9];
+    if (kh == 3 && kw == 3)
+        for (int t = 0; t < 9; t++) taps[t] = (cr_vf){0} + wc[t];
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t top = r * sh - pt;
+        int inside = kh == 3 && kw == 3 && top >= 0 && top + 2 * dh < h; /* the common 3x3 case, unrolled */
+        const float *x0 = split + (top - first) * sw * phase, *x1 = x0 + dh * sw * phase, *x2 = x1 + dh * sw * phase;
+        for (int64_t q = 0; q < ow; q += CR_VW) {
+            cr_vf acc = (cr_vf){0} + start;
+            if (inside) {
+                acc = cr_dw3x3(acc, x0 + q, x1 + q, x2 + q, tap_at, taps);
+            } else {
+                for (int64_t i = 0; i < kh; i++) {
+                    int64_t row = top + i * dh;
+                    if (row < 0 || row >= h) continue;
+                    const float *xr = split + (row - first) * sw * phase + q;
+                    for (int64_t j = 0; j < kw; j++) acc += wc[i * kw + j] * cr_vload(xr + tap_at[j]);
+                }
+            }
+            float lanes[CR_VW];
+            int64_t count = ow - q < CR_VW ? ow - q : CR_VW;
+            if (zc && count == CR_VW) {
+                acc += cr_vload(zc + r * ow + q);
+            } else if (zc) {
+                memcpy(lanes, zc + r * ow + q, (size_t)count * sizeof(float));
+                for (int64_t l = count; l < CR_VW; l++) lanes[l] = 0.0f;
+                acc += cr_vload(lanes);
+            }
+            if (cr_dw_fast_act(act)) {
+                if (act != CR_ACT_NONE) acc = cr_vclamp(acc, act_lo, act_hi);
+                if (count == CR_VW) {
+                    cr_vstore(yc + r * ow + q, acc);
+                    continue;
+                }
+                cr_vstore(lanes, acc);
+            } else {
+                cr_vstore(lanes, acc);
+                for (int64_t l = 0; l < count; l++) lanes[l] = cr_act1(lanes[l], act, a, b);
+            }
+            memcpy(yc + r * ow + q, lanes, (size_t)count * sizeof(float));
+        }
+    }
+}
+
+/* one input row into the split buffer: phase ph holds padded columns ph, ph + sw, ... (input column pc - pl, zero
+ * outside the row), `phase` of them */
+static inline void cr_dw_split_row(const float *xr, float *out, int64_t wd, int64_t sw, int64_t pl, int64_t phase) {
+    for (int64_t ph = 0; ph < sw; ph++, out += phase) {
+        int64_t lo = pl - ph <= 0 ? 0 : (pl - ph + sw - 1) / sw, hi = (wd + pl - ph + sw - 1) / sw; /* in the row */
+        lo = lo < phase ? lo : phase;
+        hi = hi < lo ? lo : hi > phase ? phase : hi;
+        memset(out, 0, (size_t)lo * sizeof(float));
+        const float *from = xr + lo * sw + ph - pl;
+        if (sw == 1) memcpy(out + lo, from, (size_t)(hi - lo) * sizeof(float));
+        else
+            for (int64_t t = 0; t < hi - lo; t++) out[lo + t] = from[t * sw];
+        memset(out + hi, 0, (size_t)(phase - hi) * sizeof(float));
+    }
+}
+
+/* depthwise convolution (groups = input channels = output channels), cr_conv2d's arguments. Wide rows at column
+ * stride 1 are read in place: the columns whose taps are all inside the row are summed CR_VW at a time in
+ * registers over every tap, the few at the padded edges one by one. Narrow rows (7 or 14 columns would leave a
+ * 16-lane vector's columns to the one-by-one path) and column strides > 1 first copy the input rows a band of
+ * output rows reads into the packing buffer, zero-padded and split into column phases, so that every tap reads
+ * CR_VW contiguous columns of one phase (cr_dw_split_rows); rows too wide for the buffer go one by one. */
 static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *bias, const float *z, float *y,
                                   int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
                                   int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                   int64_t pt, int64_t pl, int64_t groups, int act, float a, float b) {
-    (void)m_out, (void)groups, (void)sw; /* sw == 1, groups == m_out == c_in: the emitter's choice */
-    int64_t lo = pl < ow ? pl : ow, hi = wd - (kw - 1) * dw + pl; /* columns [lo, hi) read no padding */
-    hi = hi < lo ? lo : hi > ow ? ow : hi;
-    int fast_act = act == CR_ACT_NONE || act == CR_ACT_RELU || act == CR_ACT_CLIP;
+    (void)m_out, (void)groups; /* groups == m_out == c_in: the emitter's choice */
+    int direct = sw == 1 && ow >= 4 * CR_VW;
+    int64_t reach = wd - 1 + pl - (kw - 1) * dw; /* in place, columns [lo, hi) read no padding */
+    int64_t lo = pl < ow ? pl : ow, hi = reach < 0 ? 0 : reach + 1;
+    hi = !direct || hi < lo ? lo : hi > ow ? ow : hi;
+    /* the split rows: phases long enough for every vector of output columns and every tap */
+    int64_t phase = (ow + CR_VW - 1) / CR_VW * CR_VW + (kw - 1) * dw / sw + 1, row_floats = sw * phase;
+    int64_t fit = CR_PACK_FLOATS / row_floats - (kh - 1) * dh - 1;
+    int64_t band = direct ? oh : fit < 0 ? 0 : fit / sh + 1; /* output rows per band; 0: none fits */
+    float *split = (float *)cr_pack_buffer;
     float act_lo = act == CR_ACT_CLIP ? a : act == CR_ACT_RELU ? 0.0f : -INFINITY;
     float act_hi = act == CR_ACT_CLIP ? b : INFINITY;
+    int64_t tap_at[3] = {0, dw, 2 * dw}; /* the in-place 3x3 path's taps */
+    cr_vf taps[9];
     for (int64_t img = 0; img < n; img++) {
         for (int64_t ch = 0; ch < c_in; ch++) {
             const float *xc = x + (img * c_in + ch) * h * wd, *wc = w + ch * kh * kw;
             const float *zc = z ? z + (img * c_in + ch) * oh * ow : NULL;
             float *yc = y + (img * c_in + ch) * oh * ow, start = bias ? bias[ch] : 0.0f;
+            if (kh == 3 && kw == 3)
+                for (int t = 0; t < 9; t++) taps[t] = (cr_vf){0} + wc[t];
+            if (!direct && band > 0) {
+                for (int64_t r0 = 0; r0 < oh; r0 += band) {
+                    int64_t r1 = r0 + band < oh ? r0 + band : oh, first = r0 * sh - pt;
+                    int64_t last = (r1 - 1) * sh - pt + (kh - 1) * dh;
+                    for (int64_t row = first < 0 ? 0 : first; row <= last && row < h; row++) {
+                        cr_dw_split_row(xc + row * wd, split + (row - first) * row_floats, wd, sw, pl, phase);
+                    }
+                    cr_dw_split_rows(split, first, phase, wc, start, zc, yc, r0, r1, h, ow, kh, kw, sh, sw, dh, dw,
+                                     pt, act, a, b);
+                }
+                continue;
+            }
             for (int64_t r = 0; r < oh; r++) {
                 float *yr = yc + r * ow;
                 const float *zr = zc ? zc + r * ow : NULL;
-                int64_t q = lo;
-                if (fast_act) {
+                int64_t q = lo, top = r * sh - pt;
+                if (cr_dw_fast_act(act) && kh == 3 && kw == 3 && top >= 0 && top + 2 * dh < h) {
+                    const float *x0 = xc + top * wd - pl, *x1 = x0 + dh * wd, *x2 = x1 + dh * wd;
+                    for (; q + CR_VW <= hi; q += CR_VW) {
+                        cr_vf acc = cr_dw3x3((cr_vf){0} + start, x0 + q, x1 + q, x2 + q, tap_at, taps);
+                        if (zr) acc += cr_vload(zr + q);
+                        cr_vstore(yr + q, act == CR_ACT_NONE ? acc : cr_vclamp(acc, act_lo, act_hi));
+                    }
+                }
+                if (cr_dw_fast_act(act)) {
                     for (; q + CR_VW <= hi; q += CR_VW) {
                         cr_vf acc = (cr_vf){0} + start;
                         for (int64_t i = 0; i < kh; i++) {
@@ -626,7 +806,7 @@ static CR_UNUSED void cr_dwconv2d(const float *x, const float *w, const float *b
                 for (int64_t k = 0; k < ow; k++) {
                     if (k >= lo && k < q) k = q; /* the columns done in registers */
                     if (k >= ow) break;
-                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, 1, dh, dw, pt, pl);
+                    float v = cr_dw_pixel(xc, wc, start, r, k, h, wd, kh, kw, sh, sw, dh, dw, pt, pl);
                     yr[k] = cr_act1(v + (zr ? zr[k] : 0.0f), act, a, b);
                 }
             }
@@ -737,31 +917,60 @@ static CR_UNUSED void cr_layer_norm(const float *x, const float *skip, const flo
     }
 }
 
+static inline float cr_max1(float acc, float v) { return v > acc || v != v ? v : acc; } /* NaN sticks */
+
 /* 2-D max or average pooling over planes (n * c of them); padding is skipped by max and by average without
- * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule) */
+ * count_include_pad; with it, the window counts the pads inside the padded image (onnx's rule). Separable: per
+ * output row, the window's valid input rows are first reduced column by column (contiguous, CR_VW lanes at a
+ * time) into `cols`, then each output reduces its window's columns of that row; the counts are per row and
+ * column range. Max gives the same values as a window-at-a-time loop (and NaN propagates); average sums in
+ * another order (float32 rounding). */
 static CR_UNUSED void cr_pool2d(const float *x, float *y, int64_t planes, int64_t h, int64_t wd, int64_t oh, int64_t ow,
                                 int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt,
                                 int64_t pl, int64_t pb, int64_t pr, int is_max, int count_pad) {
+    float cols[wd > 0 ? wd : 1];
+    const float start = is_max ? -INFINITY : 0.0f;
     for (int64_t p = 0; p < planes; p++) {
         const float *xp = x + p * h * wd;
         float *yp = y + p * oh * ow;
         for (int64_t r = 0; r < oh; r++) {
-            for (int64_t q = 0; q < ow; q++) {
-                float acc = is_max ? -INFINITY : 0.0f;
-                int64_t count = 0, padded = 0;
-                for (int64_t i = 0; i < kh; i++) {
-                    int64_t row = r * sh - pt + i * dh;
-                    for (int64_t j = 0; j < kw; j++) {
-                        int64_t col = q * sw - pl + j * dw;
-                        if (row >= -pt && row < h + pb && col >= -pl && col < wd + pr) padded++;
-                        if (row < 0 || row >= h || col < 0 || col >= wd) continue;
-                        float v = xp[row * wd + col];
-                        if (is_max) acc = v > acc || v != v ? v : acc;
-                        else acc += v;
-                        count++;
-                    }
+            int64_t rows = 0, padded_rows = 0, whole = wd / CR_VW * CR_VW; /* columns in whole vectors */
+            for (int64_t c = 0; c < whole; c += CR_VW) cr_vstore(cols + c, (cr_vf){0} + start);
+            for (int64_t c = whole; c < wd; c++) cols[c] = start;
+            for (int64_t i = 0; i < kh; i++) {
+                int64_t row = r * sh - pt + i * dh;
+                if (row >= -pt && row < h + pb) padded_rows++;
+                if (row < 0 || row >= h) continue;
+                rows++;
+                const float *xr = xp + row * wd;
+                for (int64_t c = 0; c < whole; c += CR_VW) {
+                    cr_vf acc = cr_vload(cols + c), v = cr_vload(xr + c);
+                    acc = is_max ? cr_vselect((v > acc) | (v != v), v, acc) : acc + v;
+                    cr_vstore(cols + c, acc);
                 }
-                if (!is_max) acc /= (float)(count_pad ? padded : count);
+                for (int64_t c = whole; c < wd; c++) cols[c] = is_max ? cr_max1(cols[c], xr[c]) : cols[c] + xr[c];
+            }
+            float inner = (float)(kw * (count_pad ? padded_rows : rows)); /* a window inside the row's divisor */
+            for (int64_t q = 0; q < ow; q++) {
+                float acc = start;
+                int64_t count = 0, padded = 0, left = q * sw - pl;
+                if (left >= 0 && left + (kw - 1) * dw < wd) { /* every column inside: no checks */
+                    const float *window = cols + left;
+                    if (is_max)
+                        for (int64_t j = 0; j < kw; j++) acc = cr_max1(acc, window[j * dw]);
+                    else
+                        for (int64_t j = 0; j < kw; j++) acc += window[j * dw];
+                    yp[r * ow + q] = is_max ? acc : acc / inner;
+                    continue;
+                }
+                for (int64_t j = 0; j < kw; j++) {
+                    int64_t col = q * sw - pl + j * dw;
+                    if (col >= -pl && col < wd + pr) padded++;
+                    if (col < 0 || col >= wd) continue;
+                    acc = is_max ? cr_max1(acc, cols[col]) : acc + cols[col];
+                    count++;
+                }
+                if (!is_max) acc /= (float)(count_pad ? padded * padded_rows : count * rows);
                 yp[r * ow + q] = acc;
             }
         }
@@ -809,17 +1018,27 @@ static CR_UNUSED void cr_concat_part(const float *x, float *y, int64_t outer, in
     for (int64_t o = 0; o < outer; o++) memcpy(y + o * whole + offset, x + o * part, (size_t)part * sizeof(float));
 }
 
-/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded) */
+/* y = x transposed: y's index (i0..i5) reads x at sum i_d * strides[d] (x's strides permuted, y's shape padded).
+ * Trailing dims that stay contiguous in x (a channel shuffle's rows) merge into one run, copied whole; the other
+ * dims step an offset, not a per-element index sum. */
 static CR_UNUSED void cr_transpose(const float *x, float *y, const int64_t *shape, const int64_t *strides) {
-    int64_t total = 1;
-    for (int d = 0; d < CR_MAX_RANK; d++) total *= shape[d];
-    int64_t index[CR_MAX_RANK] = {0};
-    for (int64_t t = 0; t < total; t++) {
-        int64_t at = 0;
-        for (int d = 0; d < CR_MAX_RANK; d++) at += index[d] * strides[d];
-        y[t] = x[at];
-        for (int d = CR_MAX_RANK - 1; d >= 0; d--) {
+    int64_t run = shape[CR_MAX_RANK - 1], step = strides[CR_MAX_RANK - 1];
+    int last = CR_MAX_RANK - 2; /* the innermost dim that is not part of the run */
+    if (step == 1)
+        for (; last >= 0 && strides[last] == run; last--) run *= shape[last];
+    int64_t outer = 1;
+    for (int d = 0; d <= last; d++) outer *= shape[d];
+    if (run == 0 || outer == 0) return;
+    int64_t index[CR_MAX_RANK] = {0}, at = 0;
+    for (int64_t o = 0; o < outer; o++) {
+        float *yo = y + o * run;
+        if (step == 1) memcpy(yo, x + at, (size_t)run * sizeof(float));
+        else
+            for (int64_t i = 0; i < run; i++) yo[i] = x[at + i * step];
+        for (int d = last; d >= 0; d--) {
+            at += strides[d];
             if (++index[d] < shape[d]) break;
+            at -= index[d] * strides[d];
             index[d] = 0;
         }
     }
