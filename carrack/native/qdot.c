@@ -759,6 +759,28 @@ CARRACK_POOL_CLIENT(qdot)
 /* y (m, n) = x (m, k) @ W.T for W's n rows of `row_bytes` bytes of ggml blocks, x quantized to 8 bits per 32
  * values, on up to `threads` threads. Returns 0, -1 for an unknown type or a k that is not a whole number of blocks,
  * -2 when out of memory. */
+/* values of x from which its quantization is split over threads */
+#define QUANTIZE_PARALLEL_MIN (1 << 16)
+
+typedef struct {
+    const float *x;
+    int64_t k;
+    const activations_t *out;
+} quantize_call_t;
+
+static void quantize_rows(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const quantize_call_t *q = p;
+    const activations_t *a = q->out;
+    const int64_t k = q->k;
+    (void)slot;
+    for (int64_t i = begin; i < end; i++) {
+        quantize_activation_row(q->x + i * k, k, a->codes + i * k, a->lane_scale + i * (k / LANE),
+                                a->group_sum + i * (k / GROUP));
+        activation_sums(a->codes + i * k, a->lane_scale + i * (k / LANE), k, a->code_sum + i * (k / GROUP),
+                        a->block_sum + i * (k / ABLOCK));
+    }
+}
+
 int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n, int64_t k, const float *x,
                         int64_t m, float *y, int64_t threads) {
     int64_t block_values, block_bytes;
@@ -775,12 +797,10 @@ int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n
         c.x.code_sum == NULL) {
         atomic_store(&c.status, -2);
     } else {
-        for (int64_t i = 0; i < m; i++) {
-            quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
-                                    c.x.group_sum + i * (k / GROUP));
-            activation_sums(c.x.codes + i * k, c.x.lane_scale + i * (k / LANE), k, c.x.code_sum + i * (k / GROUP),
-                            c.x.block_sum + i * (k / ABLOCK));
-        }
+        quantize_call_t q = {x, k, &c.x};
+        /* a prompt's rows are quantized on the run's threads too (per row: the split changes no code) */
+        const int64_t quantize_threads = m * k >= QUANTIZE_PARALLEL_MIN ? threads : 1;
+        parallel_for(quantize_rows, &q, 0, m, pieces_for(m, quantize_threads), quantize_threads);
         const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
         parallel_for(qdot_piece, &c, 0, tiles, pieces_for(tiles, threads), threads);
     }

@@ -100,7 +100,7 @@ def test_native_activation_quantization_is_the_numpy_statement(build):
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_threads_split_rows_without_changing_results(ggml_type):
     rows = random_blocks(ggml_type, 700, 2048)  # over PARALLEL_MIN_BYTES: split over threads; a partial last tile
-    for m in (1, 9, 13):
+    for m in (1, 9, 13, 40):  # 40 rows: x's quantization is split over the threads too
         x = np.random.default_rng(2).standard_normal((m, 2048)).astype(np.float32)
         one_thread = qdot.matmul(rows, ggml_type, x, threads=1)
         for threads in (2, 4):
