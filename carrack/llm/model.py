@@ -18,7 +18,7 @@ import numpy as np
 from carrack.errors import InvalidArgument, InvalidModel, MemoryLimitExceeded
 from carrack.gguf.reader import GGUFFile, read_gguf
 from carrack.llm.hparams import HParams, read_hparams
-from carrack.llm.weights import Linear, WeightStore
+from carrack.llm.weights import Linear, WeightStore, grouped_products
 from carrack.native import llmrows
 
 
@@ -247,7 +247,7 @@ class Decoder:
             q_rows, kv_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
             q, k, v = qkv[:, :q_rows], qkv[:, q_rows:q_rows + kv_rows], qkv[:, q_rows + kv_rows:]
         else:
-            q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)
+            q, k, v = grouped_products([layer.wq, layer.wk, layer.wv], h) or (layer.wq(h), layer.wk(h), layer.wv(h))
         if layer.bq is not None:
             q = q + layer.bq
         if layer.bk is not None:
@@ -314,7 +314,7 @@ class Decoder:
             gate_up = layer.w_up(h)
             gate, up = gate_up[:, :self.hp.n_ff], gate_up[:, self.hp.n_ff:]
         else:
-            gate, up = layer.w_gate(h), layer.w_up(h)
+            gate, up = grouped_products([layer.w_gate, layer.w_up], h) or (layer.w_gate(h), layer.w_up(h))
         if self.hp.arch.activation != "gelu_tanh":
             product = llmrows.silu_mul(gate, up, self.threads)
             if product is not None:

@@ -178,6 +178,14 @@ class QuantizedLinear:
 Linear = FloatLinear | HalfLinear | QuantizedLinear
 
 
+def grouped_products(linears: list[Linear], x: np.ndarray) -> list[np.ndarray] | None:
+    """[m(x) for m in linears] in one native call when every matrix is quantized with int8 activations (x
+    quantized once, one parallel region: a layer's q, k, v or gate, up projections); None otherwise."""
+    if x.ndim != 2 or not all(isinstance(m, QuantizedLinear) and m.int8 for m in linears):
+        return None
+    return qdot.matmul_group([(m.rows_2d, m.ggml_type) for m in linears], x, linears[0].threads)
+
+
 class WeightStore:
     """Looks tensors up by llama.cpp name; a missing required tensor is an InvalidModel naming it."""
 
