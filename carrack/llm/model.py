@@ -261,7 +261,7 @@ class Decoder:
         hp = self.hp
         n = h.shape[0]
         q, k, v = self._projections(layer, h)
-        if not hp.attn_softcap and llmrows.library() is not None:
+        if llmrows.library() is not None:
             window = hp.sliding_window if hp.uses_sliding_window(index) else 0
             return layer.wo(self._native_attention(layer, index, q, k, v, start, cos, sin, window))
         q = q.reshape(n, hp.n_head, hp.head_dim).transpose(1, 0, 2)  # (heads, n, head_dim)
@@ -307,7 +307,7 @@ class Decoder:
         self.k_cache[index, :, start:end] = k.reshape(n, hp.n_head_kv, d).transpose(1, 0, 2)
         self.v_cache[index, :, start:end] = v.reshape(n, hp.n_head_kv, d).transpose(1, 0, 2)
         return llmrows.attention(q, self.k_cache[index], self.v_cache[index], start, hp.attention_scale, window,
-                                 self.threads)
+                                 self.threads, hp.attn_softcap)
 
     def _feed_forward(self, layer: Layer, h: np.ndarray) -> np.ndarray:
         if layer.w_gate is None:

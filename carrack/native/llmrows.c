@@ -177,7 +177,7 @@ typedef struct {
     const float *q, *k, *v;
     float *out;
     int64_t q_stride, n, start, n_head, n_head_kv, head_dim, cache_len, window, tiles_per_head;
-    float scale;
+    float scale, softcap;
     atomic_int status;
 } attention_call_t;
 
@@ -308,6 +308,8 @@ static void attention_tiles(void *p, int64_t begin, int64_t end, int64_t slot) {
         }
         float sums[LANES];
         tile_scores(qt, keys, d, lo, hi, scores);
+        if (c->softcap > 0.0f)  /* gemma2: scores = tanh(scores / cap) * cap */
+            for (int64_t i = 0; i < (hi - lo) * LANES; i++) scores[i] = tanhf(scores[i] / c->softcap) * c->softcap;
         tile_softmax(scores, lo, hi, lane_lo, lane_hi, sums);
         tile_values(scores, values, d, lo, hi, ot);
         for (int l = 0; l < LANES && first + l < rows; l++) {
@@ -321,14 +323,15 @@ static void attention_tiles(void *p, int64_t begin, int64_t end, int64_t slot) {
 
 /* out (n, n_head * head_dim) = softmax(q k^T * scale + causal mask) v for the n query positions start.. (q: a row
  * of n_head heads every q_stride values), keys and values at positions [0, start + n) of the layer's cache
- * (n_head_kv, cache_len, head_dim). window > 0 hides keys window or more positions back. 0, or -2 out of memory. */
+ * (n_head_kv, cache_len, head_dim). window > 0 hides keys window or more positions back; softcap > 0 caps the
+ * scores as tanh(score / softcap) * softcap. 0, or -2 out of memory. */
 int carrack_llm_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t cache_len,
                           float *out, int64_t n, int64_t start, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-                          float scale, int64_t window, int64_t threads) {
+                          float scale, float softcap, int64_t window, int64_t threads) {
     if (n_head_kv <= 0 || n_head % n_head_kv != 0 || start + n > cache_len) return -1;
     const int64_t rows = n * (n_head / n_head_kv), tiles = (rows + LANES - 1) / LANES;
     attention_call_t c = {q, k, v, out, q_stride, n, start, n_head, n_head_kv, head_dim, cache_len, window, tiles,
-                          scale, 0};
+                          scale, softcap, 0};
     atomic_init(&c.status, 0);
     const int64_t items = n_head_kv * tiles;
     parallel_for(attention_tiles, &c, 0, items, pieces_for(items, threads), threads);

@@ -31,7 +31,7 @@ def library() -> ctypes.CDLL | None:
         lib.carrack_llm_rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, i64]
         for fn in (lib.carrack_llm_rms_norm, lib.carrack_llm_silu_mul, lib.carrack_llm_rope):
             fn.restype = None
-        lib.carrack_llm_attention.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i64, i64, f32, i64, i64]
+        lib.carrack_llm_attention.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i64, i64, f32, f32, i64, i64]
         lib.carrack_llm_attention.restype = i32
         _declared = lib
     return lib
@@ -111,13 +111,14 @@ def rope_(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, head_dim: int, rope_d
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int, scale: float, window: int = 0,
-              threads: int | None = None) -> np.ndarray | None:
+              threads: int | None = None, softcap: float = 0.0) -> np.ndarray | None:
     """Causal attention of n query positions start.. over one layer's cache.
 
     q: (n, n_head * head_dim) float32 (rows may be a view of a wider array); k_cache, v_cache: (n_head_kv, n_ctx,
     head_dim) float32 C-contiguous, holding keys and values at positions [0, start + n). Returns (n, n_head *
     head_dim): softmax(q k^T * scale + mask) v per head, query head h reading KV head h // (n_head / n_head_kv);
-    the mask hides later positions and, with window > 0, keys window or more positions back."""
+    the mask hides later positions and, with window > 0, keys window or more positions back; softcap > 0 caps the
+    scores first as tanh(score / softcap) * softcap (gemma2)."""
     lib = library()
     if lib is None:
         return None
@@ -141,7 +142,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: in
     threads = 1 if items * (start + n) * head_dim < PARALLEL_MIN else max(1, threads or native.threads())
     status = lib.carrack_llm_attention(data_address(q), q_stride, data_address(k_cache), data_address(v_cache), n_ctx,
                                        data_address(out), n, start, n_head, n_head_kv, head_dim, float(scale),
-                                       int(window), threads)
+                                       float(softcap), int(window), threads)
     if status == -2:
         raise MemoryError(f"llmrows: no memory for the attention scratch of {n} queries over {start + n} keys")
     return out

@@ -308,7 +308,7 @@ def test_f16_weights_stay_16_bit_in_memory_and_plan(tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_native_row_kernels_equal_the_numpy_steps(arch, tmp_path, monkeypatch):
-    """llmrows.c's norms, rope, SiLU * up and attention (gemma2: its softcapped attention stays numpy) give the
+    """llmrows.c's norms, rope, SiLU * up and attention (gemma2's softcapped, sliding-window layers too) give the
     numpy steps' logits and tokens, and the same logits at 1, 2 and 4 threads (a prompt long enough to split every
     row kernel, hidden 128)."""
     from carrack.native import llmrows

@@ -84,13 +84,15 @@ def test_rope_matches_numpy(build, neox, rope_dim):
     assert_same_at_every_thread_count(results)
 
 
-def numpy_attention(q, keys, values, start, scale, window):
+def numpy_attention(q, keys, values, start, scale, window, softcap=0.0):
     """model.Decoder._attention's numpy steps for queries q (n, n_head * head_dim)."""
     n_head_kv, _, head_dim = keys.shape
     n, end = q.shape[0], start + q.shape[0]
     group = q.shape[1] // head_dim // n_head_kv
     by_kv = q.reshape(n, n_head_kv * group, head_dim).transpose(1, 0, 2).reshape(n_head_kv, group * n, head_dim)
     scores = (by_kv * np.float32(scale)) @ keys[:, :end].transpose(0, 2, 1)
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     scores = scores.reshape(n_head_kv, group, n, end) + model._attention_mask(start, n, window)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -112,6 +114,17 @@ def test_attention_matches_numpy(build, n_head, n_head_kv, head_dim, start, n, w
     results = [llmrows.attention(q, keys, values, start, scale, window, threads) for threads in THREADS]
     np.testing.assert_allclose(results[0], expected, rtol=1e-5, atol=1e-5)
     assert_same_at_every_thread_count(results)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_with_softcapped_scores_matches_numpy(build, window):
+    keys, values = random((2, 2, 40, 16), 10, 2.0)
+    q = random((30, 4 * 16), 11, 3.0)
+    expected = numpy_attention(q, keys, values, 10, 0.25, window, softcap=5.0)
+    results = [llmrows.attention(q, keys, values, 10, 0.25, window, threads, softcap=5.0) for threads in THREADS]
+    np.testing.assert_allclose(results[0], expected, rtol=1e-5, atol=1e-5)
+    assert_same_at_every_thread_count(results)
+    assert np.abs(expected - numpy_attention(q, keys, values, 10, 0.25, window)).max() > 1e-2  # the cap matters
 
 
 def test_attention_reads_query_rows_of_a_fused_projection(build):
