@@ -120,6 +120,7 @@ class Decoder:
         self.k_cache = np.zeros(self.kv_shape, dtype=np.float32)
         self.v_cache = np.zeros(self.kv_shape, dtype=np.float32)
         self.n_past = 0  # positions of the cache that hold valid keys and values
+        self.gguf.prefault()  # the weights' pages mapped now, not one fault per 4 KiB inside the first prompt
 
     def _load_layer(self, store: WeightStore, i: int) -> Layer:
         hp, arch = self.hp, self.hp.arch
