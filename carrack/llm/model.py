@@ -211,27 +211,38 @@ class Decoder:
 
     def _forward_chunk(self, tokens: np.ndarray, start: int) -> np.ndarray:
         hp = self.hp
-        x = self.embed(tokens)
+        # the residual stream, updated in place (each residual add is fused with the norm that follows it)
+        x = np.require(self.embed(tokens), np.float32, ("C_CONTIGUOUS", "ALIGNED", "WRITEABLE", "OWNDATA"))
         positions = slice(start, start + tokens.size)
         cos, sin = self.cos[positions], self.sin[positions]
         masks = {sliding: _attention_mask(start, tokens.size, hp.sliding_window if sliding else 0)
                  for sliding in {hp.uses_sliding_window(i) for i in range(hp.n_layer)}}
+        h = self._rms_norm(x, self.layers[0].attn_norm)
         for index, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.attn_norm)
             attn = self._attention(layer, index, h, start, cos, sin, masks[hp.uses_sliding_window(index)])
             if layer.attn_post_norm is not None:
                 attn = self._rms_norm(attn, layer.attn_post_norm)
-            x = x + attn
-            h = self._rms_norm(x, layer.ffn_norm)
+            h = self._add_rms_norm(x, attn, layer.ffn_norm)
             ffn = self._feed_forward(layer, h)
             if layer.ffn_post_norm is not None:
                 ffn = self._rms_norm(ffn, layer.ffn_post_norm)
-            x = x + ffn
+            if index + 1 < len(self.layers):
+                h = self._add_rms_norm(x, ffn, self.layers[index + 1].attn_norm)
+            else:
+                x += ffn
         return x
 
     def _rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         y = llmrows.rms_norm(x, weight, self.hp.rms_eps, self.threads) if x.ndim == 2 else None
         return rms_norm(x, weight, self.hp.rms_eps) if y is None else y
+
+    def _add_rms_norm(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x += residual (in place), then the RMS norm of x with `weight`."""
+        y = llmrows.add_rms_norm(x, residual, weight, self.hp.rms_eps, self.threads)
+        if y is None:
+            x += residual
+            y = rms_norm(x, weight, self.hp.rms_eps)
+        return y
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         h = self._rms_norm(hidden, self.output_norm)

@@ -74,9 +74,11 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* -- RMS normalization: y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row ---------------------------------------- */
+/* -- RMS normalization: y = x * (1 / sqrt(mean(x^2) + eps)) * w, per row; with `residual`, x += residual first
+ * (written back: the decoder's residual stream) ------------------------------------------------------------------ */
 typedef struct {
-    const float *x, *w;
+    float *x;
+    const float *w, *residual;
     float *y;
     int64_t n, x_stride, y_stride;
     float eps;
@@ -86,8 +88,10 @@ static void rms_rows(void *p, int64_t begin, int64_t end, int64_t slot) {
     const rms_call_t *c = p;
     (void)slot;
     for (int64_t row = begin; row < end; row++) {
-        const float *x = c->x + row * c->x_stride;
+        float *x = c->x + row * c->x_stride;
         float *y = c->y + row * c->y_stride;
+        if (c->residual)
+            for (int64_t i = 0; i < c->n; i++) x[i] += c->residual[row * c->n + i];
         float lanes[LANES] = {0};
         int64_t i = 0;
         for (; i + LANES <= c->n; i += LANES)
@@ -100,9 +104,9 @@ static void rms_rows(void *p, int64_t begin, int64_t end, int64_t slot) {
     }
 }
 
-void carrack_llm_rms_norm(const float *x, int64_t x_stride, const float *w, float *y, int64_t y_stride,
-                          int64_t rows, int64_t n, float eps, int64_t threads) {
-    rms_call_t c = {x, w, y, n, x_stride, y_stride, eps};
+void carrack_llm_rms_norm(float *x, int64_t x_stride, const float *residual, const float *w, float *y,
+                          int64_t y_stride, int64_t rows, int64_t n, float eps, int64_t threads) {
+    rms_call_t c = {x, w, residual, y, n, x_stride, y_stride, eps};
     parallel_for(rms_rows, &c, 0, rows, pieces_for(rows, threads), threads);
 }
 

@@ -26,7 +26,7 @@ def library() -> ctypes.CDLL | None:
     lib = native.library("llmrows")
     if lib is not None and lib is not _declared:
         p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.carrack_llm_rms_norm.argtypes = [p, i64, p, p, i64, i64, i64, f32, i64]
+        lib.carrack_llm_rms_norm.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64]
         lib.carrack_llm_silu_mul.argtypes = [p, i64, p, i64, p, i64, i64, i64]
         lib.carrack_llm_rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, i64]
         for fn in (lib.carrack_llm_rms_norm, lib.carrack_llm_silu_mul, lib.carrack_llm_rope):
@@ -65,8 +65,32 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, threads: int | None 
     if weight.shape != (n,):
         raise ValueError(f"llmrows: RMS norm weight has shape {list(weight.shape)}, expected [{n}]")
     y = np.empty((rows, n), np.float32)
-    lib.carrack_llm_rms_norm(data_address(x), x_stride, data_address(weight), data_address(y), n, rows, n,
+    lib.carrack_llm_rms_norm(data_address(x), x_stride, None, data_address(weight), data_address(y), n, rows, n,
                              float(eps), _threads(threads, rows, x.size))
+    return y
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float, threads: int | None = None,
+                 ) -> np.ndarray | None:
+    """x += residual in place (x: a C-contiguous, writable float32 (rows, n) array), then rms_norm(x, weight, eps)
+    as a new array: the decoder's residual stream and the next norm in one pass."""
+    lib = library()
+    if lib is None:
+        return None
+    if not (x.ndim == 2 and x.dtype == _F32 and x.flags.c_contiguous and x.flags.aligned and x.flags.writeable):
+        raise ValueError(f"llmrows: add_rms_norm updates x in place: it must be a C-contiguous writable float32 "
+                         f"(rows, n) array, got {x.dtype} {list(x.shape)}")
+    rows, n = x.shape
+    residual = np.ascontiguousarray(residual, dtype=np.float32)
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if residual.shape != x.shape or weight.shape != (n,):
+        raise ValueError(f"llmrows: add_rms_norm needs a residual of x's shape {list(x.shape)} and a weight of "
+                         f"[{n}], got {list(residual.shape)} and {list(weight.shape)}")
+    if np.may_share_memory(residual, x):
+        residual = residual.copy()
+    y = np.empty((rows, n), np.float32)
+    lib.carrack_llm_rms_norm(data_address(x), n, data_address(residual), data_address(weight), data_address(y), n,
+                             rows, n, float(eps), _threads(threads, rows, x.size))
     return y
 
 

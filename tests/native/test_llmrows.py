@@ -1,5 +1,6 @@
-"""llmrows.c (the GGUF decoder's RMS norm, SiLU * up, rope and causal attention) against the numpy statements in
-carrack/llm/model.py, in the build for this machine and the portable build, identical at 1, 2 and 4 threads."""
+"""llmrows.c (the GGUF decoder's RMS norm with the residual add, SiLU * up, rope and causal attention) against
+the numpy statements in carrack/llm/model.py, in the build for this machine and the portable build, identical at
+1, 2 and 4 threads."""
 
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ def test_rms_norm_reads_strided_rows(build):
     got = llmrows.rms_norm(x, np.ones(128, np.float32), 1e-6)
     np.testing.assert_allclose(got, model.rms_norm(np.ascontiguousarray(x), np.ones(128, np.float32), 1e-6),
                                rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, n", [(1, 64), (300, 130)])
+def test_add_rms_norm_updates_the_residual_stream_then_normalizes(build, rows, n):
+    x, residual, weight = random((rows, n), 12, 2.0), random((rows, n), 13), random(n, 14)
+    expected_x = x + residual
+    expected = model.rms_norm(expected_x, weight, 1e-5)
+    results = []
+    for threads in THREADS:
+        stream = x.copy()
+        results.append(llmrows.add_rms_norm(stream, residual, weight, 1e-5, threads))
+        np.testing.assert_array_equal(stream, expected_x)  # the same float32 add
+    np.testing.assert_allclose(results[0], expected, rtol=2e-6, atol=2e-6 * np.abs(expected).max())
+    np.testing.assert_array_equal(results[0], llmrows.rms_norm(expected_x, weight, 1e-5))
+    assert_same_at_every_thread_count(results)
+    with pytest.raises(ValueError, match="updates x in place"):
+        llmrows.add_rms_norm(x[:, ::2], residual[:, ::2], weight[::2], 1e-5)
+    with pytest.raises(ValueError, match="needs a residual of x's shape"):
+        llmrows.add_rms_norm(x, residual[:, 1:], weight, 1e-5)
 
 
 @pytest.mark.parametrize("rows, n", [(1, 70), (33, 300), (200, 257)])
