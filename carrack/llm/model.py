@@ -5,7 +5,9 @@ products, then one token at a time) and returns their logits. Nothing is compile
 buffer that depends only on n_ctx (KV cache, rope tables) is allocated once, and the per-token Python work is a
 fixed number of numpy / native calls per layer, whatever the size of the weights (float weights: one BLAS call
 per matrix; Q8_0, Q4_0, Q4_K, Q6_K: one native call per matrix. Only the numpy fallback for other quantized types,
-or without a C compiler, walks a matrix in chunks of ~4 MiB of decoded rows).
+or without a C compiler, walks a matrix in chunks of ~4 MiB of decoded rows). The steps between the products
+(RMS norms with the residual add, rope, attention over the cache, SiLU * up) run in carrack/native/llmrows.c on the
+same threads; the numpy functions below state them and run when the native library is not there.
 """
 
 from __future__ import annotations
