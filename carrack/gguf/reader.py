@@ -108,6 +108,10 @@ class GGUFTensor:
         return tuple(reversed(self.shape))
 
 
+#: MADV_POPULATE_READ (Linux >= 5.14), missing from Python's mmap constants before 3.13
+_MADV_POPULATE_READ_LINUX = 22
+
+
 class GGUFFile:
     """A GGUF file opened read-only through mmap, with its metadata and tensor records validated.
 
@@ -153,6 +157,25 @@ class GGUFFile:
             return self.tensors[name]
         except KeyError:
             raise KeyError(f"{self.path} has no tensor named '{name}' ({len(self.tensors)} tensors)") from None
+
+    def prefault(self) -> bool:
+        """Map every page of the file into this process now (Linux MADV_POPULATE_READ, read-ahead elsewhere), as
+        llama.cpp does when it loads a model: otherwise the first pass over the weights pays a page fault per 4 KiB
+        (and any disk reads) inside the first prompt. True when the pages were mapped."""
+        if self._mmap is None or not hasattr(self._mmap, "madvise"):
+            return False
+        populate = getattr(mmap, "MADV_POPULATE_READ", None)
+        if populate is None and sys.platform.startswith("linux"):
+            populate = _MADV_POPULATE_READ_LINUX
+        if populate is not None:
+            try:
+                self._mmap.madvise(populate)
+                return True
+            except OSError:  # a kernel before Linux 5.14
+                pass
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self._mmap.madvise(mmap.MADV_WILLNEED)
+        return False
 
     def close(self) -> None:
         """Drops this object's mapping; views returned by raw()/data() keep theirs alive until they go."""

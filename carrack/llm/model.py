@@ -5,7 +5,9 @@ products, then one token at a time) and returns their logits. Nothing is compile
 buffer that depends only on n_ctx (KV cache, rope tables) is allocated once, and the per-token Python work is a
 fixed number of numpy / native calls per layer, whatever the size of the weights (float weights: one BLAS call
 per matrix; Q8_0, Q4_0, Q4_K, Q6_K: one native call per matrix. Only the numpy fallback for other quantized types,
-or without a C compiler, walks a matrix in chunks of ~4 MiB of decoded rows).
+or without a C compiler, walks a matrix in chunks of ~4 MiB of decoded rows). The steps between the products
+(RMS norms with the residual add, rope, attention over the cache, SiLU * up) run in carrack/native/llmrows.c on the
+same threads; the numpy functions below state them and run when the native library is not there.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from carrack.errors import InvalidArgument, InvalidModel, MemoryLimitExceeded
 from carrack.gguf.reader import GGUFFile, read_gguf
 from carrack.llm.hparams import HParams, read_hparams
-from carrack.llm.weights import Linear, WeightStore
+from carrack.llm.weights import Linear, WeightStore, grouped_products
+from carrack.native import llmrows
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Decoder:
                                f"expected embedding_length {hp.n_embd}")
         self.n_ctx = int(n_ctx) or hp.n_ctx_train
         self.n_batch = max(1, int(n_batch))
+        self.threads = n_threads  # of the native row kernels (None: the run's count)
         self.embeddings = store.matrix("token_embd.weight", (hp.n_vocab, hp.n_embd))
         self.layers = [self._load_layer(store, i) for i in range(hp.n_layer)]
         self.output_norm = store.vector("output_norm.weight", hp.n_embd)
@@ -118,6 +122,7 @@ class Decoder:
         self.k_cache = np.zeros(self.kv_shape, dtype=np.float32)
         self.v_cache = np.zeros(self.kv_shape, dtype=np.float32)
         self.n_past = 0  # positions of the cache that hold valid keys and values
+        self.gguf.prefault()  # the weights' pages mapped now, not one fault per 4 KiB inside the first prompt
 
     def _load_layer(self, store: WeightStore, i: int) -> Layer:
         hp, arch = self.hp, self.hp.arch
@@ -208,26 +213,41 @@ class Decoder:
 
     def _forward_chunk(self, tokens: np.ndarray, start: int) -> np.ndarray:
         hp = self.hp
-        x = self.embed(tokens)
+        # the residual stream, updated in place (each residual add is fused with the norm that follows it)
+        x = np.require(self.embed(tokens), np.float32, ("C_CONTIGUOUS", "ALIGNED", "WRITEABLE", "OWNDATA"))
         positions = slice(start, start + tokens.size)
         cos, sin = self.cos[positions], self.sin[positions]
         masks = {sliding: _attention_mask(start, tokens.size, hp.sliding_window if sliding else 0)
                  for sliding in {hp.uses_sliding_window(i) for i in range(hp.n_layer)}}
+        h = self._rms_norm(x, self.layers[0].attn_norm)
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, hp.rms_eps)
             attn = self._attention(layer, index, h, start, cos, sin, masks[hp.uses_sliding_window(index)])
             if layer.attn_post_norm is not None:
-                attn = rms_norm(attn, layer.attn_post_norm, hp.rms_eps)
-            x = x + attn
-            h = rms_norm(x, layer.ffn_norm, hp.rms_eps)
+                attn = self._rms_norm(attn, layer.attn_post_norm)
+            h = self._add_rms_norm(x, attn, layer.ffn_norm)
             ffn = self._feed_forward(layer, h)
             if layer.ffn_post_norm is not None:
-                ffn = rms_norm(ffn, layer.ffn_post_norm, hp.rms_eps)
-            x = x + ffn
+                ffn = self._rms_norm(ffn, layer.ffn_post_norm)
+            if index + 1 < len(self.layers):
+                h = self._add_rms_norm(x, ffn, self.layers[index + 1].attn_norm)
+            else:
+                x += ffn
         return x
 
+    def _rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        y = llmrows.rms_norm(x, weight, self.hp.rms_eps, self.threads) if x.ndim == 2 else None
+        return rms_norm(x, weight, self.hp.rms_eps) if y is None else y
+
+    def _add_rms_norm(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """x += residual (in place), then the RMS norm of x with `weight`."""
+        y = llmrows.add_rms_norm(x, residual, weight, self.hp.rms_eps, self.threads)
+        if y is None:
+            x += residual
+            y = rms_norm(x, weight, self.hp.rms_eps)
+        return y
+
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        h = rms_norm(hidden, self.output_norm, self.hp.rms_eps)
+        h = self._rms_norm(hidden, self.output_norm)
         logits = np.asarray(self.output(h), dtype=np.float32)
         if self.hp.final_softcap:
             cap = np.float32(self.hp.final_softcap)
@@ -241,7 +261,7 @@ class Decoder:
             q_rows, kv_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
             q, k, v = qkv[:, :q_rows], qkv[:, q_rows:q_rows + kv_rows], qkv[:, q_rows + kv_rows:]
         else:
-            q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)
+            q, k, v = grouped_products([layer.wq, layer.wk, layer.wv], h) or (layer.wq(h), layer.wk(h), layer.wv(h))
         if layer.bq is not None:
             q = q + layer.bq
         if layer.bk is not None:
@@ -255,6 +275,9 @@ class Decoder:
         hp = self.hp
         n = h.shape[0]
         q, k, v = self._projections(layer, h)
+        if llmrows.library() is not None:
+            window = hp.sliding_window if hp.uses_sliding_window(index) else 0
+            return layer.wo(self._native_attention(layer, index, q, k, v, start, cos, sin, window))
         q = q.reshape(n, hp.n_head, hp.head_dim).transpose(1, 0, 2)  # (heads, n, head_dim)
         k = k.reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
         v = v.reshape(n, hp.n_head_kv, hp.head_dim).transpose(1, 0, 2)
@@ -283,14 +306,42 @@ class Decoder:
         out = out.reshape(hp.n_head, n, hp.head_dim).transpose(1, 0, 2).reshape(n, hp.n_head * hp.head_dim)
         return layer.wo(out)
 
+    def _native_attention(self, layer: Layer, index: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
+                          cos: np.ndarray, sin: np.ndarray, window: int) -> np.ndarray:
+        """_attention's steps after the projections in llmrows.c, on the run's threads: q / k norms, rope in
+        place, the new keys and values into the cache, causal attention; returns (n, n_head * head_dim)."""
+        hp, n, d = self.hp, q.shape[0], self.hp.head_dim
+        if layer.q_norm is not None:
+            q = self._rms_norm(q.reshape(n * hp.n_head, d), layer.q_norm).reshape(n, hp.n_head * d)
+            k = self._rms_norm(k.reshape(n * hp.n_head_kv, d), layer.k_norm).reshape(n, hp.n_head_kv * d)
+        q, k = _writable_rows(q), _writable_rows(k)
+        llmrows.rope_(q, cos, sin, d, hp.rope_dim, hp.arch.rope_neox, self.threads)
+        llmrows.rope_(k, cos, sin, d, hp.rope_dim, hp.arch.rope_neox, self.threads)
+        end = start + n
+        self.k_cache[index, :, start:end] = k.reshape(n, hp.n_head_kv, d).transpose(1, 0, 2)
+        self.v_cache[index, :, start:end] = v.reshape(n, hp.n_head_kv, d).transpose(1, 0, 2)
+        return llmrows.attention(q, self.k_cache[index], self.v_cache[index], start, hp.attention_scale, window,
+                                 self.threads, hp.attn_softcap)
+
     def _feed_forward(self, layer: Layer, h: np.ndarray) -> np.ndarray:
         if layer.w_gate is None:
             gate_up = layer.w_up(h)
             gate, up = gate_up[:, :self.hp.n_ff], gate_up[:, self.hp.n_ff:]
         else:
-            gate, up = layer.w_gate(h), layer.w_up(h)
+            gate, up = grouped_products([layer.w_gate, layer.w_up], h) or (layer.w_gate(h), layer.w_up(h))
+        if self.hp.arch.activation != "gelu_tanh":
+            product = llmrows.silu_mul(gate, up, self.threads)
+            if product is not None:
+                return layer.w_down(product)
         activated = gelu_tanh(gate) if self.hp.arch.activation == "gelu_tanh" else silu(gate)
         return layer.w_down(activated * up)
+
+
+def _writable_rows(a: np.ndarray) -> np.ndarray:
+    """a itself when llmrows can rotate it in place (float32, aligned, writable, contiguous rows), else a copy."""
+    if a.dtype == np.float32 and a.flags.aligned and a.flags.writeable and a.strides[1] == 4:
+        return a
+    return np.array(a, dtype=np.float32, order="C")
 
 
 def _attention_mask(start: int, n: int, window: int) -> np.ndarray:

@@ -756,38 +756,102 @@ static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t sl
 
 CARRACK_POOL_CLIENT(qdot)
 
+/* values of x from which its quantization is split over threads */
+#define QUANTIZE_PARALLEL_MIN (1 << 16)
+/* matrices one grouped call may take */
+#define MAX_GROUP 8
+
+typedef struct {
+    const float *x;
+    int64_t k;
+    const activations_t *out;
+} quantize_call_t;
+
+static void quantize_rows(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const quantize_call_t *q = p;
+    const activations_t *a = q->out;
+    const int64_t k = q->k;
+    (void)slot;
+    for (int64_t i = begin; i < end; i++) {
+        quantize_activation_row(q->x + i * k, k, a->codes + i * k, a->lane_scale + i * (k / LANE),
+                                a->group_sum + i * (k / GROUP));
+        activation_sums(a->codes + i * k, a->lane_scale + i * (k / LANE), k, a->code_sum + i * (k / GROUP),
+                        a->block_sum + i * (k / ABLOCK));
+    }
+}
+
+/* the matrices of a grouped call, their tiles numbered one after the other */
+typedef struct {
+    qdot_call_t calls[MAX_GROUP];
+    int64_t first_tile[MAX_GROUP + 1];
+    int count;
+} qdot_group_t;
+
+static void group_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    qdot_group_t *g = p;
+    for (int i = 0; i < g->count; i++) {
+        const int64_t lo = begin > g->first_tile[i] ? begin : g->first_tile[i];
+        const int64_t hi = end < g->first_tile[i + 1] ? end : g->first_tile[i + 1];
+        if (hi > lo) qdot_piece(&g->calls[i], lo - g->first_tile[i], hi - g->first_tile[i], slot);
+    }
+}
+
+/* y[i] (m, n[i]) = x (m, k) @ W_i.T for `count` matrices W_i (n[i] rows of row_bytes[i] bytes of ggml type
+ * types[i]) that share x: x is quantized once (8 bits per 32 values) and all the matrices' rows are split over
+ * up to `threads` threads in one parallel region (the projections of one layer). Every output is what a call per
+ * matrix gives. Returns 0, -1 for an unknown type, a k that is not a whole number of blocks or more than
+ * MAX_GROUP matrices, -2 when out of memory. */
+int carrack_qdot_matmul_group(int count, const uint8_t *const *w, const int *types, const int64_t *row_bytes,
+                              const int64_t *n, int64_t k, const float *x, int64_t m, float *const *y,
+                              int64_t threads) {
+    if (count < 1 || count > MAX_GROUP) return -1;
+    qdot_group_t g;
+    g.count = count;
+    g.first_tile[0] = 0;
+    activations_t a = {NULL, NULL, NULL, NULL, NULL};
+    const int64_t tile = m > 1 ? ROW_TILE : 1;
+    for (int i = 0; i < count; i++) {
+        int64_t block_values, block_bytes;
+        row_decoder decode = decoder_for(types[i], &block_values, &block_bytes);
+        if (decode == NULL || k % block_values != 0 || k % ABLOCK != 0 ||
+            row_bytes[i] != k / block_values * block_bytes)
+            return -1;
+        qdot_call_t *c = &g.calls[i];
+        c->w = w[i], c->decode = decode, c->row_bytes = row_bytes[i], c->n = n[i], c->k = k, c->m = m;
+        c->y = y[i];
+        atomic_init(&c->status, 0);
+        g.first_tile[i + 1] = g.first_tile[i] + (n[i] + tile - 1) / tile;
+    }
+    a.codes = aligned_alloc(64, padded(m * k));
+    a.lane_scale = aligned_alloc(64, padded(m * (k / LANE) * 4));
+    a.group_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(float));
+    a.block_sum = malloc((size_t)(m * (k / ABLOCK)) * sizeof(float));
+    a.code_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(int32_t));
+    int status = 0;
+    if (a.codes == NULL || a.lane_scale == NULL || a.group_sum == NULL || a.block_sum == NULL || a.code_sum == NULL) {
+        status = -2;
+    } else {
+        quantize_call_t q = {x, k, &a};
+        /* a prompt's rows are quantized on the run's threads too (per row: the split changes no code) */
+        const int64_t quantize_threads = m * k >= QUANTIZE_PARALLEL_MIN ? threads : 1;
+        parallel_for(quantize_rows, &q, 0, m, pieces_for(m, quantize_threads), quantize_threads);
+        for (int i = 0; i < count; i++) g.calls[i].x = a;
+        const int64_t tiles = g.first_tile[count];
+        parallel_for(group_piece, &g, 0, tiles, pieces_for(tiles, threads), threads);
+        for (int i = 0; i < count && status == 0; i++) status = atomic_load(&g.calls[i].status);
+    }
+    free(a.codes);
+    free(a.lane_scale);
+    free(a.group_sum);
+    free(a.block_sum);
+    free(a.code_sum);
+    return status;
+}
+
 /* y (m, n) = x (m, k) @ W.T for W's n rows of `row_bytes` bytes of ggml blocks, x quantized to 8 bits per 32
  * values, on up to `threads` threads. Returns 0, -1 for an unknown type or a k that is not a whole number of blocks,
  * -2 when out of memory. */
 int carrack_qdot_matmul(const uint8_t *w, int type, int64_t row_bytes, int64_t n, int64_t k, const float *x,
                         int64_t m, float *y, int64_t threads) {
-    int64_t block_values, block_bytes;
-    row_decoder decode = decoder_for(type, &block_values, &block_bytes);
-    if (decode == NULL || k % block_values != 0 || k % ABLOCK != 0 || row_bytes != k / block_values * block_bytes)
-        return -1;
-    qdot_call_t c = {w, decode, row_bytes, n, k, m, {NULL, NULL, NULL, NULL, NULL}, y, 0};
-    c.x.codes = aligned_alloc(64, padded(m * k));
-    c.x.lane_scale = aligned_alloc(64, padded(m * (k / LANE) * 4));
-    c.x.group_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(float));
-    c.x.block_sum = malloc((size_t)(m * (k / ABLOCK)) * sizeof(float));
-    c.x.code_sum = malloc((size_t)(m * (k / GROUP)) * sizeof(int32_t));
-    if (c.x.codes == NULL || c.x.lane_scale == NULL || c.x.group_sum == NULL || c.x.block_sum == NULL ||
-        c.x.code_sum == NULL) {
-        atomic_store(&c.status, -2);
-    } else {
-        for (int64_t i = 0; i < m; i++) {
-            quantize_activation_row(x + i * k, k, c.x.codes + i * k, c.x.lane_scale + i * (k / LANE),
-                                    c.x.group_sum + i * (k / GROUP));
-            activation_sums(c.x.codes + i * k, c.x.lane_scale + i * (k / LANE), k, c.x.code_sum + i * (k / GROUP),
-                            c.x.block_sum + i * (k / ABLOCK));
-        }
-        const int64_t tile = m > 1 ? ROW_TILE : 1, tiles = (n + tile - 1) / tile;
-        parallel_for(qdot_piece, &c, 0, tiles, pieces_for(tiles, threads), threads);
-    }
-    free(c.x.codes);
-    free(c.x.lane_scale);
-    free(c.x.group_sum);
-    free(c.x.block_sum);
-    free(c.x.code_sum);
-    return atomic_load(&c.status);
+    return carrack_qdot_matmul_group(1, &w, &type, &row_bytes, &n, k, x, m, &y, threads);
 }

@@ -21,6 +21,8 @@ ACTIVATION_BLOCK = 32
 ROW_TILE = 16
 #: weight bytes below which a product stays on one thread
 PARALLEL_MIN_BYTES = 1 << 18
+#: matrices one `matmul_group` call takes (MAX_GROUP in qdot.c)
+MAX_GROUP = 8
 
 _declared: ctypes.CDLL | None = None
 
@@ -35,6 +37,8 @@ def library() -> ctypes.CDLL | None:
         lib.carrack_qdot_quantize.argtypes = [p, i64, i64, p, p]
         lib.carrack_qdot_quantize.restype = i32
         lib.carrack_qdot_supports.argtypes = [i32]
+        lib.carrack_qdot_matmul_group.argtypes = [i32, p, p, p, p, i64, p, i64, p, i64]
+        lib.carrack_qdot_matmul_group.restype = i32
         lib.carrack_qdot_supports.restype = i32
         _declared = lib
     return lib
@@ -97,3 +101,34 @@ def matmul(rows: np.ndarray, ggml_type: int, x: np.ndarray, threads: int | None 
         raise ValueError(f"qdot: ggml type {int(ggml_type)} with rows of {row_bytes} bytes does not hold {k} values "
                          f"per row in whole {ACTIVATION_BLOCK}-value blocks")
     return y
+
+
+def matmul_group(matrices: list[tuple[np.ndarray, int]], x: np.ndarray, threads: int | None = None,
+                 ) -> list[np.ndarray] | None:
+    """[x @ W.T for W in matrices] for (rows, ggml_type) pairs as `matmul` takes them, sharing x (m, k): x is
+    quantized once and every matrix's rows are split over the threads in one region (a layer's projections). The
+    results equal one `matmul` per matrix. None when the native kernel cannot do them all."""
+    lib = library()
+    if lib is None or not 1 <= len(matrices) <= MAX_GROUP:
+        return None
+    if not all(lib.carrack_qdot_supports(int(ggml_type)) for _, ggml_type in matrices):
+        return None
+    x = np.require(x, np.float32, ("C_CONTIGUOUS", "ALIGNED"))
+    m, k = x.shape
+    rows = [np.require(r, np.uint8, ("C_CONTIGUOUS",)) for r, _ in matrices]
+    outputs = [np.empty((m, r.shape[0]), dtype=np.float32) for r in rows]
+    count = len(rows)
+    pointers = (ctypes.c_void_p * count)(*[data_address(r) for r in rows])
+    types = (ctypes.c_int * count)(*[int(t) for _, t in matrices])
+    row_bytes = (ctypes.c_int64 * count)(*[r.shape[1] for r in rows])
+    n = (ctypes.c_int64 * count)(*[r.shape[0] for r in rows])
+    y = (ctypes.c_void_p * count)(*[data_address(o) for o in outputs])
+    work = sum(r.nbytes for r in rows) * max(1, m // 4)
+    parts = max(1, min(threads or native.threads(), sum(n), work // PARALLEL_MIN_BYTES))
+    status = lib.carrack_qdot_matmul_group(count, pointers, types, row_bytes, n, k, data_address(x), m, y, parts)
+    if status == -2:
+        raise MemoryError(f"qdot: no memory for the scratch of {count} ({m}, {k}) products")
+    if status:
+        raise ValueError(f"qdot: the matrices {[(r.shape, int(t)) for r, (_, t) in zip(rows, matrices)]} do not "
+                         f"all hold {k} values per row in whole blocks of their type")
+    return outputs

@@ -372,3 +372,30 @@ def test_cli_dump_dequantizes_quantized_tensors(tmp_path, capsys):
     assert "q: Q8_0 shape [2, 64]" in capsys.readouterr().out
     expected = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
     np.testing.assert_allclose(np.load(out_file), expected, rtol=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ is Linux's")
+def test_prefault_maps_the_pages_before_they_are_read(tmp_path):
+    """After prefault(), reading every page of the tensor data takes (almost) no page faults; without it, one per
+    page or per fault-around batch (large folios: ~12 for these 16 MiB on Linux 6.18)."""
+    import resource
+
+    path = tmp_path / "big.gguf"
+    weights = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)  # 16 MiB
+    write_with_gguf_py(path, [("w", weights, None)])
+
+    def faults_reading(gguf: GGUFFile) -> int:
+        data = gguf.tensors["w"].data()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        total = float(data.reshape(-1)[::1024].sum())  # a value from every 4 KiB page
+        assert np.isfinite(total)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    with read_gguf(path) as cold:
+        cold_faults = faults_reading(cold)
+    with read_gguf(path) as warm:
+        if not warm.prefault():
+            pytest.skip("the kernel refused MADV_POPULATE_READ (before Linux 5.14)")
+        warm_faults = faults_reading(warm)
+        np.testing.assert_array_equal(warm.tensors["w"].data(), weights)
+    assert cold_faults > 0 and warm_faults <= cold_faults // 4, (cold_faults, warm_faults)

@@ -304,3 +304,28 @@ def test_f16_weights_stay_16_bit_in_memory_and_plan(tmp_path):
     ids = prompt_ids(20)  # more rows than the matrix-vector kernel takes: the widened-panel BLAS product
     np.testing.assert_allclose(f16.forward(ids, 0), reference.forward(ids, 0), atol=1e-4, rtol=0)
     assert greedy(f16, ids, 8) == greedy(reference, ids, 8)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_native_row_kernels_equal_the_numpy_steps(arch, tmp_path, monkeypatch):
+    """llmrows.c's norms, rope, SiLU * up and attention (gemma2's softcapped, sliding-window layers too) give the
+    numpy steps' logits and tokens, and the same logits at 1, 2 and 4 threads (a prompt long enough to split every
+    row kernel, hidden 128)."""
+    from carrack.native import llmrows
+
+    if llmrows.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler?)")
+    path = write_gguf(tiny_model(arch, hidden=128), tmp_path)
+    ids = prompt_ids(280)
+    by_threads = []
+    for threads in (1, 2, 4):
+        decoder = Decoder(path, n_ctx=300, n_threads=threads)
+        by_threads.append(decoder.forward(ids, 0))
+    native_tokens = greedy(decoder, ids[:40], 8)
+    for other in by_threads[1:]:
+        np.testing.assert_array_equal(by_threads[0], other)
+    monkeypatch.setattr(llmrows, "library", lambda: None)
+    numpy_decoder = Decoder(path, n_ctx=300)
+    expected = numpy_decoder.forward(ids, 0)  # float32 rounding apart (sums in another order, exp to ~1 ulp)
+    np.testing.assert_allclose(by_threads[0], expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
+    assert greedy(numpy_decoder, ids[:40], 8) == native_tokens

@@ -100,11 +100,36 @@ def test_native_activation_quantization_is_the_numpy_statement(build):
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
 def test_threads_split_rows_without_changing_results(ggml_type):
     rows = random_blocks(ggml_type, 700, 2048)  # over PARALLEL_MIN_BYTES: split over threads; a partial last tile
-    for m in (1, 9, 13):
+    for m in (1, 9, 13, 40):  # 40 rows: x's quantization is split over the threads too
         x = np.random.default_rng(2).standard_normal((m, 2048)).astype(np.float32)
         one_thread = qdot.matmul(rows, ggml_type, x, threads=1)
         for threads in (2, 4):
             np.testing.assert_array_equal(qdot.matmul(rows, ggml_type, x, threads=threads), one_thread)
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 13, 40])
+def test_a_group_of_matrices_equals_one_call_each(m):
+    """q, k, v (or gate, up) in one call: x quantized once, all rows in one region; every result as a call per
+    matrix gives, at any thread count (the pieces straddle the matrices)."""
+    matrices = [(random_blocks(GGMLType.Q4_K, 700, 2048, seed=1), GGMLType.Q4_K),  # ~1 MB: 4 pieces at 4 threads
+                (random_blocks(GGMLType.Q6_K, 37, 2048, seed=2), GGMLType.Q6_K),
+                (random_blocks(GGMLType.Q8_0, 90, 2048, seed=3), GGMLType.Q8_0)]
+    x = np.random.default_rng(4).standard_normal((m, 2048)).astype(np.float32)
+    expected = [qdot.matmul(rows, ggml_type, x, threads=1) for rows, ggml_type in matrices]
+    for threads in (1, 2, 4):
+        got = qdot.matmul_group(matrices, x, threads)
+        for one, each in zip(got, expected):
+            np.testing.assert_array_equal(one, each)
+
+
+@needs_native
+def test_a_group_with_a_wrong_row_length_is_refused():
+    matrices = [(random_blocks(GGMLType.Q4_K, 16, 512), GGMLType.Q4_K), (random_blocks(GGMLType.Q4_K, 16, 256),
+                                                                         GGMLType.Q4_K)]
+    with pytest.raises(ValueError, match="do not all hold 512 values per row"):
+        qdot.matmul_group(matrices, np.zeros((1, 512), np.float32))
+    assert qdot.matmul_group([(np.zeros((2, 20), np.uint8), GGMLType.IQ4_NL)], np.zeros((1, 32), np.float32)) is None
 
 
 @needs_native
