@@ -664,14 +664,8 @@ def _emit_batchnorm(em, step, node, shapes, out_shape):
             f"{em.c_dim(x_shape[1])}, {em.c_dim(inner)}, {act}, {_f(a)}, {_f(b)});"]
 
 
-def _emit_pool(em, step, node, shapes, out_shape):
-    x = node.inputs[0]
-    _require_float(em, node, [x])
-    if len(node.outputs) > 1 and any(node.outputs[1:]):
-        raise _Unsupported("MaxPool's Indices output")
-    if node.attrs.get("storage_order", 0):
-        raise _Unsupported("storage_order 1")
-    x_shape = shapes[x]
+def _pool_geometry(node: Node, x_shape) -> tuple[int, list[int], list[int], list[int], list[int]]:
+    """(spatial rank, kernel, strides, dilations, pads) of a 1-D or 2-D pool, a 1-D one as 2-D of height 1."""
     spatial = len(x_shape) - 2
     if spatial not in (1, 2) or node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         raise _Unsupported("pooling other than 1-D/2-D with explicit pads")
@@ -683,6 +677,18 @@ def _emit_pool(em, step, node, shapes, out_shape):
         pads = [0] * 2 * spatial
     if spatial == 1:
         kernel, strides, dilations, pads = [1] + kernel, [1] + strides, [1] + dilations, [0, pads[0], 0, pads[1]]
+    return spatial, kernel, strides, dilations, pads
+
+
+def _emit_pool(em, step, node, shapes, out_shape):
+    x = node.inputs[0]
+    _require_float(em, node, [x])
+    if len(node.outputs) > 1 and any(node.outputs[1:]):
+        raise _Unsupported("MaxPool's Indices output")
+    if node.attrs.get("storage_order", 0):
+        raise _Unsupported("storage_order 1")
+    x_shape = shapes[x]
+    spatial, kernel, strides, dilations, pads = _pool_geometry(node, x_shape)
     y = _output_value(em, step, node.outputs[0], out_shape)
     h, wd = _hw(x_shape, spatial)
     oh, ow = _hw(out_shape, spatial)

@@ -16,6 +16,7 @@ from carrack.backends.c.emit import (
     _hw,
     _output_value,
     _pointer,
+    _pool_geometry,
     _require_known,
     _Unsupported,
 )
@@ -224,17 +225,7 @@ def _emit_qmaxpool(em, step, node, shapes, out_shape):
     if len(node.outputs) > 1 and any(node.outputs[1:]) or node.attrs.get("storage_order", 0):
         raise _Unsupported("MaxPool's Indices output")
     x_shape = shapes[x]
-    spatial = len(x_shape) - 2
-    if spatial not in (1, 2) or node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise _Unsupported("pooling other than 1-D/2-D with explicit pads")
-    kernel = list(node.attrs["kernel_shape"])
-    strides = list(node.attrs.get("strides", [1] * spatial))
-    dilations = list(node.attrs.get("dilations", [1] * spatial))
-    pads = list(node.attrs.get("pads", [0] * 2 * spatial))
-    if node.attrs.get("auto_pad") == "VALID":
-        pads = [0] * 2 * spatial
-    if spatial == 1:
-        kernel, strides, dilations, pads = [1] + kernel, [1] + strides, [1] + dilations, [0, pads[0], 0, pads[1]]
+    spatial, kernel, strides, dilations, pads = _pool_geometry(node, x_shape)
     y = _output_value(em, step, node.outputs[0], out_shape, em.values[x].dtype)
     h, wd = _hw(x_shape, spatial)
     oh, ow = _hw(out_shape, spatial)
