@@ -120,3 +120,14 @@ def test_bias_absent_and_output_buffer_reused():
     assert y is out
     _check(out, expected, x, w)
 
+
+def test_small_depthwise_layers_split_over_two_threads(monkeypatch):
+    """A depthwise multiply-add costs several of the packed products' (DEPTHWISE_WORK_SCALE): mobilenetv2's 7x7
+    and 14x14 depthwise layers (0.25-0.7 M multiply-adds, 30-60 us) go to both threads where a product that size
+    would not."""
+    monkeypatch.setattr(native_conv.native, "threads", lambda: 2)
+    for channels, size in ((960, 7), (384, 14), (576, 7)):  # 576 x 7 x 7: the 14x14 map's stride-2 layer
+        work = native_conv._depthwise_work(1, size, size, 3, 3)
+        assert native_conv._threads(channels, work) == 2
+        assert native_conv._threads(channels, size * size * 9) == 1
+    assert native_conv._threads(8, native_conv._depthwise_work(1, 4, 4, 3, 3)) == 1  # tiny: stays on one
