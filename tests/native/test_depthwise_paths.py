@@ -131,3 +131,51 @@ def test_small_depthwise_layers_split_over_two_threads(monkeypatch):
         assert native_conv._threads(channels, work) == 2
         assert native_conv._threads(channels, size * size * 9) == 1
     assert native_conv._threads(8, native_conv._depthwise_work(1, 4, 4, 3, 3)) == 1  # tiny: stays on one
+
+
+def test_inverted_residual_network_matches_onnxruntime_at_every_thread_count(tmp_path, monkeypatch):
+    """A torch-exported MobileNetV2 block pair (expand 1x1, depthwise 3x3 stride 1 and 2, project 1x1, residual)
+    at the default split thresholds: the depthwise layers split at 2 and 4 threads, with the same bits as 1."""
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    from carrack.runtime.session import InferenceSession, SessionOptions
+
+    class Block(torch.nn.Module):
+        def __init__(self, channels: int, stride: int):
+            super().__init__()
+            wide = 6 * channels
+            self.body = torch.nn.Sequential(
+                torch.nn.Conv2d(channels, wide, 1), torch.nn.ReLU6(),
+                torch.nn.Conv2d(wide, wide, 3, stride=stride, padding=1, groups=wide), torch.nn.ReLU6(),
+                torch.nn.Conv2d(wide, channels, 1))
+            self.residual = stride == 1
+
+        def forward(self, x):
+            return x + self.body(x) if self.residual else self.body(x)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Block(16, 1), Block(16, 2), Block(16, 1)).eval()
+    x = torch.randn(1, 16, 29, 29)
+    path = tmp_path / "blocks.onnx"
+    torch.onnx.export(net, (x,), str(path), input_names=["x"], output_names=["y"], dynamo=False)
+    feed = {"x": x.numpy()}
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    depthwise_threads = []
+    original_threads = native_conv._threads
+
+    def recorded(count: int, work: int) -> int:
+        threads = original_threads(count, work)
+        if count == 96:  # the depthwise layers' planes (nothing else here has 96 items)
+            depthwise_threads.append(threads)
+        return threads
+
+    monkeypatch.setattr(native_conv, "_threads", recorded)
+    results = []
+    for threads in (1, 2, 4):
+        options = SessionOptions()
+        options.intra_op_num_threads = threads
+        results.append(InferenceSession(str(path), options).run(None, feed)[0])
+    np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-5)
+    for y in results[1:]:
+        assert np.array_equal(y, results[0])
+    assert max(depthwise_threads) >= 2
