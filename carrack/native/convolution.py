@@ -29,6 +29,10 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "HardSigmoid": 4, "H
 #: multiply-adds a thread should get at least before work is split: ~10-20 us of work, against the 1-5 us a hand-off
 #: to a spinning pool worker costs (more when it has gone to sleep)
 MIN_TASK_WORK = 1 << 19
+#: a depthwise multiply-add costs several of the products': dwconv.c does 12-24 G of them a second on one core (one
+#: multiply-add per loaded vector, memory-bound on large maps), the packed tile 60-100 G. Its work counts this many
+#: times, so that its small layers (mobilenetv2's 14x14 and 7x7 ones, 30-60 us) split by the same measure of time
+DEPTHWISE_WORK_SCALE = 6
 GEMM_ROWS, GEMM_PIXELS = 6, 64  # convgemm.c's tile (packconv.c's too)
 _INT32_MAX = 2**31 - 1
 
@@ -64,6 +68,11 @@ def _threads(count: int, work_per_item: int) -> int:
     if total < 2 * MIN_TASK_WORK:  # not worth asking for the thread count
         return 1
     return max(1, min(native.threads(), count, total // MIN_TASK_WORK))
+
+
+def _depthwise_work(multiplier: int, oh: int, ow: int, kh: int, kw: int) -> int:
+    """One input plane's work for the thread split, in the products' multiply-adds (DEPTHWISE_WORK_SCALE)."""
+    return DEPTHWISE_WORK_SCALE * multiplier * oh * ow * kh * kw
 
 
 def _run(fn, count: int, work_per_item: int, head: tuple, tail: tuple):
@@ -239,7 +248,7 @@ class NativeConvolution:
         if kind == "depthwise" and cg == 1 and group == c and m % c == 0:
             middle = (c, m // c, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pads[0], pads[1])
             return BoundConvolution(self._dwconv, w, bias, x_shape, (n, m, oh, ow), middle, n * c,
-                                    (m // c) * oh * ow * kh * kw, activation, False, True)
+                                    _depthwise_work(m // c, oh, ow, kh, kw), activation, False, True)
         return None
 
     def packed(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray | None,
@@ -283,7 +292,7 @@ class NativeConvolution:
             return y
         head = (address(x), address(w), address(b), data_address(y), c, m // c, h, wd, kh, kw, oh, ow, sh, sw,
                 dh, dw, pads[0], pads[1])
-        failed = _run(self._dwconv, n * c, (m // c) * oh * ow * kh * kw, head, activation)
+        failed = _run(self._dwconv, n * c, _depthwise_work(m // c, oh, ow, kh, kw), head, activation)
         return None if failed else y
 
     def gemm(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, y: np.ndarray, groups: int,
