@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -148,6 +149,20 @@ class Concat(Kernel):
         if tuple(expected) != out.shape:
             return self.run(*inputs)
         return np.concatenate(arrays, axis=axis, out=out)
+
+    def bind_into(self, out, *inputs):
+        """numpy's concatenate into `out` for these very arrays (when `run_into` writes there)."""
+        arrays = tuple(x for x in inputs if x is not None)
+        if not arrays or type(out) is not np.ndarray or not out.flags.writeable \
+                or any(type(x) is not np.ndarray or x.dtype != out.dtype or x.ndim != out.ndim
+                       or np.may_share_memory(x, out) for x in arrays):
+            return None
+        axis = normalize_axis(self.axis, out.ndim)
+        expected = list(arrays[0].shape)
+        expected[axis] = sum(x.shape[axis] for x in arrays)
+        if tuple(expected) != out.shape:
+            return None
+        return functools.partial(np.concatenate, arrays, axis=axis, out=out)
 
 
 def split_sizes(dim: int, n_outputs: int, split: list[int] | None, num_outputs: int | None) -> list[int]:
