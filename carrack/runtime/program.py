@@ -416,7 +416,8 @@ class _Binding:
                 entry = entry[:8] + (self._recorder(k, entry),)
             elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
                 entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
-            elif entry[6] < 0 and entry[3] > 0 and entry[4] >= 0 and _binds(entry[0].kernel):
+            elif entry[6] < 0 and entry[3] > 0 and (_binds(entry[0].kernel) if entry[4] >= 0
+                                                     else hasattr(entry[0].kernel, "bind_outputs")):
                 entry = (entry[0], self._kept_recorder(k, entry[0].kernel, entry[1])) + entry[2:]
             plan.append(entry)
         return plan
@@ -436,24 +437,28 @@ class _Binding:
         return record
 
     def _kept_recorder(self, k: int, kernel, call):
-        """A step outside the arena (a graph output such as a decoder's cache, a multi-output's reader) whose inputs
+        """A step outside the arena (a graph output such as a decoder's cache, a step with several outputs) whose inputs
         are fixed objects and whose result is a fresh array: that array is kept with the arena as the step's
         output, bound (`Kernel.bind_into`) to be rewritten in place by later runs; fixed for the steps reading
         it. A graph output kept this way is copied for the caller (`_Staged.own`)."""
         def record(*inputs):
             result = call(*inputs)
-            if (type(result) is np.ndarray and result.base is None and result.flags.writeable
-                    and 0 < result.nbytes <= KEPT_MAX_BYTES and all(v is None or id(v) in self.fixed for v in inputs)
-                    and not any(result is v for v in inputs)):
-                bound = kernel.bind_into(result, *inputs)
+            parts = [p for p in result if p is not None] if type(result) is tuple else [result]
+            if (parts and all(type(p) is np.ndarray and p.base is None and p.flags.writeable
+                              and not any(p is v for v in inputs) for p in parts)
+                    and 0 < sum(p.nbytes for p in parts) <= KEPT_MAX_BYTES
+                    and all(v is None or id(v) in self.fixed for v in inputs)):
+                bound = kernel.bind_outputs(result, *inputs) if type(result) is tuple \
+                    else kernel.bind_into(result, *inputs)
                 if bound is not None:
                     self.kept[k] = (bound, result)
-                    self.fixed.add(id(result))
+                    self.fixed.update(id(p) for p in parts)
             return result
         return record
 
     def kept_ids(self) -> frozenset[int]:
-        return frozenset(id(result) for _, result in self.kept.values())
+        return frozenset(id(p) for _, result in self.kept.values()
+                         for p in (result if type(result) is tuple else (result,)) if p is not None)
 
     def _recorder(self, k: int, entry: tuple):
         kernel, run_into = entry[0].kernel, entry[8]

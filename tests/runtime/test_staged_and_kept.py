@@ -78,6 +78,8 @@ def test_a_decode_step_binds_its_cache_concat_and_attention_and_gives_the_unboun
             np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
     assert _ops(bound, program_module._KEPT).count("Concat") == 4  # present.* (graph outputs, outside the arena)
     assert "MultiHeadAttention" in _ops(bound, program_module._BOUND)  # reads the kept present.*
+    # with its sum output read (two outputs: not placed): both kept
+    assert _ops(bound, program_module._KEPT).count("SkipLayerNormalization") == 3
 
 
 def test_outputs_kept_with_the_arena_are_the_callers_own(tiny_gpt2):
