@@ -160,3 +160,20 @@ def test_a_feed_that_does_not_fit_its_staged_buffer_runs_the_steps_unbound(tiny_
     odd = np.arange(32, dtype=np.float64).reshape(1, 32)  # not the staged dtype: its bound steps must not run
     got = program.run([odd], bound=bound)[0]
     np.testing.assert_array_equal(got, program.run([odd], bound=None)[0])
+
+
+def test_the_bound_input_path_reads_each_new_id_and_names_an_id_outside_the_vocabulary(tiny_gpt2):
+    session, unbound = _session(tiny_gpt2), _session(tiny_gpt2, bind=False)
+    for seed in range(3):
+        session.run(None, _decode_feed(seed))
+    kept = _ops(session, program_module._KEPT)
+    assert {"Gather", "Cast", "And", "Expand"} <= set(kept), kept  # the ids' and the mask's steps
+    bad = _decode_feed(5)
+    bad["input_ids"] = np.array([[100]], np.int64)  # vocabulary of 100
+    with pytest.raises(carrack.CarrackError, match="Gather"):
+        session.run(None, bad)
+    with pytest.raises(carrack.CarrackError, match="Gather"):
+        unbound.run(None, bad)
+    for seed in (7, 8):
+        for g, u in zip(session.run(None, _decode_feed(seed)), unbound.run(None, _decode_feed(seed))):
+            np.testing.assert_array_equal(g, u)
