@@ -205,7 +205,8 @@ class Program:
         if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
             # by the first run that reuses it)
             if steps_bound is _NOT_BOUND:
-                staged = _Staged.for_inputs(self.input_slots, env, self._constant_ids)
+                staged = _Staged.for_inputs([s for s in self.input_slots if s not in self._derived_slots], env,
+                                            self._constant_ids)  # the derived values are fixed already
                 staged.stage(env)
                 # the same objects every run with these sizes: constants, the arena's views, the plan's derived
                 # values and the size-only values kept for these sizes, the staged inputs
