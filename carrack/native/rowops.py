@@ -234,7 +234,8 @@ def layer_norm_checked(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray 
 
 
 def layer_norm_bound(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | None, gamma: np.ndarray,
-                     beta: np.ndarray | None, out: np.ndarray, epsilon: float) -> Callable[[], None] | None:
+                     beta: np.ndarray | None, out: np.ndarray, epsilon: float, total: np.ndarray | None = None,
+                     ) -> Callable[[], None] | None:
     """`layer_norm_checked` of these very arrays as a call without arguments (a step bound to its arena's views:
     their contents change between calls, never their layout); None when the library is not loaded or x is
     empty."""
@@ -244,7 +245,7 @@ def layer_norm_bound(x: np.ndarray, skip: np.ndarray | None, bias: np.ndarray | 
     n = x.shape[-1]
     rows = x.size // n
     return bound_call(lib.carrack_packed_layer_norm, data_address(x), _ptr(skip), _ptr(bias), data_address(gamma),
-                      _ptr(beta), data_address(out), 0, 0, 0, 0, rows, n, epsilon, _threads(rows, n))
+                      _ptr(beta), data_address(out), 0, 0, _ptr(total), 0, rows, n, epsilon, _threads(rows, n))
 
 
 def gelu_bound(x: np.ndarray, bias: np.ndarray, out: np.ndarray, approximate: bool) -> Callable[[], None] | None:

@@ -13,6 +13,8 @@ the rounding (round to nearest even); this module adds what it does not do as ON
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 from onnx import TensorProto
@@ -197,6 +199,17 @@ class Cast(_CastBase):
 
     def run(self, x):
         return self.convert(x, self.to)
+
+    def bind_into(self, out, x):
+        """An integer or bool input converted to bool (x != 0) or to an integer type, into `out`: what `run` gives
+        (cast_array's comparison, numpy's wrapping astype), for these very arrays; other conversions stay unbound."""
+        if not (type(x) is np.ndarray and type(out) is np.ndarray and x.dtype.kind in "biu"
+                and self.to.kind in "biu" and self.to != x.dtype and out.dtype == self.to and out.shape == x.shape
+                and out.flags.writeable and not np.may_share_memory(out, x)):
+            return None
+        if self.to == np.bool_:
+            return functools.partial(np.not_equal, x, 0, out=out)
+        return functools.partial(np.copyto, out, x, casting="unsafe")
 
 
 @register("CastLike", since=15)

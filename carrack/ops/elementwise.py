@@ -192,6 +192,15 @@ class Logical(_Binary):
     def compute(self, a, b):
         return self.fn(a, b)
 
+    def bind_into(self, out, a, b):
+        """numpy's logical ufunc into `out` for these very bool arrays (what `run` computes)."""
+        if not (self.legacy_axis is None and type(a) is np.ndarray and type(b) is np.ndarray
+                and a.dtype == b.dtype == out.dtype == np.bool_ and out.flags.writeable
+                and broadcasts_to(out.shape, a.shape, b.shape)
+                and not np.may_share_memory(out, a) and not np.may_share_memory(out, b)):
+            return None
+        return functools.partial(self.fn, a, b, out=out)
+
 
 @register("Not", since=1)
 class Not(Kernel):

@@ -43,6 +43,24 @@ class Gather(Kernel):
         # one element taken from an object (string) array comes back as the bare Python object
         return out if isinstance(out, np.ndarray) else np.array(out, dtype=data.dtype)
 
+    def bind_into(self, out, data, indices):
+        """numpy's take into `out` for these very arrays (new index values every call: one outside ONNX's range
+        raises the error `run` raises)."""
+        if not (type(data) is np.ndarray and type(indices) is np.ndarray and type(out) is np.ndarray
+                and indices.dtype.kind == "i" and data.dtype.kind != "O" and out.dtype == data.dtype and data.ndim):
+            return None
+        axis = normalize_axis(self.axis, data.ndim)
+        if not (out.shape == data.shape[:axis] + indices.shape + data.shape[axis + 1:] and out.flags.writeable
+                and not np.may_share_memory(out, data) and not np.may_share_memory(out, indices)):
+            return None
+
+        def gather() -> None:
+            try:
+                np.take(data, indices, axis=axis, out=out)
+            except IndexError:
+                np.take(data, checked_indices(indices, data.shape[axis]), axis=axis, out=out)
+        return gather
+
 
 @register("GatherElements", since=11)
 class GatherElements(Kernel):

@@ -190,6 +190,9 @@ class Gemm(Kernel):
                 and not np.may_share_memory(out, a)):
             return None
         weight_t, native = b.T, self.native
+        rows, depth, cols = a.shape[0], a.shape[1], b.shape[0]
+        if native and (rows > native_matmul.MAX_DOT_ROWS or native_matmul.numpy_is_faster(rows, depth, cols)):
+            native = False  # transposed_checked_into would decline every call: numpy's product, chosen once
 
         def linear() -> None:
             if not (native and native_matmul.transposed_checked_into(a, b, out)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -149,6 +150,20 @@ class Concat(Kernel):
             return self.run(*inputs)
         return np.concatenate(arrays, axis=axis, out=out)
 
+    def bind_into(self, out, *inputs):
+        """numpy's concatenate into `out` for these very arrays (when `run_into` writes there)."""
+        arrays = tuple(x for x in inputs if x is not None)
+        if not arrays or type(out) is not np.ndarray or not out.flags.writeable \
+                or any(type(x) is not np.ndarray or x.dtype != out.dtype or x.ndim != out.ndim
+                       or np.may_share_memory(x, out) for x in arrays):
+            return None
+        axis = normalize_axis(self.axis, out.ndim)
+        expected = list(arrays[0].shape)
+        expected[axis] = sum(x.shape[axis] for x in arrays)
+        if tuple(expected) != out.shape:
+            return None
+        return functools.partial(np.concatenate, arrays, axis=axis, out=out)
+
 
 def split_sizes(dim: int, n_outputs: int, split: list[int] | None, num_outputs: int | None) -> list[int]:
     """Lengths of Split's outputs along the axis."""
@@ -292,6 +307,14 @@ class Expand(Kernel):
         out = np.empty(target, x.dtype)
         np.copyto(out, x)
         return out
+
+    def bind_into(self, out, x, shape):
+        """numpy's copyto of x broadcast into `out` (what `run` does into its new array), for these very arrays."""
+        dims = tuple(int_list(shape))
+        if not (type(x) is np.ndarray and type(out) is np.ndarray and out.dtype == x.dtype and out.flags.writeable
+                and out.shape == _broadcast_shape(x.shape, dims) and not np.may_share_memory(out, x)):
+            return None
+        return functools.partial(np.copyto, out, x)
 
 
 def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -198,21 +198,27 @@ class Program:
                 for s, v in zip(self._memo_slots, memo):
                     env[s] = v
                 plan = self._plan_after_memo
-        arena, views, steps_bound = (None, None, None) if bound is None or profiler is not None or not self._placed \
-            else self._take_arena(bound)
+        arena, views, steps_bound, staged = (None, None, None, None) if bound is None or profiler is not None \
+            or not self._placed else self._take_arena(bound)
         binding = None
+        trusted = True  # every placed step so far wrote into its view (what the bound steps read)
         if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
             # by the first run that reuses it)
             if steps_bound is _NOT_BOUND:
+                staged = _Staged.for_inputs([s for s in self.input_slots if s not in self._derived_slots], env,
+                                            self._constant_ids)  # the derived values are fixed already
+                staged.stage(env)
                 # the same objects every run with these sizes: constants, the arena's views, the plan's derived
-                # values and the size-only values kept for these sizes
+                # values and the size-only values kept for these sizes, the staged inputs
                 per_sizes = [env[s] for s in self._derived_slots] + (list(memo) if plan is self._plan_after_memo
                                                                       and self._memo_steps else [])
-                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes})
+                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes}
+                                   | staged.buffer_ids())
                 plan = binding.recording_plan()
-            elif steps_bound[0] is plan:
-                plan = steps_bound[1]
-        trusted = True  # every placed step so far wrote into its view (what the bound steps read)
+            else:
+                trusted = staged is None or staged.stage(env)  # the bound steps read the staged buffers
+                if steps_bound[0] is plan:
+                    plan = steps_bound[1]
         step = None
         try:
             if profiler is None:
@@ -224,6 +230,8 @@ class Program:
                         result = views[placed]
                     elif arity == _FIXED and trusted:
                         result = call
+                    elif arity == _KEPT and trusted:
+                        result = call()
                     elif placed >= 0 and views is not None and views[placed] is not None:
                         out = views[placed]
                         result = run_into(out, gather(env)) if arity == 1 else run_into(out, *gather(env))
@@ -236,7 +244,8 @@ class Program:
                             result = call(*gather(env))
                         elif arity == 0:
                             result = call()
-                        elif arity == _FIXED:  # a fixed view's step in a run that cannot trust it: computed
+                        elif arity == _FIXED or arity == _KEPT:  # a fixed view's or kept step in a run
+                            # that cannot trust it: computed
                             result = run_into(*gather(env))
                         else:
                             result = step.kernel.execute(list(gather(env)), _scope(step, env))
@@ -271,29 +280,34 @@ class Program:
         outputs = [env[s] for s in self.output_slots]
         if arena is None:
             return outputs
-        outputs = [_off_arena(v, arena) for v in outputs]
-        env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
         if binding is not None:
             steps_bound = binding.bound_plan() if trusted else _NOT_BINDABLE
+            if trusted:
+                staged.kept = binding.kept_ids()
+        outputs = [_off_arena(v, arena) for v in outputs]
+        if staged is not None:
+            outputs = [staged.own(v) for v in outputs]
+        env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
         if not self._spare_arenas:
-            self._spare_arenas.append((bound, arena, views, steps_bound))
+            self._spare_arenas.append((bound, arena, views, steps_bound, staged))
         return outputs
 
-    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None]:
+    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None, Any]:
         """An arena for a run with these sizes, a view of each placed value in it and, for a reused one, its steps
-        bound to those views (`_NOT_BOUND` before they are; None for a new arena): the last finished run's when it
-        had the same sizes (so a repeated shape allocates nothing and slices nothing), else a new one. Runs in
-        several threads each take their own (list.pop is atomic)."""
+        bound to those views (`_NOT_BOUND` before they are; None for a new arena) and its staged inputs (None
+        before its steps are bound): the last finished run's when it had the same sizes (so a repeated shape
+        allocates nothing and slices nothing), else a new one. Runs in several threads each take their own
+        (list.pop is atomic)."""
         try:
-            spare_bound, arena, views, steps_bound = self._spare_arenas.pop()
+            spare_bound, arena, views, steps_bound, staged = self._spare_arenas.pop()
             if spare_bound is bound:
-                return arena, views, steps_bound or _NOT_BOUND
+                return arena, views, steps_bound or _NOT_BOUND, staged
         except IndexError:
             pass
         arena = aligned_empty((max(bound.arena_bytes, 64),), np.uint8)
         views = [None if place is None else arena[place[0]:place[0] + place[1]].view(place[3]).reshape(place[2])
                  for place in bound.places]
-        return arena, views, None
+        return arena, views, None, None
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
@@ -394,6 +408,7 @@ class _Binding:
         self.fixed = set(constant_ids) | {id(v) for v in views if v is not None}  # live objects: ids are theirs
         self.calls: dict[int, Any] = {}
         self.views: dict[int, Any] = {}  # step -> its result, for view kernels' steps that give fixed objects
+        self.kept: dict[int, tuple[Any, np.ndarray]] = {}  # step -> (bound call, its result kept for the arena)
 
     def recording_plan(self) -> list[tuple]:
         plan = []
@@ -402,6 +417,9 @@ class _Binding:
                 entry = entry[:8] + (self._recorder(k, entry),)
             elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
                 entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
+            elif entry[6] < 0 and entry[3] > 0 and (_binds(entry[0].kernel) if entry[4] >= 0
+                                                     else hasattr(entry[0].kernel, "bind_outputs")):
+                entry = (entry[0], self._kept_recorder(k, entry[0].kernel, entry[1])) + entry[2:]
             plan.append(entry)
         return plan
 
@@ -418,6 +436,30 @@ class _Binding:
                 self.fixed.update(id(p) for p in parts)
             return result
         return record
+
+    def _kept_recorder(self, k: int, kernel, call):
+        """A step outside the arena (a graph output such as a decoder's cache, a step with several outputs) whose inputs
+        are fixed objects and whose result is a fresh array: that array is kept with the arena as the step's
+        output, bound (`Kernel.bind_into`) to be rewritten in place by later runs; fixed for the steps reading
+        it. A graph output kept this way is copied for the caller (`_Staged.own`)."""
+        def record(*inputs):
+            result = call(*inputs)
+            parts = [p for p in result if p is not None] if type(result) is tuple else [result]
+            if (parts and all(type(p) is np.ndarray and p.base is None and p.flags.writeable
+                              and not any(p is v for v in inputs) for p in parts)
+                    and 0 < sum(p.nbytes for p in parts) <= KEPT_MAX_BYTES
+                    and all(v is None or id(v) in self.fixed for v in inputs)):
+                bound = kernel.bind_outputs(result, *inputs) if type(result) is tuple \
+                    else kernel.bind_into(result, *inputs)
+                if bound is not None:
+                    self.kept[k] = (bound, result)
+                    self.fixed.update(id(p) for p in parts)
+            return result
+        return record
+
+    def kept_ids(self) -> frozenset[int]:
+        return frozenset(id(p) for _, result in self.kept.values()
+                         for p in (result if type(result) is tuple else (result,)) if p is not None)
 
     def _recorder(self, k: int, entry: tuple):
         kernel, run_into = entry[0].kernel, entry[8]
@@ -441,6 +483,9 @@ class _Binding:
         for k, result in self.views.items():
             step, call, _, _, single, release, placed, guard, _ = plan[k]
             plan[k] = (step, result, self._getter(k), _FIXED, single, release, placed, guard, call)
+        for k, (bound, result) in self.kept.items():
+            step, call, _, _, single, release, placed, guard, _ = plan[k]
+            plan[k] = (step, _returning(bound, result), self._getter(k), _KEPT, single, release, placed, guard, call)
         return self.plan, plan
 
     def _getter(self, k: int):
@@ -448,8 +493,73 @@ class _Binding:
         return gather if arity > 1 else (lambda env: (gather(env),))
 
 
+class _Staged:
+    """An arena's copies of the run's small inputs: each run copies its feeds into the same buffers, so the steps
+    reading an input (a decoder's ids and cache, an MLP's first layer) see fixed objects and can be bound too.
+    One block holds them all, so an output that is an input (or a view of one) is found and copied off."""
+
+    #: inputs up to this size are staged (a copy costs less than the per-step glue it saves); larger ones are not
+    MAX_BYTES = 16384
+
+    def __init__(self, slots: tuple[int, ...], buffers: tuple[np.ndarray, ...], block: np.ndarray | None):
+        self.slots, self.buffers, self.block = slots, buffers, block
+        self.kept: frozenset[int] = frozenset()  # the kept results of the arena's steps outside it (_Binding)
+
+    @classmethod
+    def for_inputs(cls, input_slots: Sequence[int], env: list[Any], constant_ids: frozenset[int]) -> _Staged:
+        chosen = [(s, env[s]) for s in input_slots if type(env[s]) is np.ndarray and id(env[s]) not in constant_ids
+                  and 0 < env[s].nbytes <= cls.MAX_BYTES and env[s].dtype.kind in "biuf"]
+        if not chosen:
+            return cls((), (), None)
+        offsets, total = [], 0
+        for _, v in chosen:
+            offsets.append(total)
+            total += -(-v.nbytes // 64) * 64
+        block = aligned_empty((total,), np.uint8)
+        buffers = tuple(block[o:o + v.nbytes].view(v.dtype).reshape(v.shape) for o, (_, v) in zip(offsets, chosen))
+        return cls(tuple(s for s, _ in chosen), buffers, block)
+
+    def buffer_ids(self) -> set[int]:
+        return {id(b) for b in self.buffers}
+
+    def own(self, value: Any) -> Any:
+        """An output the next run with this arena will not overwrite: a kept result or a view of a staged input is
+        copied."""
+        if type(value) is np.ndarray and (id(value) in self.kept or (
+                value.base is not None and self.block is not None and np.may_share_memory(value, self.block))):
+            return value.copy()
+        return value
+
+    def stage(self, env: list[Any]) -> bool:
+        """Copy this run's inputs into the buffers and put the buffers in their slots; False when an input does not
+        fit its buffer (that input stays as fed, and the steps bound to the buffer must not run)."""
+        fits = True
+        for s, buffer in zip(self.slots, self.buffers):
+            value = env[s]
+            if type(value) is np.ndarray and value.shape == buffer.shape and value.dtype == buffer.dtype:
+                np.copyto(buffer, value)
+                env[s] = buffer
+            else:
+                fits = False
+        return fits
+
+
+def _binds(kernel: registry.Kernel) -> bool:
+    return type(kernel).bind_into is not registry.Kernel.bind_into
+
+
+def _returning(call, result: np.ndarray):
+    def kept() -> np.ndarray:
+        call()
+        return result
+    return kept
+
+
+#: results up to this size are kept with an arena for steps outside it (a bigger graph output costs its copy)
+KEPT_MAX_BYTES = 65536
 _BOUND = -2  # a plan entry's arity for a step bound to its arena's views
 _FIXED = -3  # a plan entry's arity for a view kernel's step whose result is the same objects every run
+_KEPT = -4  # a plan entry's arity for a step outside the arena bound to a result kept with the arena
 _NOT_BOUND = ("not bound",)  # a reused arena whose steps are not bound yet
 _NOT_BINDABLE = ((), None)  # a reused arena whose binding run saw a step write elsewhere: never bound
 
