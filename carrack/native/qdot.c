@@ -477,7 +477,7 @@ static inline void k4_scale_bytes(const uint8_t *packed, uint64_t *scales, uint6
  * factors spread to their 8 lanes each by a permutation. Two accumulators (parts 0-1, 2-3) halve the chain. */
 static float dot_q4_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
                       const float *x_block_sum) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0f);
+    const __m512i nibble_mask = _mm512_set1_epi8(0x0f);
     const __m256i every_eighth = _mm256_set_epi32(56, 48, 40, 32, 24, 16, 8, 0);
     __m512i part_lanes[4];
     for (int part = 0; part < 4; part++)
@@ -497,9 +497,10 @@ static float dot_q4_k(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
         const __m512 factors = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, _mm256_set1_ps(d)), dx));
         offsets = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(x_block_sum), offsets);
         for (int part = 0; part < 4; part++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * part));
-            const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low_mask)),
-                                                     _mm256_and_si256(_mm256_srli_epi16(q, 4), low_mask), 1);
+            /* the 32 bytes in both halves (a load-port broadcast), the upper half shifted: low nibbles, then high
+             * nibbles, in order, without a lane insert */
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16 + 32 * part)));
+            const __m512i codes = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), nibble_mask);
             const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
                                                          _mm512_loadu_si512(x_codes + 64 * part));
             acc[part / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products),
