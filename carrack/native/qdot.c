@@ -417,7 +417,8 @@ static float dot_q4_0(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
  * vector per block, spread to the lanes of each 64 values by a permutation. */
 static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
                       const float *x_group_sum) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0f), two_bits = _mm256_set1_epi8(3);
+    const __m512i low_mask = _mm512_set1_epi8(0x0f), two_bits = _mm512_set1_epi8(3);
+    const __m512i top_two_bits = _mm512_set1_epi8(0x30);
     const __m512i group_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i every_fourth = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
     __m512 acc = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
@@ -430,23 +431,21 @@ static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
         /* w = d * sc * (code - 32): the -32 meets dx * sum(xq) of each group */
         offsets = _mm512_fmadd_ps(weight_scales, _mm512_loadu_ps(x_group_sum), offsets);
         for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
-            const __m256i low0 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i low1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i c[4];
-            c[0] = _mm256_or_si256(_mm256_and_si256(low0, low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(high, two_bits), 4));
-            c[1] = _mm256_or_si256(_mm256_and_si256(low1, low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), two_bits), 4));
-            c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), two_bits), 4));
-            c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), two_bits), 4));
+            /* ql's 64 bytes are the low nibbles of values 0-63 and the high nibbles of 64-127; qh's 32 bytes,
+             * broadcast to both halves with the upper half shifted by 2, give the top bits of values 0-63 at bits
+             * 0-1 and of values 64-127 at bits 4-5 */
+            const __m512i low = _mm512_loadu_si512(row + 64 * half);
+            const __m512i high_broadcast =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half)));
+            const __m512i high = _mm512_mask_srli_epi16(high_broadcast, 0xffff0000u, high_broadcast, 2);
+            const __m512i codes[2] = {
+                _mm512_or_si512(_mm512_and_si512(low, low_mask),
+                                _mm512_slli_epi16(_mm512_and_si512(high, two_bits), 4)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low_mask),
+                                _mm512_and_si512(high, top_two_bits))};
             for (int pair = 0; pair < 2; pair++) {
                 const int chunk = 2 * half + pair; /* 64 values: groups 4 * chunk .. 4 * chunk + 3 */
-                const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(c[2 * pair]), c[2 * pair + 1], 1);
-                const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[pair],
                                                              _mm512_loadu_si512(x_codes + 64 * chunk));
                 const __m512 lane_scales = _mm512_permutexvar_ps(
                     _mm512_add_epi32(group_of_lane, _mm512_set1_epi32(4 * chunk)), scales);
@@ -507,7 +506,8 @@ static float dot_q4_k(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
                                             _mm512_permutexvar_ps(part_lanes[part], factors), acc[part / 2]);
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) - _mm512_reduce_add_ps(_mm512_zextps256_ps512(offsets));
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) -
+           _mm512_reduce_add_ps(_mm512_zextps256_ps512(offsets));
 }
 #endif
 
