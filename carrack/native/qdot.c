@@ -417,7 +417,8 @@ static float dot_q4_0(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
  * vector per block, spread to the lanes of each 64 values by a permutation. */
 static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
                       const float *x_group_sum) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0f), two_bits = _mm256_set1_epi8(3);
+    const __m512i low_mask = _mm512_set1_epi8(0x0f), two_bits = _mm512_set1_epi8(3);
+    const __m512i top_two_bits = _mm512_set1_epi8(0x30);
     const __m512i group_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i every_fourth = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
     __m512 acc = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
@@ -430,23 +431,21 @@ static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
         /* w = d * sc * (code - 32): the -32 meets dx * sum(xq) of each group */
         offsets = _mm512_fmadd_ps(weight_scales, _mm512_loadu_ps(x_group_sum), offsets);
         for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
-            const __m256i low0 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i low1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i c[4];
-            c[0] = _mm256_or_si256(_mm256_and_si256(low0, low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(high, two_bits), 4));
-            c[1] = _mm256_or_si256(_mm256_and_si256(low1, low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2), two_bits), 4));
-            c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low0, 4), low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4), two_bits), 4));
-            c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low1, 4), low_mask),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 6), two_bits), 4));
+            /* ql's 64 bytes are the low nibbles of values 0-63 and the high nibbles of 64-127; qh's 32 bytes,
+             * broadcast to both halves with the upper half shifted by 2, give the top bits of values 0-63 at bits
+             * 0-1 and of values 64-127 at bits 4-5 */
+            const __m512i low = _mm512_loadu_si512(row + 64 * half);
+            const __m512i high_broadcast =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half)));
+            const __m512i high = _mm512_mask_srli_epi16(high_broadcast, 0xffff0000u, high_broadcast, 2);
+            const __m512i codes[2] = {
+                _mm512_or_si512(_mm512_and_si512(low, low_mask),
+                                _mm512_slli_epi16(_mm512_and_si512(high, two_bits), 4)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low_mask),
+                                _mm512_and_si512(high, top_two_bits))};
             for (int pair = 0; pair < 2; pair++) {
                 const int chunk = 2 * half + pair; /* 64 values: groups 4 * chunk .. 4 * chunk + 3 */
-                const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(c[2 * pair]), c[2 * pair + 1], 1);
-                const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
+                const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[pair],
                                                              _mm512_loadu_si512(x_codes + 64 * chunk));
                 const __m512 lane_scales = _mm512_permutexvar_ps(
                     _mm512_add_epi32(group_of_lane, _mm512_set1_epi32(4 * chunk)), scales);
@@ -457,37 +456,58 @@ static float dot_q6_k(const uint8_t *row, int64_t k, const int8_t *x_codes, cons
     return _mm512_reduce_add_ps(_mm512_fnmadd_ps(_mm512_set1_ps(32.0f), offsets, acc));
 }
 
-/* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per 64
- * values, the 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two
- * sub-blocks' d * scale * dx applied to their 8 lanes each. */
+/* Q4_K's 12 bytes of 6-bit scales and mins as 8 bytes each (scale_min_k4 for all 8 sub-blocks in 32-bit words):
+ * sub-blocks 0-3 keep the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take a nibble of bytes 8-11 and the
+ * top 2 bits of bytes 0-3 (scales) or 4-7 (mins) */
+static inline void k4_scale_bytes(const uint8_t *packed, uint64_t *scales, uint64_t *mins) {
+    uint32_t word[3];
+    memcpy(word, packed, sizeof word);
+    const uint32_t low6 = 0x3f3f3f3fu, nibble = 0x0f0f0f0fu, top2 = 0x03030303u;
+    const uint32_t scales_high = (word[2] & nibble) | (((word[0] >> 6) & top2) << 4);
+    const uint32_t mins_high = ((word[2] >> 4) & nibble) | (((word[1] >> 6) & top2) << 4);
+    *scales = (uint64_t)(word[0] & low6) | (uint64_t)scales_high << 32;
+    *mins = (uint64_t)(word[1] & low6) | (uint64_t)mins_high << 32;
+}
+
+/* One Q4_K row times one activation row without the decoded buffer (generation's matrix-vector products): per
+ * super-block the 8 sub-blocks' d * scale * dx are one vector (scales and mins decoded in 32-bit words, not per
+ * sub-block) and the mins' dmin * min * dx * sum(xq) one fused step into a vector of offsets; per 64 values, the
+ * 32 bytes of nibbles become 64 codes in order, one vpdpbusd with the activation codes, and the two sub-blocks'
+ * factors spread to their 8 lanes each by a permutation. Two accumulators (parts 0-1, 2-3) halve the chain. */
 static float dot_q4_k(const uint8_t *row, int64_t k, const int8_t *x_codes, const float *x_lane_scale,
-                      const float *x_group_sum) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0f);
-    __m512 acc = _mm512_setzero_ps();
-    float offsets = 0.0f;
-    for (int64_t b = 0; b < k / 256; b++, row += 144, x_codes += 256, x_lane_scale += 64, x_group_sum += 16) {
+                      const float *x_block_sum) {
+    const __m512i nibble_mask = _mm512_set1_epi8(0x0f);
+    const __m256i every_eighth = _mm256_set_epi32(56, 48, 40, 32, 24, 16, 8, 0);
+    __m512i part_lanes[4];
+    for (int part = 0; part < 4; part++)
+        part_lanes[part] = _mm512_set_epi32(2 * part + 1, 2 * part + 1, 2 * part + 1, 2 * part + 1, 2 * part + 1,
+                                            2 * part + 1, 2 * part + 1, 2 * part + 1, 2 * part, 2 * part, 2 * part,
+                                            2 * part, 2 * part, 2 * part, 2 * part, 2 * part);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 offsets = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / 256; b++, row += 144, x_codes += 256, x_lane_scale += 64, x_block_sum += 8) {
         _mm_prefetch((const char *)row + 1024, _MM_HINT_T0);
+        uint64_t scale_bytes, min_bytes;
+        k4_scale_bytes(row + 4, &scale_bytes, &min_bytes);
         const float d = half_to_float(row), dmin = half_to_float(row + 2);
-        float factor[8];
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(j, row + 4, &sc, &mn);
-            const float dx = x_lane_scale[8 * j];
-            factor[j] = d * (float)sc * dx;
-            offsets -= dmin * (float)mn * (x_group_sum[2 * j] + x_group_sum[2 * j + 1]);
-        }
+        const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)scale_bytes)));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)min_bytes)));
+        const __m256 dx = _mm256_i32gather_ps(x_lane_scale, every_eighth, 4);
+        const __m512 factors = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, _mm256_set1_ps(d)), dx));
+        offsets = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(x_block_sum), offsets);
         for (int part = 0; part < 4; part++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * part));
-            const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low_mask)),
-                                                     _mm256_and_si256(_mm256_srli_epi16(q, 4), low_mask), 1);
+            /* the 32 bytes in both halves (a load-port broadcast), the upper half shifted: low nibbles, then high
+             * nibbles, in order, without a lane insert */
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16 + 32 * part)));
+            const __m512i codes = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xffff0000u, q, 4), nibble_mask);
             const __m512i products = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes,
                                                          _mm512_loadu_si512(x_codes + 64 * part));
-            const __m512 scales = _mm512_insertf32x8(_mm512_set1_ps(factor[2 * part]),
-                                                     _mm256_set1_ps(factor[2 * part + 1]), 1);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc);
+            acc[part / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products),
+                                            _mm512_permutexvar_ps(part_lanes[part], factors), acc[part / 2]);
         }
     }
-    return _mm512_reduce_add_ps(acc) + offsets;
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])) -
+           _mm512_reduce_add_ps(_mm512_zextps256_ps512(offsets));
 }
 #endif
 
@@ -712,8 +732,13 @@ static void qdot_piece(void *p, int64_t first_tile, int64_t end_tile, int64_t sl
     const int64_t begin = first_tile * tile, end = end_tile * tile < c->n ? end_tile * tile : c->n;
 #ifdef USE_VNNI
     float (*fused)(const uint8_t *, int64_t, const int8_t *, const float *, const float *) =
-        c->decode == decode_q4_k ? dot_q4_k : c->decode == decode_q6_k ? dot_q6_k
+        c->decode == decode_q6_k ? dot_q6_k
         : c->decode == decode_q8_0 ? dot_q8_0 : c->decode == decode_q4_0 ? dot_q4_0 : NULL;
+    if (c->m == 1 && c->decode == decode_q4_k) {
+        for (int64_t r = begin; r < end; r++)
+            c->y[r] = dot_q4_k(c->w + r * c->row_bytes, k, c->x.codes, c->x.lane_scale, c->x.block_sum);
+        return;
+    }
     if (c->m == 1 && fused != NULL) {
         float (*dot)(const uint8_t *, int64_t, const int8_t *, const float *, const float *) = fused;
         for (int64_t r = begin; r < end; r++)

@@ -153,3 +153,21 @@ def test_rows_of_an_odd_number_of_32_value_blocks(build, ggml_type, m):
     x_quantized = (codes.reshape(m, -1, 32) * scales[:, :, None].astype(np.float64)).reshape(m, k)
     expected = x_quantized @ gguf_dequantized(rows, ggml_type).T
     np.testing.assert_allclose(qdot.matmul(rows, ggml_type, x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("zeroed", ["d", "dmin"])
+def test_q4_k_matrix_vector_decodes_scales_and_mins_each(build, zeroed):
+    """One token (the fused Q4_K kernel): with d = 0 only the mins' offsets remain, with dmin = 0 only the scaled
+    codes, so a swapped or misread 6-bit field cannot hide behind the other part."""
+    n, k = 19, 1024
+    rows = random_blocks(GGMLType.Q4_K, n, k, seed=11)
+    blocks = rows.reshape(-1, 144)
+    blocks[:, (0, 1) if zeroed == "d" else (2, 3)] = 0
+    blocks[:, 4:16] |= 0xc0 if zeroed == "dmin" else 0x00  # top bits of the packed scales set: sub-blocks 4-7 use them
+    x = np.random.default_rng(12).standard_normal((1, k)).astype(np.float32)
+    codes, scales = qdot.quantize_activations(x)
+    x_quantized = (codes.reshape(1, -1, 32) * scales[:, :, None].astype(np.float64)).reshape(1, k)
+    expected = x_quantized @ gguf_dequantized(rows, GGMLType.Q4_K).T
+    assert np.abs(expected).max() > 0
+    np.testing.assert_allclose(qdot.matmul(rows, GGMLType.Q4_K, x), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
