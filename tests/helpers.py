@@ -25,3 +25,14 @@ def ort_run(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> list[np.ndar
 
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, feed)
+
+
+def run_in_threads(worker, count: int = 4) -> None:
+    """Run worker(k) for k < count on that many threads at once and wait for them all."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -5,8 +5,6 @@ fall back when an earlier step stops writing into its view."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnx
 import pytest
@@ -15,6 +13,7 @@ from onnx import TensorProto, helper
 import carrack
 from carrack.native import packed, rowops
 from carrack.runtime import program as program_module
+from tests.helpers import run_in_threads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -106,11 +105,7 @@ def test_threads_sharing_a_session_with_bound_steps_get_their_own_results(tiny_b
                 if not np.array_equal(session.run(None, feeds[j])[0], expected[j]):
                     failures.append(f"thread {k} feed {j}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker)
     assert not failures
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import threading
 import warnings
 
 import numpy as np
@@ -17,6 +16,7 @@ from onnx import TensorProto, helper
 import carrack
 from carrack.errors import InvalidArgument
 from carrack.ops import registry
+from tests.helpers import run_in_threads
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -119,11 +119,7 @@ def test_threads_sharing_a_session_get_their_own_results(embedder):
                 if not np.array_equal(got, expected[(i + k) % len(feeds)]):
                     failures.append(f"thread {k} feed {(i + k) % len(feeds)}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker)
     assert not failures
 
 

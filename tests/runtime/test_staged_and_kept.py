@@ -5,7 +5,6 @@ feeds, and never hand the caller an array a later run overwrites."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from onnx import TensorProto, helper
 
 import carrack
 from carrack.runtime import program as program_module
+from tests.helpers import run_in_threads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,11 +141,7 @@ def test_threads_sharing_a_decode_session_get_serial_results(tiny_gpt2):
             if not all(np.array_equal(g, e) for g, e in zip(got, expected[index])):
                 errors.append(f"thread {k} run {rep}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker)
     assert not errors
 
 
