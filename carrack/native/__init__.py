@@ -66,6 +66,27 @@ def enabled() -> bool:
     return raw is None or os.environ.decodevalue(raw).strip().lower() not in _OFF
 
 
+_declared: dict[str, ctypes.CDLL] = {}
+
+
+def declared_library(name: str, declare) -> ctypes.CDLL | None:
+    """`library(name)` with `declare(lib)` (its functions' argtypes and restypes) run once per loaded library."""
+    lib = library(name)
+    if lib is not None and _declared.get(name) is not lib:
+        declare(lib)
+        _declared[name] = lib
+    return lib
+
+
+def signature_declarer(signatures: dict):
+    """A `declared_library` declare function for {function name: (argtypes, restype)}."""
+    def declare(lib: ctypes.CDLL) -> None:
+        for name, (args, result) in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, result
+    return declare
+
+
 def library(name: str) -> ctypes.CDLL | None:
     """The library of ``<name>.c`` (the prebuilt variant for this CPU), or None when native kernels are off or
     none can be had (then it warns once, with carrack.PerformanceWarning, and the numpy path runs)."""

@@ -19,20 +19,19 @@ PARALLEL_MIN_BYTES = 1 << 18
 #: the 16-bit weight dtypes the kernels read: numpy's float16, and BF16 held as raw uint16
 _BF16_FLAG = {np.dtype(np.float16): 0, np.dtype(np.uint16): 1}
 
-_declared: ctypes.CDLL | None = None
 
 
 def library() -> ctypes.CDLL | None:
-    global _declared
-    lib = native.library("halfmat")
-    if lib is not None and lib is not _declared:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.carrack_halfmat_threads.argtypes = [p, i32, i64, i64, p, i64, p, i64]
-        lib.carrack_halfmat_threads.restype = None
-        lib.carrack_halfmat_decode_threads.argtypes = [p, i32, i64, i64, i64, p, i64]
-        lib.carrack_halfmat_decode_threads.restype = None
-        _declared = lib
-    return lib
+    """halfmat.c compiled, with its signatures declared (None when native kernels are unavailable)."""
+    return native.declared_library("halfmat", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.carrack_halfmat_threads.argtypes = [p, i32, i64, i64, p, i64, p, i64]
+    lib.carrack_halfmat_threads.restype = None
+    lib.carrack_halfmat_decode_threads.argtypes = [p, i32, i64, i64, i64, p, i64]
+    lib.carrack_halfmat_decode_threads.restype = None
 
 
 def _bf16_flag(weight: np.ndarray) -> int:

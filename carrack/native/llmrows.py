@@ -17,24 +17,23 @@ from carrack.native import data_address
 #: elements below which a row kernel stays on one thread (the pool's hand-off costs more than it saves)
 PARALLEL_MIN = 1 << 14
 
-_declared: ctypes.CDLL | None = None
 _F32 = np.dtype(np.float32)
 
 
 def library() -> ctypes.CDLL | None:
-    global _declared
-    lib = native.library("llmrows")
-    if lib is not None and lib is not _declared:
-        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.carrack_llm_rms_norm.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64]
-        lib.carrack_llm_silu_mul.argtypes = [p, i64, p, i64, p, i64, i64, i64]
-        lib.carrack_llm_rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, i64]
-        for fn in (lib.carrack_llm_rms_norm, lib.carrack_llm_silu_mul, lib.carrack_llm_rope):
-            fn.restype = None
-        lib.carrack_llm_attention.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i64, i64, f32, f32, i64, i64]
-        lib.carrack_llm_attention.restype = i32
-        _declared = lib
-    return lib
+    """llmrows.c compiled, with its signatures declared (None when native kernels are unavailable)."""
+    return native.declared_library("llmrows", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.carrack_llm_rms_norm.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64]
+    lib.carrack_llm_silu_mul.argtypes = [p, i64, p, i64, p, i64, i64, i64]
+    lib.carrack_llm_rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, i32, i64]
+    for fn in (lib.carrack_llm_rms_norm, lib.carrack_llm_silu_mul, lib.carrack_llm_rope):
+        fn.restype = None
+    lib.carrack_llm_attention.argtypes = [p, i64, p, p, i64, p, i64, i64, i64, i64, i64, f32, f32, i64, i64]
+    lib.carrack_llm_attention.restype = i32
 
 
 def _threads(threads: int | None, rows: int, elements: int) -> int:

@@ -45,21 +45,15 @@ _SIGNATURES = {
                                    _i64], None),
     "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
 }
+_declare = native.signature_declarer(_SIGNATURES)
 #: elements per thread below which QLinearAdd stays on one thread
 _ADD_SPLIT = 1 << 16
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
-_declared: set[int] = set()
 
 
 def library() -> ctypes.CDLL | None:
     """qconv.c compiled, with its signatures declared (None when native kernels are unavailable)."""
-    lib = native.library("qconv")
-    if lib is not None and id(lib) not in _declared:
-        for name, (args, result) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-        _declared.add(id(lib))
-    return lib
+    return native.declared_library("qconv", _declare)
 
 
 def transpose_u8(src: np.ndarray, dst: np.ndarray, mask: int = 0) -> None:

@@ -24,24 +24,23 @@ PARALLEL_MIN_BYTES = 1 << 18
 #: matrices one `matmul_group` call takes (MAX_GROUP in qdot.c)
 MAX_GROUP = 8
 
-_declared: ctypes.CDLL | None = None
 
 
 def library() -> ctypes.CDLL | None:
-    global _declared
-    lib = native.library("qdot")
-    if lib is not None and lib is not _declared:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.carrack_qdot_matmul.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64]
-        lib.carrack_qdot_matmul.restype = i32
-        lib.carrack_qdot_quantize.argtypes = [p, i64, i64, p, p]
-        lib.carrack_qdot_quantize.restype = i32
-        lib.carrack_qdot_supports.argtypes = [i32]
-        lib.carrack_qdot_matmul_group.argtypes = [i32, p, p, p, p, i64, p, i64, p, i64]
-        lib.carrack_qdot_matmul_group.restype = i32
-        lib.carrack_qdot_supports.restype = i32
-        _declared = lib
-    return lib
+    """qdot.c compiled, with its signatures declared (None when native kernels are unavailable)."""
+    return native.declared_library("qdot", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.carrack_qdot_matmul.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64]
+    lib.carrack_qdot_matmul.restype = i32
+    lib.carrack_qdot_quantize.argtypes = [p, i64, i64, p, p]
+    lib.carrack_qdot_quantize.restype = i32
+    lib.carrack_qdot_supports.argtypes = [i32]
+    lib.carrack_qdot_matmul_group.argtypes = [i32, p, p, p, p, i64, p, i64, p, i64]
+    lib.carrack_qdot_matmul_group.restype = i32
+    lib.carrack_qdot_supports.restype = i32
 
 
 def supports(ggml_type: int) -> bool:

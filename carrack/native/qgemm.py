@@ -33,17 +33,12 @@ _SIGNATURES = {
     "qgemm_dynamic_quantize_u8": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p], _i64),
     "qgemm_dynamic_quantize_u8_threads": ([_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64], _i64),
 }
+_declare = native.signature_declarer(_SIGNATURES)
 
 
 def library() -> ctypes.CDLL | None:
     """qgemm.c compiled, with its functions' signatures declared (None when native kernels are unavailable)."""
-    lib = native.library("qgemm")
-    if lib is not None and not getattr(lib, "carrack_declared", False):
-        for name, (args, result) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-        lib.carrack_declared = True
-    return lib
+    return native.declared_library("qgemm", _declare)
 
 
 def isa() -> int:

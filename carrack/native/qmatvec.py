@@ -16,23 +16,22 @@ from carrack.native import data_address
 #: weight bytes below which a product stays on one thread
 PARALLEL_MIN_BYTES = 1 << 18
 
-_declared: ctypes.CDLL | None = None
 
 
 def library() -> ctypes.CDLL | None:
-    global _declared
-    lib = native.library("qmatvec")
-    if lib is not None and lib is not _declared:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.carrack_qmatvec.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64, i64]
-        lib.carrack_qmatvec_threads.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64]
-        lib.carrack_qmatvec.restype = i32
-        lib.carrack_qdecode.argtypes = [p, i32, i64, i64, i64, i64, p]
-        lib.carrack_qdecode.restype = i32
-        lib.carrack_qmatvec_supports.argtypes = [i32]
-        lib.carrack_qmatvec_supports.restype = i32
-        _declared = lib
-    return lib
+    """qmatvec.c compiled, with its signatures declared (None when native kernels are unavailable)."""
+    return native.declared_library("qmatvec", _declare)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.carrack_qmatvec.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64, i64]
+    lib.carrack_qmatvec_threads.argtypes = [p, i32, i64, i64, i64, p, i64, p, i64]
+    lib.carrack_qmatvec.restype = i32
+    lib.carrack_qdecode.argtypes = [p, i32, i64, i64, i64, i64, p]
+    lib.carrack_qdecode.restype = i32
+    lib.carrack_qmatvec_supports.argtypes = [i32]
+    lib.carrack_qmatvec_supports.restype = i32
 
 
 def supports(ggml_type: int) -> bool:

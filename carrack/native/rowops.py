@@ -22,18 +22,12 @@ from carrack.native.packed import GELU, LAYER_NORM, SOFTMAX, bound_call, packed
 PARALLEL_MIN = 1 << 14
 _GELU_MIN_ROW = 256  # GELU without a bias splits at rows of at least this many elements
 
-_declared: ctypes.CDLL | None = None
 _F32 = np.dtype(np.float32)
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled rowops library with its signatures declared, or None (no compiler, CARRACK_NATIVE=0, ...)."""
-    global _declared
-    lib = native.library("rowops")
-    if lib is not None and lib is not _declared:
-        _declare(lib)
-        _declared = lib
-    return lib
+    return native.declared_library("rowops", _declare)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
