@@ -36,3 +36,14 @@ def run_in_threads(worker, count: int = 4) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def one_thread_session(model: bytes, bind: bool = True):
+    """A carrack session at one thread whose executor binds steps to reused arenas (`bind`) or never does."""
+    import carrack
+
+    options = carrack.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = carrack.InferenceSession(model, options)
+    session._program.bind_steps = bind
+    return session

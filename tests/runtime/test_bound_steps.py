@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 import carrack
 from carrack.native import packed, rowops
 from carrack.runtime import program as program_module
-from tests.helpers import run_in_threads
+from tests.helpers import one_thread_session, run_in_threads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -54,14 +54,6 @@ def _feed(batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
     return {"ids": rng.integers(0, 100, (batch, seq)).astype(np.int64), "mask": mask}
 
 
-def _session(model: bytes, bind: bool = True) -> carrack.InferenceSession:
-    options = carrack.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = carrack.InferenceSession(model, options)
-    session._program.bind_steps = bind
-    return session
-
-
 def _bound_ops(session: carrack.InferenceSession, kind: int = program_module._BOUND) -> list[str]:
     """The op types of the steps bound in the session's spare arena (kind _FIXED: view steps kept as results)."""
     spare = session._program._spare_arenas
@@ -72,7 +64,7 @@ def _bound_ops(session: carrack.InferenceSession, kind: int = program_module._BO
 
 
 def test_bound_runs_give_the_bits_of_unbound_runs_with_new_contents_each_run(tiny_bert):
-    bound, unbound = _session(tiny_bert), _session(tiny_bert, bind=False)
+    bound, unbound = one_thread_session(tiny_bert), one_thread_session(tiny_bert, bind=False)
     reference = ort.InferenceSession(tiny_bert, providers=["CPUExecutionProvider"])
     for seed in range(6):  # the same sizes every run, other ids and masks: bound calls must read the new values
         feed = _feed(2, 16, seed)
@@ -86,16 +78,16 @@ def test_bound_runs_give_the_bits_of_unbound_runs_with_new_contents_each_run(tin
 
 
 def test_other_sizes_take_their_own_arena_and_come_back_bound(tiny_bert):
-    bound, unbound = _session(tiny_bert), _session(tiny_bert, bind=False)
+    bound, unbound = one_thread_session(tiny_bert), one_thread_session(tiny_bert, bind=False)
     for seed, (batch, seq) in enumerate([(2, 16), (2, 16), (2, 16), (1, 7), (1, 7), (2, 16), (1, 7), (2, 16)]):
         feed = _feed(batch, seq, seed)
         np.testing.assert_array_equal(bound.run(None, feed)[0], unbound.run(None, feed)[0])
 
 
 def test_threads_sharing_a_session_with_bound_steps_get_their_own_results(tiny_bert):
-    session = _session(tiny_bert)
+    session = one_thread_session(tiny_bert)
     feeds = [_feed(1 + i % 2, 16 if i % 3 else 9, seed=i) for i in range(6)]
-    expected = [_session(tiny_bert, bind=False).run(None, f)[0] for f in feeds]
+    expected = [one_thread_session(tiny_bert, bind=False).run(None, f)[0] for f in feeds]
     failures: list[str] = []
 
     def worker(k: int) -> None:
@@ -136,7 +128,7 @@ def _relu_writes_elsewhere(session: carrack.InferenceSession) -> None:
 
 def test_a_step_that_stops_writing_into_its_view_turns_the_bound_steps_off_for_that_run():
     model = _relu_matmul_model()
-    session = _session(model)
+    session = one_thread_session(model)
     reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     feeds = [rng.standard_normal((5, 32)).astype(np.float32) for _ in range(5)]
@@ -152,7 +144,7 @@ def test_a_step_that_stops_writing_into_its_view_turns_the_bound_steps_off_for_t
 
 def test_a_binding_run_whose_step_writes_elsewhere_binds_nothing():
     model = _relu_matmul_model()
-    session = _session(model)
+    session = one_thread_session(model)
     _relu_writes_elsewhere(session)
     reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     for seed in range(4):
@@ -203,7 +195,7 @@ def test_where_written_into_its_planned_buffer_selects_what_numpy_selects():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
-    session = _session(model)
+    session = one_thread_session(model)
     reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(4)
     for _ in range(4):

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 import carrack
 from carrack.runtime import program as program_module
-from tests.helpers import run_in_threads
+from tests.helpers import one_thread_session, run_in_threads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,21 +53,13 @@ def _decode_feed(seed: int) -> dict[str, np.ndarray]:
     return {"input_ids": np.array([[seed % 100]], np.int64), "attention_mask": mask, **past}
 
 
-def _session(model: bytes, bind: bool = True) -> carrack.InferenceSession:
-    options = carrack.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = carrack.InferenceSession(model, options)
-    session._program.bind_steps = bind
-    return session
-
-
 def _ops(session: carrack.InferenceSession, kind: int) -> list[str]:
     steps_bound = session._program._spare_arenas[0][3]
     return [entry[0].node.op_type for entry in steps_bound[1] if entry[3] == kind]
 
 
 def test_a_decode_step_binds_its_cache_concat_and_attention_and_gives_the_unbound_bits(tiny_gpt2):
-    bound, unbound = _session(tiny_gpt2), _session(tiny_gpt2, bind=False)
+    bound, unbound = one_thread_session(tiny_gpt2), one_thread_session(tiny_gpt2, bind=False)
     reference = ort.InferenceSession(tiny_gpt2, providers=["CPUExecutionProvider"])
     for seed in range(6):  # the same sizes every run, new ids, masks and caches: bound calls must read them
         feed = _decode_feed(seed)
@@ -83,9 +75,9 @@ def test_a_decode_step_binds_its_cache_concat_and_attention_and_gives_the_unboun
 
 
 def test_outputs_kept_with_the_arena_are_the_callers_own(tiny_gpt2):
-    session = _session(tiny_gpt2)
+    session = one_thread_session(tiny_gpt2)
     runs = [session.run(None, _decode_feed(seed)) for seed in range(4)]
-    expected = [_session(tiny_gpt2, bind=False).run(None, _decode_feed(seed)) for seed in range(4)]
+    expected = [one_thread_session(tiny_gpt2, bind=False).run(None, _decode_feed(seed)) for seed in range(4)]
     for got, want in zip(runs, expected):  # later runs rewrote the kept results: not the arrays handed out
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
@@ -93,7 +85,7 @@ def test_outputs_kept_with_the_arena_are_the_callers_own(tiny_gpt2):
 
 
 def test_every_layer_of_a_one_row_mlp_binds_and_reads_each_new_input(tiny_mlp):
-    bound, unbound = _session(tiny_mlp), _session(tiny_mlp, bind=False)
+    bound, unbound = one_thread_session(tiny_mlp), one_thread_session(tiny_mlp, bind=False)
     reference = ort.InferenceSession(tiny_mlp, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     outputs = []
@@ -118,7 +110,7 @@ def test_an_input_passed_through_to_an_output_is_not_the_staged_buffer():
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("same", "flat", "y")]
     model = helper.make_model(helper.make_graph(nodes, "g", [x], outputs, [w, shape]),
                               opset_imports=[helper.make_opsetid("", 17)])
-    session = _session(model.SerializeToString())
+    session = one_thread_session(model.SerializeToString())
     feeds = [np.full((2, 4), k, np.float32) for k in range(5)]
     results = [session.run(None, {"x": f}) for f in feeds]
     for feed, (same, flat, y) in zip(feeds, results):
@@ -129,9 +121,9 @@ def test_an_input_passed_through_to_an_output_is_not_the_staged_buffer():
 
 
 def test_threads_sharing_a_decode_session_get_serial_results(tiny_gpt2):
-    session = _session(tiny_gpt2)
+    session = one_thread_session(tiny_gpt2)
     feeds = [_decode_feed(seed) for seed in range(8)]
-    expected = [_session(tiny_gpt2, bind=False).run(None, f) for f in feeds]
+    expected = [one_thread_session(tiny_gpt2, bind=False).run(None, f) for f in feeds]
     errors: list[str] = []
 
     def worker(k: int) -> None:
@@ -146,7 +138,7 @@ def test_threads_sharing_a_decode_session_get_serial_results(tiny_gpt2):
 
 
 def test_a_feed_that_does_not_fit_its_staged_buffer_runs_the_steps_unbound(tiny_mlp):
-    session = _session(tiny_mlp)
+    session = one_thread_session(tiny_mlp)
     program = session._program
     x = np.ones((1, 32), np.float32)
     for _ in range(3):
@@ -159,7 +151,7 @@ def test_a_feed_that_does_not_fit_its_staged_buffer_runs_the_steps_unbound(tiny_
 
 
 def test_the_bound_input_path_reads_each_new_id_and_names_an_id_outside_the_vocabulary(tiny_gpt2):
-    session, unbound = _session(tiny_gpt2), _session(tiny_gpt2, bind=False)
+    session, unbound = one_thread_session(tiny_gpt2), one_thread_session(tiny_gpt2, bind=False)
     for seed in range(3):
         session.run(None, _decode_feed(seed))
     kept = _ops(session, program_module._KEPT)
