@@ -60,9 +60,11 @@ def library_name() -> str:
 
 
 def compile_model(model, directory: str | os.PathLike, target: str = "native", dims: Mapping[str, int] | None = None,
-                  max_dims: Mapping[str, int] | None = None, level: int = 99, native_arch: str = "native") -> Compiled:
+                  max_dims: Mapping[str, int] | None = None, level: int = 99, native_arch: str = "native",
+                  embed_weights: bool = False) -> Compiled:
     """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`; a native build
-    is for `native_arch` (the compiler's -march: "native", or e.g. "x86-64-v3" for AVX2 on another machine)."""
+    is for `native_arch` (the compiler's -march: "native", or e.g. "x86-64-v3" for AVX2 on another machine).
+    `embed_weights` assembles weights.bin into the library or module, so that it alone is shipped."""
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
@@ -71,7 +73,7 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if isinstance(model, (str, os.PathLike)):
         model = load_model(str(model))
     compiler = native_compiler() if target == "native" else wasm_compiler()  # fail before the work
-    emitted = emit(build_plan(model, level), dims, max_dims)
+    emitted = emit(build_plan(model, level), dims, max_dims, embed_weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)

@@ -22,7 +22,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from carrack.backends.c.build import compile_model
 
     compiled = compile_model(args.model, args.output, args.target, _sizes(args.dim, "--dim"),
-                             _sizes(args.max_dim, "--max-dim"))
+                             _sizes(args.max_dim, "--max-dim"), embed_weights=args.embed_weights)
     print(f"wrote {compiled.directory}: {', '.join(compiled.files)}")
     if args.serve:
         if args.target != "wasm32":
@@ -41,6 +41,8 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--dim", action="append", metavar="SYMBOL=SIZE", help="fix a symbolic dim to SIZE")
     c.add_argument("--max-dim", action="append", metavar="SYMBOL=SIZE",
                    help="make a symbolic dim a run-time argument of at most SIZE (the arena is sized for it)")
+    c.add_argument("--embed-weights", action="store_true",
+                   help="assemble the weights into the library or module itself (weights.bin is then not loaded)")
     c.add_argument("--serve", action="store_true",
                    help="then serve DIR over HTTP (its index.html is an example page for image classifiers)")
     c.add_argument("--port", type=int, default=8000, help="port for --serve (default 8000)")

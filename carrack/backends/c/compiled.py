@@ -44,7 +44,7 @@ _LOADED: dict[str, tuple[ctypes.CDLL, np.ndarray, threading.Lock]] = {}
 _LOADING = threading.Lock()
 
 
-def _load_library(library: Path, weights_path: Path, weight_bytes: int):
+def _load_library(library: Path, weights_path: Path, weight_bytes: int, embedded: bool = False):
     key = str(library.resolve())
     with _LOADING:
         if key in _LOADED:
@@ -55,6 +55,12 @@ def _load_library(library: Path, weights_path: Path, weight_bytes: int):
         lib.model_arena_bytes.argtypes = [ctypes.c_void_p]
         lib.model_arena_bytes.restype = ctypes.c_int64
         lib.model_output_shape.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        if embedded:  # the library holds its weights: model_init(NULL) points at them
+            code = lib.model_init(None)
+            if code:
+                raise CarrackError(f"CompiledModel: model_init failed with code {code}")
+            _LOADED[key] = (lib, None, threading.Lock())
+            return _LOADED[key]
         raw = np.fromfile(weights_path, dtype=np.uint8)
         if raw.size != weight_bytes:
             raise CarrackError(f"CompiledModel: {weights_path.name} holds {raw.size} bytes, model.json says "
@@ -97,8 +103,9 @@ class CompiledModel:
         if not library.is_file():
             raise CarrackError(f"CompiledModel: '{self.directory}' holds no {library.name}; it was compiled for "
                                "another target: compile it with --target native")
-        self._lib, self._weights, self._lock = _load_library(library, self.directory / "weights.bin",
-                                                             self.manifest["weights"]["bytes"])
+        weights = self.manifest["weights"]
+        self._lib, self._weights, self._lock = _load_library(library, self.directory / weights["file"],
+                                                             weights["bytes"], weights.get("embedded", False))
         self._dims = [d["name"] for d in self.manifest["dims"]]
         self._maxima = {d["name"]: d["max"] for d in self.manifest["dims"]}
         self._inputs = [IOInfo(e) for e in self.manifest["inputs"]]

@@ -187,9 +187,11 @@ def _identifier(name: str) -> str:
     return text if text and not text[0].isdigit() else f"v_{text}"
 
 
-def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str, int] | None = None) -> Emitted:
+def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str, int] | None = None,
+         embed_weights: bool = False) -> Emitted:
     """The C source, weights and manifest of `plan`: symbols in `fixed` take that size, those in `maxima` are
-    run-time dims bounded by it; every symbol of the model must be in one of them."""
+    run-time dims bounded by it; every symbol of the model must be in one of them. With `embed_weights` the built
+    library or module carries weights.bin itself (model_init(NULL) uses it)."""
     fixed, maxima = dict(fixed or {}), dict(maxima or {})
     _check_symbols(plan, fixed, maxima)
     em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
@@ -203,7 +205,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     if em.missing:
         raise UnsupportedOperators(em.missing)
     _copy_unwritten_outputs(em)
-    return _assemble(em)
+    return _assemble(em, embed_weights)
 
 
 def _copy_unwritten_outputs(em: _Emitter) -> None:
@@ -935,7 +937,7 @@ def supported_operators() -> list[str]:
 
 # assembly ----------------------------------------------------------------------------------------------------------
 
-def _assemble(em: _Emitter) -> Emitted:
+def _assemble(em: _Emitter, embed_weights: bool = False) -> Emitted:
     plan = em.plan
     plan_blocks = list(plan.arena.blocks) if plan.arena else []
     plan_below = list(plan.arena.below) if plan.arena else []
@@ -980,6 +982,7 @@ def _assemble(em: _Emitter) -> Emitted:
         f"#define MODEL_N_OUTPUTS {len(outputs)}",
         f"#define MODEL_N_DIMS {len(em.runtime)}",
         f"#define MODEL_WEIGHT_BYTES {len(em.weights)}",
+        f"#define MODEL_EMBEDDED_WEIGHTS {int(embed_weights)}  /* weights.bin assembled into the binary */",
         f"#define MODEL_ARENA_CAPACITY {capacity}  /* bytes, at the declared maxima */",
         "",
         "typedef struct {",
@@ -991,6 +994,7 @@ def _assemble(em: _Emitter) -> Emitted:
         "    void *const *out;",
         "} run_t;",
         "",
+        *(_embedded_weights(len(em.weights)) if embed_weights else []),
         "static _Alignas(CR_ALIGN) unsigned char arena[MODEL_ARENA_CAPACITY > 0 ? MODEL_ARENA_CAPACITY : 1];",
         "static const unsigned char *model_weights;",
         "static int run_status;  /* set by a step that fails (model_run's error code) */",
@@ -1012,6 +1016,9 @@ def _assemble(em: _Emitter) -> Emitted:
         lines += ["}", ""]
     lines += [
         "int model_init(const void *weights) {",
+        "#if MODEL_EMBEDDED_WEIGHTS",
+        "    if (!weights) weights = model_embedded_weights;",
+        "#endif",
         "    if (((uintptr_t)weights) % CR_ALIGN != 0 && MODEL_WEIGHT_BYTES > 0) return 4;",
         "    model_weights = (const unsigned char *)weights;",
         "    return 0;",
@@ -1048,12 +1055,29 @@ def _assemble(em: _Emitter) -> Emitted:
         "fixed_dims": {k: int(v) for k, v in sorted(em.fixed.items())},
         "inputs": inputs,
         "outputs": outputs,
-        "weights": {"file": "weights.bin", "bytes": len(em.weights), "alignment": ALIGNMENT},
+        "weights": {"file": "weights.bin", "bytes": len(em.weights), "alignment": ALIGNMENT,
+                    "embedded": embed_weights},
         "arena_capacity": capacity,
         "run_errors": {str(k): v for k, v in RUN_ERRORS.items()},
         "steps": len(em.steps),
     }
     return Emitted("\n".join(lines) + "\n", bytes(em.weights), manifest)
+
+
+def _embedded_weights(size: int) -> list[str]:
+    """weights.bin assembled into a read-only, 64-byte-aligned symbol of the library or module (no C array literal:
+    the assembler copies the file's bytes, so a 100 MB model builds as fast as a 1 KB one)."""
+    body = [".p2align 6", ".globl model_embedded_weights", "model_embedded_weights:", '.incbin \\"weights.bin\\"']
+    wasm = ['.section .rodata.model_embedded_weights,\\"\\",@', ".type model_embedded_weights,@object", *body,
+            f".size model_embedded_weights, {size}"]
+    elf = ['.section .rodata.model_embedded_weights,\\"a\\"', ".hidden model_embedded_weights", *body, ".previous"]
+
+    def block(directives: list[str]) -> str:
+        return "__asm__(" + " ".join(f'"{d}\\n"' for d in directives) + ");"
+
+    return ["#if defined(__wasm__)", block(wasm), "#elif defined(__ELF__)", block(elf), "#else",
+            "#error \"embedded weights need an ELF or WebAssembly target: compile without --embed-weights\"",
+            "#endif", "extern const unsigned char model_embedded_weights[];"]
 
 
 def _describe(entries: list[dict]) -> str:
@@ -1106,7 +1130,8 @@ def _io_entry(em: _Emitter, name: str) -> dict:
 def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[str]:
     """Static input, output and weights areas a WebAssembly host copies into (no allocation at run time)."""
     lines = ["#ifdef __wasm__", "/* areas the JavaScript loader fills and reads: the module never allocates */",
-             "static _Alignas(CR_ALIGN) unsigned char weights_area[MODEL_WEIGHT_BYTES > 0 ? MODEL_WEIGHT_BYTES : 1];",
+             "static _Alignas(CR_ALIGN) unsigned char weights_area[MODEL_WEIGHT_BYTES > 0 && "
+             "!MODEL_EMBEDDED_WEIGHTS ? MODEL_WEIGHT_BYTES : 1];",
              f"static int64_t dims_area[{max(1, len(em.runtime))}];"]
     for kind, entries in (("input", inputs), ("output", outputs)):
         for k, entry in enumerate(entries):
@@ -1124,7 +1149,7 @@ def _wasm_areas(em: _Emitter, inputs: list[dict], outputs: list[dict]) -> list[s
               "__attribute__((export_name(\"model_output_area\"))) void *model_output_area(int k) "
               "{ return output_areas[k]; }",
               "__attribute__((export_name(\"model_init_area\"))) int model_init_area(void) "
-              "{ return model_init(weights_area); }",
+              "{ return model_init(MODEL_EMBEDDED_WEIGHTS ? 0 : weights_area); }",
               "__attribute__((export_name(\"model_run_areas\"))) int model_run_areas(void) "
               "{ return model_run(dims_area, input_areas, output_areas); }",
               "__attribute__((export_name(\"model_arena_bytes_areas\"))) int64_t model_arena_bytes_areas(void) "
