@@ -87,9 +87,11 @@ class PackedLinear:
         if not self._fits(x, out) or _plain(x) is not x:
             return None
         rows = x.shape[0]
-        return bound_call(self.kernel, data_address(x), self.depth, rows, data_address(self.panels),
+        call = bound_call(self.kernel, data_address(x), self.depth, rows, data_address(self.panels),
                           data_address(self.bias), data_address(out), self.columns, self.depth, self.columns,
                           self.act, data_address(self.params), self._threads(rows))
+        call.operands = (self, x, out)  # the call holds their addresses: it keeps them alive
+        return call
 
     def _fits(self, x: np.ndarray, out: np.ndarray) -> bool:
         return (type(x) is np.ndarray and x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == self.depth

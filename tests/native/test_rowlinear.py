@@ -161,3 +161,15 @@ def test_the_other_instruction_sets(variant, monkeypatch):
             np.testing.assert_array_equal(out, expected)
         exact = np.maximum(x.astype(np.float64) @ w.T.astype(np.float64) + b, 0)
         assert np.all(np.abs(out - exact) <= _bound(x, w) + np.finfo(np.float32).eps * np.abs(exact))
+
+
+def test_a_bound_call_keeps_what_it_reads_alive():
+    import gc
+
+    x, w, b = _operands(1, 1024, 256, 17)  # a 1 MiB weight: its panels are returned to the system when freed
+    expected = np.empty((1, 256), np.float32)
+    assert rowlinear.pack(w, b, transposed=True).into(x, expected)
+    call = rowlinear.pack(w, b, transposed=True).bind(x.copy(), np.empty((1, 256), np.float32))
+    gc.collect()
+    call()
+    np.testing.assert_array_equal(call.operands[2], expected)
