@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,10 +69,12 @@ class MatMul(Kernel):
         self.native = self.implementation == "native"
         self.weight: np.ndarray | None = None  # a constant 2-D float32 B, checked once (prepare)
         self.rows: rowlinear.PackedLinear | None = None  # the weight packed for products of 1..MAX_ROWS rows
+        self.row_pack: Callable[[], rowlinear.PackedLinear | None] | None = None  # packs it: on first such use
 
     @classmethod
     def prepared_bytes(cls, node, constants) -> int:
-        """The few-row kernel's packed copy of a constant float32 weight (`prepare`)."""
+        """The few-row kernel's packed copy of a constant float32 weight (made by the first product of
+        1..rowlinear.MAX_ROWS rows, counted whether or not one comes)."""
         b = constants.get(node.inputs[1]) if len(node.inputs) > 1 else None
         if not (isinstance(b, np.ndarray) and b.dtype == _F32 and b.ndim == 2 and rowlinear.packs(*b.shape)
                 and rowlinear.library() is not None):
@@ -83,17 +86,26 @@ class MatMul(Kernel):
         if b is not None and _plain_f32(b) and b.ndim == 2:
             self.weight = b
             if self.native and rowlinear.packs(*b.shape):
-                self.rows = native_kernels.prepared("rowlinear", (b,), lambda: rowlinear.pack(b, None, False))
+                self.row_pack = lambda: native_kernels.prepared("rowlinear", (b,), lambda: rowlinear.pack(b, None,
+                                                                                                         False))
+
+    def _few_rows(self, a) -> rowlinear.PackedLinear | None:
+        """The packed weight when `a` (..., K) has 1..rowlinear.MAX_ROWS rows, else None. The weight is packed on
+        the first such product (a model never run at a batch that small keeps no copy)."""
+        if self.row_pack is None or type(a) is not np.ndarray or a.ndim < 2 or a.shape[-1] != self.weight.shape[0] \
+                or not 0 < a.size // a.shape[-1] <= rowlinear.MAX_ROWS:
+            return None
+        if self.rows is None:
+            self.rows = self.row_pack()
+        return self.rows
 
     def _rows_into(self, out, a) -> np.ndarray | None:
         """a (..., K) @ the prepared weight for 1..rowlinear.MAX_ROWS rows by the packed few-row kernel, into
         `out` when it fits, else into a new array; None when not done."""
-        linear = self.rows
-        if linear is None or type(a) is not np.ndarray or a.ndim < 2 or a.shape[-1] != linear.depth:
+        linear = self._few_rows(a)
+        if linear is None:
             return None
         rows = a.size // linear.depth
-        if not 0 < rows <= rowlinear.MAX_ROWS:
-            return None
         shape = a.shape[:-1] + (linear.columns,)
         if out is None or out.shape != shape or not out.flags.c_contiguous:
             out = np.empty(shape, _F32)
@@ -139,7 +151,8 @@ class MatMul(Kernel):
             return None
         rows = a.size // k
         a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
-        call = self.rows.bind(a2, out2) if self.rows is not None and rows <= rowlinear.MAX_ROWS else None
+        linear = self._few_rows(a2)
+        call = linear.bind(a2, out2) if linear is not None else None
         if call is not None:
             return call
         if not self.native or native_matmul.numpy_is_faster(rows, k, n):  # never the native tile (chosen is False)
@@ -195,10 +208,12 @@ class Gemm(Kernel):
         self.row_activation: tuple[int, float, float] = (0, 0.0, 0.0)
         self.rows: rowlinear.PackedLinear | None = None  # B and C packed for products of 1..MAX_ROWS rows
         self.row_operands: tuple = (None, None)  # the (B, C) packed into `rows`
+        self.row_pack: Callable[[], rowlinear.PackedLinear | None] | None = None  # packs them: on first such use
 
     @classmethod
     def prepared_bytes(cls, node, constants) -> int:
-        """The few-row kernel's packed copy of a constant linear layer's weight (`prepare`)."""
+        """The few-row kernel's packed copy of a constant linear layer's weight (`prepare`; made by the first run
+        of 1..rowlinear.MAX_ROWS rows, counted whether or not one comes)."""
         b = _linear_weight(node, constants)
         if b is None or rowlinear.library() is None:
             return 0
@@ -218,8 +233,8 @@ class Gemm(Kernel):
         if self.native and _linear_weight(self.node, {n: v for n, v in zip(self.node.inputs, constants)
                                                       if v is not None}) is not None:
             act, trans_b = self.row_activation, self.trans_b
-            self.rows = native_kernels.prepared(f"rowlinear{act}{trans_b}", (b,) if c is None else (b, c),
-                                                lambda: rowlinear.pack(b, c, trans_b, act))
+            self.row_pack = lambda: native_kernels.prepared(f"rowlinear{act}{trans_b}", (b,) if c is None else (b, c),
+                                                            lambda: rowlinear.pack(b, c, trans_b, act))
             self.row_operands = (b, c)
 
     def run(self, a, b, c=None):
@@ -228,9 +243,8 @@ class Gemm(Kernel):
     def rows_into(self, out, a, b, c=None) -> np.ndarray | None:
         """act(a @ B^T + C) for 1..rowlinear.MAX_ROWS rows of the prepared layer by the packed few-row kernel
         (act: `row_activation`), into `out` when it fits, else into a new array; None when not done."""
-        rows = self.rows
-        if rows is None or b is not self.row_operands[0] or c is not self.row_operands[1] or type(a) is not np.ndarray \
-                or a.ndim != 2 or not 0 < a.shape[0] <= rowlinear.MAX_ROWS:
+        rows = self._few_rows(a, b, c)
+        if rows is None:
             return None
         if out is None or out.shape != (a.shape[0], rows.columns):
             out = np.empty((a.shape[0], rows.columns), _F32)
@@ -238,9 +252,18 @@ class Gemm(Kernel):
 
     def bind_rows(self, out, a, b, c=None):
         """`rows_into` for these very arrays as a call without arguments; None when not done."""
-        if self.rows is None or b is not self.row_operands[0] or c is not self.row_operands[1]:
+        rows = self._few_rows(a, b, c)
+        return None if rows is None else rows.bind(a, out)
+
+    def _few_rows(self, a, b, c) -> rowlinear.PackedLinear | None:
+        """The packed layer when these are its operands and `a` has 1..rowlinear.MAX_ROWS rows, else None; packed
+        on the first such product (a model never run at a batch that small keeps no copy)."""
+        if self.row_pack is None or b is not self.row_operands[0] or c is not self.row_operands[1] \
+                or type(a) is not np.ndarray or a.ndim != 2 or not 0 < a.shape[0] <= rowlinear.MAX_ROWS:
             return None
-        return self.rows.bind(a, out)
+        if self.rows is None:
+            self.rows = self.row_pack()
+        return self.rows
 
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias

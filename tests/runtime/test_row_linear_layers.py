@@ -194,3 +194,12 @@ def test_outputs_of_earlier_runs_are_not_rewritten(activations_mlp):
         np.testing.assert_array_equal(got, want)
     steps_bound = session._program._spare_arenas[0][3][1]
     assert sum(entry[3] in (program_module._BOUND, program_module._KEPT) for entry in steps_bound) == 6
+
+
+def test_a_weight_is_packed_by_the_first_run_of_few_rows_only(activations_mlp):
+    session = one_thread_session(activations_mlp)
+    for _ in range(2):
+        session.run(None, {"x": _feed(8, 0)})
+    assert _packed_layers(session) == []  # never run at 1..4 rows: no copy made
+    session.run(None, {"x": _feed(2, 0)})
+    assert len(_packed_layers(session)) == 6
