@@ -21,8 +21,18 @@ CARRACK_POOL_CLIENT(carrack_rowlinear)
 #define MAX_ROWS 4
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* y[r, j] for the 16 columns of one panel from its partial sums `sums` (no bias yet); only `width` are stored */
+/* y[r, j] for the 16 columns of one panel from its partial sums `sums` (no bias yet); only `width` are stored.
+ * (bias holds 16 values for every panel, the padding included.) */
 ALWAYS_INLINE void finish_panel(const float *sums, const float *bias, float *y, int64_t width, act_t f) {
+#if defined(__AVX512F__) && !defined(CARRACK_PORTABLE)
+    if (f.act == ACT_NONE || f.act == ACT_RELU) {
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums), _mm512_loadu_ps(bias));
+        /* max(0, v) returns its second operand for a NaN and for two zeros: v < 0 ? 0 : v, as activation() */
+        if (f.act == ACT_RELU) v = _mm512_max_ps(_mm512_setzero_ps(), v);
+        _mm512_mask_storeu_ps(y, (__mmask16)(width >= PANEL ? 0xffff : (1u << width) - 1), v);
+        return;
+    }
+#endif
     for (int64_t l = 0; l < width; l++) y[l] = act_scalar(sums[l] + bias[l], f);
 }
 

@@ -173,3 +173,12 @@ def test_a_bound_call_keeps_what_it_reads_alive():
     gc.collect()
     call()
     np.testing.assert_array_equal(call.operands[2], expected)
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_nan_in_a_row_reaches_every_output_of_that_row_through_relu(code):
+    x, w, b = _operands(2, 40, 35, 19)
+    x[1, 7] = np.nan
+    out = np.empty((2, 35), np.float32)
+    assert rowlinear.pack(w, b, transposed=True, activation=(code, 0.0, 0.0)).into(x, out)
+    assert np.isnan(out[1]).all() and not np.isnan(out[0]).any()
