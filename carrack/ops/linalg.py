@@ -97,6 +97,8 @@ class MatMul(Kernel):
             return None
         if self.rows is None:
             self.rows = self.row_pack()
+            if self.rows is None:  # the library is not there: not asked again
+                self.row_pack = None
         return self.rows
 
     def _rows_into(self, out, a) -> np.ndarray | None:
@@ -263,6 +265,8 @@ class Gemm(Kernel):
             return None
         if self.rows is None:
             self.rows = self.row_pack()
+            if self.rows is None:  # the library is not there: not asked again
+                self.row_pack = None
         return self.rows
 
     def run_into(self, out, a, b, c=None):

@@ -203,3 +203,15 @@ def test_a_weight_is_packed_by_the_first_run_of_few_rows_only(activations_mlp):
     assert _packed_layers(session) == []  # never run at 1..4 rows: no copy made
     session.run(None, {"x": _feed(2, 0)})
     assert len(_packed_layers(session)) == 6
+
+
+def test_without_the_library_the_layers_run_their_numpy_paths(activations_mlp, monkeypatch):
+    expected = one_thread_session(activations_mlp, bind=False).run(None, {"x": _feed(2, 4)})[0]
+    monkeypatch.setattr(rowlinear, "library", lambda: None)
+    session = one_thread_session(activations_mlp)
+    for _ in range(3):
+        got = session.run(None, {"x": _feed(2, 4)})[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert _packed_layers(session) == []
+    assert all(getattr(getattr(st.kernel, "inner", st.kernel), "row_pack", None) is None
+               for st in session._program.steps)
