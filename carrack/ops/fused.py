@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from carrack.native import rowlinear
 from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import half, registry
 from carrack.ops.conv import Epilogue, convolution_prepared_bytes, convolution_scratch_bytes
@@ -186,13 +187,41 @@ class FusedBatchNormalization(_FusedIntoBase):
 
 @register("FusedGemm", domain=MS)
 class FusedGemm(_FusedIntoBase):
+    """Gemm + activation. A prepared linear layer of a few rows runs as one native call that applies the
+    activation too (rowlinear.c), where it knows the activation."""
+
     base_op = "Gemm"
     base_opset = 13
+
+    @classmethod
+    def prepared_bytes(cls, node, constants) -> int:
+        return registry.resolve("", cls.base_op, cls.base_opset)[0].prepared_bytes(node, constants)
+
+    def setup(self) -> None:
+        super().setup()
+        name = self.attr("activation", "")
+        #: the few-row kernel applies the activation (else the layer runs as Gemm, then the activation)
+        self.rows_fused = name in rowlinear.ACTIVATIONS
+        if self.rows_fused:
+            epilogue = _epilogue(name, self.activation_params(), self.act)
+            self.inner.row_activation = (rowlinear.ACTIVATIONS[name], epilogue.alpha, epilogue.beta)
 
     def activation_params(self) -> list[float]:
         if self.node.domain == MS:
             return [self.attr(k) for k in ("activation_alpha", "activation_beta") if self.attr(k) is not None]
         return super().activation_params()
+
+    def run(self, a, b, c=None):
+        y = self.inner.rows_into(None, a, b, c) if self.rows_fused else None
+        return super().run(a, b, c) if y is None else y
+
+    def run_into(self, out, a, b, c=None):
+        y = self.inner.rows_into(out, a, b, c) if self.rows_fused else None
+        return super().run_into(out, a, b, c) if y is None else y
+
+    def bind_into(self, out, *inputs):
+        call = self.inner.bind_rows(out, *inputs) if self.rows_fused else None
+        return super().bind_into(out, *inputs) if call is None else call
 
 
 @register("FusedGemm", domain="carrack")

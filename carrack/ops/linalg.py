@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
+from carrack import native as native_kernels
 from carrack.native import matmul as native_matmul
+from carrack.native import rowlinear
 from carrack.ops import half
 from carrack.ops.reduce import compute_dtype
 from carrack.ops.registry import Kernel, register
@@ -65,13 +68,55 @@ class MatMul(Kernel):
         #: the plan chose the native tile (it then still takes only the sizes where it pays: native_matmul.chosen)
         self.native = self.implementation == "native"
         self.weight: np.ndarray | None = None  # a constant 2-D float32 B, checked once (prepare)
+        self.rows: rowlinear.PackedLinear | None = None  # the weight packed for products of 1..MAX_ROWS rows
+        self.row_pack: Callable[[], rowlinear.PackedLinear | None] | None = None  # packs it: on first such use
+
+    @classmethod
+    def prepared_bytes(cls, node, constants) -> int:
+        """The few-row kernel's packed copy of a constant float32 weight (made by the first product of
+        1..rowlinear.MAX_ROWS rows, counted whether or not one comes)."""
+        b = constants.get(node.inputs[1]) if len(node.inputs) > 1 else None
+        if not (isinstance(b, np.ndarray) and b.dtype == _F32 and b.ndim == 2 and rowlinear.packs(*b.shape)
+                and rowlinear.library() is not None):
+            return 0
+        return rowlinear.packed_bytes(*b.shape)
 
     def prepare(self, constants):
         b = constants[1] if len(constants) > 1 else None
         if b is not None and _plain_f32(b) and b.ndim == 2:
             self.weight = b
+            if self.native and rowlinear.packs(*b.shape):
+                self.row_pack = lambda: native_kernels.prepared("rowlinear", (b,), lambda: rowlinear.pack(b, None,
+                                                                                                         False))
+
+    def _few_rows(self, a) -> rowlinear.PackedLinear | None:
+        """The packed weight when `a` (..., K) has 1..rowlinear.MAX_ROWS rows, else None. The weight is packed on
+        the first such product (a model never run at a batch that small keeps no copy)."""
+        if self.row_pack is None or type(a) is not np.ndarray or a.ndim < 2 or a.shape[-1] != self.weight.shape[0] \
+                or not 0 < a.size // a.shape[-1] <= rowlinear.MAX_ROWS:
+            return None
+        if self.rows is None:
+            self.rows = self.row_pack()
+            if self.rows is None:  # the library is not there: not asked again
+                self.row_pack = None
+        return self.rows
+
+    def _rows_into(self, out, a) -> np.ndarray | None:
+        """a (..., K) @ the prepared weight for 1..rowlinear.MAX_ROWS rows by the packed few-row kernel, into
+        `out` when it fits, else into a new array; None when not done."""
+        linear = self._few_rows(a)
+        if linear is None:
+            return None
+        rows = a.size // linear.depth
+        shape = a.shape[:-1] + (linear.columns,)
+        if out is None or out.shape != shape or not out.flags.c_contiguous:
+            out = np.empty(shape, _F32)
+        return out if linear.into(a.reshape(rows, -1), out.reshape(rows, -1)) else None
 
     def run(self, a, b):
+        y = self._rows_into(None, a) if b is self.weight else None
+        if y is not None:
+            return y
         if half.is_half(a, b):  # in float32, rounded once (carrack.ops.half)
             return half.narrow(self.widened_product(a, b))
         y = (_native_product(a, b, None) if b.ndim == 2 else _native_batched(a, b, None)) if self.native else None
@@ -108,6 +153,10 @@ class MatMul(Kernel):
             return None
         rows = a.size // k
         a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
+        linear = self._few_rows(a2)
+        call = linear.bind(a2, out2) if linear is not None else None
+        if call is not None:
+            return call
         if not self.native or native_matmul.numpy_is_faster(rows, k, n):  # never the native tile (chosen is False)
             return functools.partial(np.matmul, a2, b, out=out2)
 
@@ -122,8 +171,12 @@ class MatMul(Kernel):
 
     def run_into(self, out, a, b):
         """Into the planned buffer when it fits (a wrong planned shape costs an allocation, not a wrong result)."""
-        if b is self.weight and self._into_weight(out, a):
-            return out
+        if b is self.weight:
+            y = self._rows_into(out, a)
+            if y is not None:
+                return y
+            if self._into_weight(out, a):
+                return out
         if half.is_half(a, b):
             return half.narrow(self.widened_product(a, b), out)
         if (a.dtype == b.dtype == out.dtype and out.dtype in (np.float32, np.float64) and a.ndim >= 2 and b.ndim >= 2
@@ -153,6 +206,21 @@ class Gemm(Kernel):
         self.widened_b = half.WidenedConstants(transposed=self.trans_b)
         self.native = self.implementation == "native"
         self.weight: tuple | None = None  # (B, C) of a plain float32 product checked once (prepare)
+        #: the activation the few-row kernel applies (code, alpha, beta): FusedGemm sets its own before prepare
+        self.row_activation: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.rows: rowlinear.PackedLinear | None = None  # B and C packed for products of 1..MAX_ROWS rows
+        self.row_operands: tuple = (None, None)  # the (B, C) packed into `rows`
+        self.row_pack: Callable[[], rowlinear.PackedLinear | None] | None = None  # packs them: on first such use
+
+    @classmethod
+    def prepared_bytes(cls, node, constants) -> int:
+        """The few-row kernel's packed copy of a constant linear layer's weight (`prepare`; made by the first run
+        of 1..rowlinear.MAX_ROWS rows, counted whether or not one comes)."""
+        b = _linear_weight(node, constants)
+        if b is None or rowlinear.library() is None:
+            return 0
+        depth, columns = b.shape[::-1] if node.attrs.get("transB", 0) else b.shape
+        return rowlinear.packed_bytes(depth, columns)
 
     def prepare(self, constants):
         """A float32 A @ B^T + C with B and C constant (a linear layer as exporters write it): B and C checked
@@ -164,13 +232,50 @@ class Gemm(Kernel):
                 and _plain_f32(b) and b.ndim == 2 and b.shape[1] and (present_c == (c is not None))
                 and (c is None or (c.dtype == _F32 and c.shape in ((b.shape[0],), (1, b.shape[0]))))):
             self.weight = (b, c)
+        if self.native and _linear_weight(self.node, {n: v for n, v in zip(self.node.inputs, constants)
+                                                      if v is not None}) is not None:
+            act, trans_b = self.row_activation, self.trans_b
+            self.row_pack = lambda: native_kernels.prepared(f"rowlinear{act}{trans_b}", (b,) if c is None else (b, c),
+                                                            lambda: rowlinear.pack(b, c, trans_b, act))
+            self.row_operands = (b, c)
 
     def run(self, a, b, c=None):
         return self.run_into(None, a, b, c)
 
+    def rows_into(self, out, a, b, c=None) -> np.ndarray | None:
+        """act(a @ B^T + C) for 1..rowlinear.MAX_ROWS rows of the prepared layer by the packed few-row kernel
+        (act: `row_activation`), into `out` when it fits, else into a new array; None when not done."""
+        rows = self._few_rows(a, b, c)
+        if rows is None:
+            return None
+        if out is None or out.shape != (a.shape[0], rows.columns):
+            out = np.empty((a.shape[0], rows.columns), _F32)
+        return out if rows.into(a, out) else None
+
+    def bind_rows(self, out, a, b, c=None):
+        """`rows_into` for these very arrays as a call without arguments; None when not done."""
+        rows = self._few_rows(a, b, c)
+        return None if rows is None else rows.bind(a, out)
+
+    def _few_rows(self, a, b, c) -> rowlinear.PackedLinear | None:
+        """The packed layer when these are its operands and `a` has 1..rowlinear.MAX_ROWS rows, else None; packed
+        on the first such product (a model never run at a batch that small keeps no copy)."""
+        if self.row_pack is None or b is not self.row_operands[0] or c is not self.row_operands[1] \
+                or type(a) is not np.ndarray or a.ndim != 2 or not 0 < a.shape[0] <= rowlinear.MAX_ROWS:
+            return None
+        if self.rows is None:
+            self.rows = self.row_pack()
+            if self.rows is None:  # the library is not there: not asked again
+                self.row_pack = None
+        return self.rows
+
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias
         are applied there in place, rather than each in a new array."""
+        if self.row_activation[0] == 0:
+            y = self.rows_into(out, a, b, c)
+            if y is not None:
+                return y
         prepared = self.weight
         if prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2 \
                 and a.shape[1] == b.shape[1] and a.shape[0]:
@@ -183,6 +288,9 @@ class Gemm(Kernel):
 
     def bind_into(self, out, a, b, c=None):
         """`_linear` for these very arrays (a prepared linear layer whose result fits `out`)."""
+        call = self.bind_rows(out, a, b, c) if self.row_activation[0] == 0 else None
+        if call is not None:
+            return call
         prepared = self.weight
         if not (prepared is not None and b is prepared[0] and c is prepared[1] and _plain_f32(a) and a.ndim == 2
                 and a.shape[1] == b.shape[1] and a.shape[0] and _plain_f32(out)
@@ -251,6 +359,24 @@ class Gemm(Kernel):
             return None
         y = out if out is not None else np.empty((a.shape[0], b.shape[0]), np.float32)
         return y if native_matmul.transposed_into(a, b, y) else None
+
+
+def _linear_weight(node, constants) -> np.ndarray | None:
+    """B of a Gemm that `Gemm.prepare` packs for few rows (float32 A @ B + C or A @ B^T + C, B and C constant, C
+    one value per column), from the node and its constants ({input name: array}); None for any other Gemm."""
+    attrs = node.attrs
+    if attrs.get("transA", 0) or float(attrs.get("alpha", 1.0)) != 1.0 or float(attrs.get("beta", 1.0)) != 1.0 \
+            or len(node.inputs) < 2:
+        return None
+    b = constants.get(node.inputs[1])
+    if not (isinstance(b, np.ndarray) and b.dtype == _F32 and b.ndim == 2):
+        return None
+    depth, columns = b.shape[::-1] if attrs.get("transB", 0) else b.shape
+    c = constants.get(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+    if len(node.inputs) > 2 and node.inputs[2] and not (isinstance(c, np.ndarray) and c.dtype == _F32
+                                                        and c.shape in ((columns,), (1, columns))):
+        return None
+    return b if rowlinear.packs(depth, columns) else None
 
 
 def _scaled(x: np.ndarray, factor: float) -> np.ndarray:

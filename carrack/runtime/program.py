@@ -201,6 +201,7 @@ class Program:
         arena, views, steps_bound, staged = (None, None, None, None) if bound is None or profiler is not None \
             or not self._placed else self._take_arena(bound)
         binding = None
+        fast = None  # a reused arena's every step bound: (its (step, call) pairs, the run's output objects)
         trusted = True  # every placed step so far wrote into its view (what the bound steps read)
         if steps_bound is not None and self.bind_steps:  # a reused arena: its steps bound to its views (bound
             # by the first run that reuses it)
@@ -219,9 +220,13 @@ class Program:
                 trusted = staged is None or staged.stage(env)  # the bound steps read the staged buffers
                 if steps_bound[0] is plan:
                     plan = steps_bound[1]
+                    fast = plan.fast if trusted and should_stop is None and profiler is None else None
         step = None
         try:
-            if profiler is None:
+            if fast is not None:
+                for step, call in fast[0]:  # noqa: B007 - the handlers below name `step`
+                    call()
+            elif profiler is None:
                 for step, call, gather, arity, single, release, placed, guard, run_into in plan:
                     if should_stop is not None and should_stop():
                         raise RunTerminated(f"before {step.node.label()}")
@@ -277,11 +282,11 @@ class Program:
             if step is None:
                 raise
             raise RunFailure(f"{step.node.label()} failed: {type(e).__name__}: {e}") from e
-        outputs = [env[s] for s in self.output_slots]
+        outputs = list(fast[1]) if fast is not None else [env[s] for s in self.output_slots]
         if arena is None:
             return outputs
         if binding is not None:
-            steps_bound = binding.bound_plan() if trusted else _NOT_BINDABLE
+            steps_bound = binding.bound_plan(outputs) if trusted else _NOT_BINDABLE
             if trusted:
                 staged.kept = binding.kept_ids()
         outputs = [_off_arena(v, arena) for v in outputs]
@@ -473,10 +478,12 @@ class _Binding:
             return result
         return record
 
-    def bound_plan(self) -> tuple[list[tuple], list[tuple]]:
+    def bound_plan(self, outputs: Sequence[Any] = ()) -> tuple[list[tuple], list[tuple]]:
         """(the plan it was recorded on, that plan with the bound steps' entries marked _BOUND); the bound entries
-        keep a tuple getter and `run_into` for a run in which an earlier step did not write into its view."""
-        plan = list(self.plan)
+        keep a tuple getter and `run_into` for a run in which an earlier step did not write into its view. When
+        every step is bound, kept or a fixed view and the binding run's `outputs` are all fixed objects, the plan's
+        `fast` is its calls and those outputs: a trusted run then makes the calls and nothing else."""
+        plan = _BoundPlan(self.plan)
         for k, call in self.calls.items():
             step, _, _, _, single, release, placed, guard, run_into = plan[k]
             plan[k] = (step, call, self._getter(k), _BOUND, single, release, placed, guard, run_into)
@@ -486,11 +493,24 @@ class _Binding:
         for k, (bound, result) in self.kept.items():
             step, call, _, _, single, release, placed, guard, _ = plan[k]
             plan[k] = (step, _returning(bound, result), self._getter(k), _KEPT, single, release, placed, guard, call)
+        if all(entry[3] in (_BOUND, _FIXED, _KEPT) for entry in plan) and all(
+                v is None or id(v) in self.fixed for v in outputs):
+            plan.fast = (tuple((entry[0], entry[1]) for entry in plan if entry[3] != _FIXED), tuple(outputs))
         return self.plan, plan
 
     def _getter(self, k: int):
         gather, arity = self.plan[k][2], self.plan[k][3]
         return gather if arity > 1 else (lambda env: (gather(env),))
+
+
+class _BoundPlan(list):
+    """A bound plan's entries, and its `fast` form (None unless every step is bound: `_Binding.bound_plan`)."""
+
+    __slots__ = ("fast",)
+
+    def __init__(self, entries):
+        super().__init__(entries)
+        self.fast = None
 
 
 class _Staged:
