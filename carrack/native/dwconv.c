@@ -580,6 +580,35 @@ static inline __attribute__((always_inline)) void dw_flat_plane_t(float *out, co
     }
 }
 
+/* Two planes at once (3x3, multiplier 1): the masks and tap offsets are loaded once for both; each plane sums as
+ * dw_flat_plane_t does, so the bits are the same. */
+static void dw_flat_plane_pair(float *out0, float *out1, const float *img0, const float *img1, const float *wt0,
+                               const float *wt1, float bias0, float bias1, int64_t pixels, const flat_taps_t *F,
+                               act_t f) {
+    enum { TAPS = 9 };
+    const __m512 b0 = _mm512_set1_ps(bias0), b1 = _mm512_set1_ps(bias1);
+    for (int64_t v = 0; v < F->vectors; v++) {
+        const __mmask16 *m = F->mask + v * TAPS;
+        const float *at0 = img0 + 16 * v, *at1 = img1 + 16 * v;
+        __m512 a0 = b0, c0 = _mm512_setzero_ps(), a1 = b1, c1 = _mm512_setzero_ps();
+        for (int t = 0; t + 1 < TAPS; t += 2) {
+            const __mmask16 m0 = m[t], m1 = m[t + 1];
+            const int64_t o0 = F->tap[t], o1 = F->tap[t + 1];
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[t]), _mm512_maskz_loadu_ps(m0, at0 + o0), a0);
+            c0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[t + 1]), _mm512_maskz_loadu_ps(m1, at0 + o1), c0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[t]), _mm512_maskz_loadu_ps(m0, at1 + o0), a1);
+            c1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[t + 1]), _mm512_maskz_loadu_ps(m1, at1 + o1), c1);
+        }
+        const __mmask16 ml = m[TAPS - 1];
+        const int64_t ol = F->tap[TAPS - 1];
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[TAPS - 1]), _mm512_maskz_loadu_ps(ml, at0 + ol), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[TAPS - 1]), _mm512_maskz_loadu_ps(ml, at1 + ol), a1);
+        const __mmask16 s = tail_mask(pixels - 16 * v);
+        _mm512_mask_storeu_ps(out0 + 16 * v, s, act512(_mm512_add_ps(a0, c0), f));
+        _mm512_mask_storeu_ps(out1 + 16 * v, s, act512(_mm512_add_ps(a1, c1), f));
+    }
+}
+
 static void dw_flat_plane(float *out, const float *img, const float *wt, float bias, int64_t pixels,
                           const flat_taps_t *F, act_t f) {
     if (F->taps == 9)
@@ -604,7 +633,15 @@ int64_t dwconv2d_f32(const float *x, const float *w, const float *bias, float *y
     if (sh == 1 && sw == 1 && ow == w_ && kh * kw <= FLAT_MAX_TAPS && oh * ow <= FLAT_MAX_PIXELS) {
         flat_taps_t F;
         if (flat_taps_init(&F, h, w_, oh, kh, kw, dh, dw, pt, pl)) return -1;
-        for (int64_t q = begin; q < end; q++) {
+        int64_t q = begin;
+        if (mult == 1 && kh * kw == 9) /* plane q writes output plane q with weights q % channels */
+            for (; q + 1 < end; q += 2) {
+                const int64_t m0 = q % channels, m1 = (q + 1) % channels;
+                dw_flat_plane_pair(y + q * oh * ow, y + (q + 1) * oh * ow, x + q * h * w_, x + (q + 1) * h * w_,
+                                   w + m0 * 9, w + m1 * 9, bias ? bias[m0] : 0.0f, bias ? bias[m1] : 0.0f, oh * ow,
+                                   &F, f);
+            }
+        for (; q < end; q++) {
             const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
             for (int64_t k = 0; k < mult; k++) {
                 const int64_t m = (first_out + k) % (channels * mult);
