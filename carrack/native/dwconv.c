@@ -349,91 +349,176 @@ static inline void prefetch_rows(const float *img, int64_t h, int64_t w, int64_t
         for (int64_t c = 0; c < w; c += 16) _mm_prefetch((const char *)(img + r * w + c), _MM_HINT_T0);
 }
 
+/* One input row's three taps for two output vectors (columns c .. c + 31 from column c - 1 on): the left tap is
+ * the row itself, the middle and right ones lane shifts across the next vector. */
+typedef struct {
+    __m512 left0, mid0, right0, left1, mid1, right1;
+} dw3_taps_t;
+
+static inline __attribute__((always_inline)) dw3_taps_t dw3_taps(const float *row, int64_t c, __mmask16 ma,
+                                                                  __mmask16 mb, __mmask16 mc, int two) {
+    dw3_taps_t t;
+    const __m512 x0 = _mm512_maskz_loadu_ps(ma, row + c), x1 = _mm512_maskz_loadu_ps(mb, row + c + 16);
+    t.left0 = x0;
+    t.mid0 = ALIGNR(x1, x0, 1);
+    t.right0 = ALIGNR(x1, x0, 2);
+    if (two) {
+        const __m512 x2 = _mm512_maskz_loadu_ps(mc, row + c + 32);
+        t.left1 = x1;
+        t.mid1 = ALIGNR(x2, x1, 1);
+        t.right1 = ALIGNR(x2, x1, 2);
+    } else {
+        t.left1 = t.mid1 = t.right1 = x0;
+    }
+    return t;
+}
+
+/* a += the row's taps times one kernel row's weights (left, middle, right: in that order, as every path sums) */
+#define DW3_FMA(a0, a1, t, wl, wm, wr, two)                                                                        \
+    do {                                                                                                           \
+        a0 = _mm512_fmadd_ps(wr, (t).right0, _mm512_fmadd_ps(wm, (t).mid0, _mm512_fmadd_ps(wl, (t).left0, a0))); \
+        if (two)                                                                                                   \
+            a1 = _mm512_fmadd_ps(wr, (t).right1,                                                                   \
+                                 _mm512_fmadd_ps(wm, (t).mid1, _mm512_fmadd_ps(wl, (t).left1, a1)));              \
+    } while (0)
+
 /* One plane of a 3x3, stride 1, dilation 1 depthwise convolution straight from the image: no phase planes. Each
  * kernel row reads three vectors of its input row (masked loads read the padding as zeros; a row outside the
- * image reads `zero`), and the shifted taps come from lane shifts across them. */
+ * image reads `zero`), and the shifted taps come from lane shifts across them. Two output rows at a time: their
+ * four input rows are loaded and shifted once (the middle two serve both), the column masks worked out once. */
 static void dw3x3s1_plane(float *out, const float *img, const float *wt, float bias, int64_t h, int64_t w,
                           int64_t oh, int64_t ow, int64_t pt, int64_t pl, const float *zero, act_t f) {
     const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
     const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
     const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
     const __m512 b = _mm512_set1_ps(bias);
-    for (int64_t o = 0; o < oh; o++, out += ow) {
-        prefetch_rows(img, h, w, o - pt + PREFETCH_ROWS_AHEAD, 1);
+    for (int64_t o = 0; o < oh; o += 2, out += 2 * ow) {
+        prefetch_rows(img, h, w, o - pt + PREFETCH_ROWS_AHEAD, 2);
         const int64_t i0 = o - pt;
+        const int second = o + 1 < oh; /* the plane's last row may be alone */
         const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
         const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
         const float *r2 = i0 + 2 >= 0 && i0 + 2 < h ? img + (i0 + 2) * w : zero;
+        const float *r3 = second && i0 + 3 >= 0 && i0 + 3 < h ? img + (i0 + 3) * w : zero;
         for (int64_t c0 = 0; c0 < ow; c0 += 32) {
             const int64_t c = c0 - pl; /* input column of lane 0 */
             const __mmask16 ma = range_mask(-c, w - c), mb = range_mask(-c - 16, w - c - 16),
                             mc = range_mask(-c - 32, w - c - 32);
-            __m512 a0 = b, a1 = b;
-#define DW3_ROW(r, wl, wm, wr, two)                                                                                \
-    do {                                                                                                           \
-        const __m512 x0 = _mm512_maskz_loadu_ps(ma, (r) + c), x1 = _mm512_maskz_loadu_ps(mb, (r) + c + 16);       \
-        a0 = _mm512_fmadd_ps(wl, x0, a0);                                                                          \
-        a0 = _mm512_fmadd_ps(wm, ALIGNR(x1, x0, 1), a0);                                                           \
-        a0 = _mm512_fmadd_ps(wr, ALIGNR(x1, x0, 2), a0);                                                           \
-        if (two) {                                                                                                 \
-            const __m512 x2 = _mm512_maskz_loadu_ps(mc, (r) + c + 32);                                             \
-            a1 = _mm512_fmadd_ps(wl, x1, a1);                                                                      \
-            a1 = _mm512_fmadd_ps(wm, ALIGNR(x2, x1, 1), a1);                                                       \
-            a1 = _mm512_fmadd_ps(wr, ALIGNR(x2, x1, 2), a1);                                                       \
-        }                                                                                                          \
-    } while (0)
-            if (ow - c0 > 16) {
-                DW3_ROW(r0, w0, w1, w2, 1);
-                DW3_ROW(r1, w3, w4, w5, 1);
-                DW3_ROW(r2, w6, w7, w8, 1);
-                _mm512_mask_storeu_ps(out + c0 + 16, tail_mask(ow - c0 - 16), act512(a1, f));
-            } else { /* the last 16 columns or fewer: one vector */
-                DW3_ROW(r0, w0, w1, w2, 0);
-                DW3_ROW(r1, w3, w4, w5, 0);
-                DW3_ROW(r2, w6, w7, w8, 0);
+            const int two = ow - c0 > 16; /* else the last 16 columns or fewer: one vector */
+            __m512 a0 = b, a1 = b, d0 = b, d1 = b; /* output rows o (a) and o + 1 (d) */
+            dw3_taps_t t = dw3_taps(r0, c, ma, mb, mc, two);
+            DW3_FMA(a0, a1, t, w0, w1, w2, two);
+            t = dw3_taps(r1, c, ma, mb, mc, two);
+            DW3_FMA(a0, a1, t, w3, w4, w5, two);
+            DW3_FMA(d0, d1, t, w0, w1, w2, two);
+            t = dw3_taps(r2, c, ma, mb, mc, two);
+            DW3_FMA(a0, a1, t, w6, w7, w8, two);
+            DW3_FMA(d0, d1, t, w3, w4, w5, two);
+            const __mmask16 s0 = tail_mask(ow - c0), s1 = tail_mask(ow - c0 - 16);
+            _mm512_mask_storeu_ps(out + c0, s0, act512(a0, f));
+            if (two) _mm512_mask_storeu_ps(out + c0 + 16, s1, act512(a1, f));
+            if (second) {
+                t = dw3_taps(r3, c, ma, mb, mc, two);
+                DW3_FMA(d0, d1, t, w6, w7, w8, two);
+                _mm512_mask_storeu_ps(out + ow + c0, s0, act512(d0, f));
+                if (two) _mm512_mask_storeu_ps(out + ow + c0 + 16, s1, act512(d1, f));
             }
-#undef DW3_ROW
-            _mm512_mask_storeu_ps(out + c0, tail_mask(ow - c0), act512(a0, f));
         }
     }
 }
+#undef DW3_FMA
 
-/* The same for stride 2: a kernel row reads 33 input columns per 16 outputs; lane permutes pick the even
- * columns (left tap), the odd ones (middle tap) and the even ones one further on (right tap). */
+/* One input row's three taps for 16 outputs of stride 2 (input columns c .. c + 32): the even columns (left tap),
+ * the odd ones (middle tap) and the even ones one further on (right tap), by lane permutes. */
+static inline __attribute__((always_inline)) void dw3s2_taps(const float *row, int64_t c, __mmask16 ma, __mmask16 mb,
+                                                             __mmask16 mc, __m512i even, __m512i odd, __m512 *left,
+                                                             __m512 *mid, __m512 *right) {
+    const __m512 x0 = _mm512_maskz_loadu_ps(ma, row + c), x1 = _mm512_maskz_loadu_ps(mb, row + c + 16);
+    const __m512 x2 = _mm512_maskz_loadu_ps(mc, row + c + 32);
+    *left = _mm512_permutex2var_ps(x0, even, x1);
+    *mid = _mm512_permutex2var_ps(x0, odd, x1);
+    *right = ALIGNR(x2, *left, 1);
+}
+
+/* The same for stride 2: a kernel row reads 33 input columns per 16 outputs. Two output rows at a time: the input
+ * row between them (the last kernel row of the first, the first of the second) is loaded and permuted once. */
 static void dw3x3s2_plane(float *out, const float *img, const float *wt, float bias, int64_t h, int64_t w,
                           int64_t oh, int64_t ow, int64_t pt, int64_t pl, const float *zero, act_t f) {
     const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
     const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
     const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
-    const __m512 b = _mm512_set1_ps(bias);
+    const __m512 b = _mm512_set1_ps(bias), zeros = _mm512_setzero_ps();
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t o = 0; o < oh; o++, out += ow) {
-        prefetch_rows(img, h, w, 2 * o - pt + 2 * PREFETCH_ROWS_AHEAD, 2);
+#define DW3S2_ROW(a, wl, wm, wr) a = _mm512_fmadd_ps(wr, right, _mm512_fmadd_ps(wm, mid, _mm512_fmadd_ps(wl, left, a)))
+    for (int64_t o = 0; o < oh; o += 2, out += 2 * ow) {
+        prefetch_rows(img, h, w, 2 * o - pt + 2 * PREFETCH_ROWS_AHEAD, 4);
         const int64_t i0 = 2 * o - pt;
-        const float *r0 = i0 >= 0 && i0 < h ? img + i0 * w : zero;
-        const float *r1 = i0 + 1 >= 0 && i0 + 1 < h ? img + (i0 + 1) * w : zero;
-        const float *r2 = i0 + 2 >= 0 && i0 + 2 < h ? img + (i0 + 2) * w : zero;
+        const int second = o + 1 < oh; /* the plane's last row may be alone */
+        const float *rows[5];
+        for (int64_t k = 0; k < 5; k++)
+            rows[k] = (k < 3 || second) && i0 + k >= 0 && i0 + k < h ? img + (i0 + k) * w : zero;
         for (int64_t c0 = 0; c0 < ow; c0 += 16) {
             const int64_t c = 2 * c0 - pl; /* input column of lane 0 */
             const __mmask16 ma = range_mask(-c, w - c), mb = range_mask(-c - 16, w - c - 16),
-                            mc = range_mask(-c - 32, w - c - 32) & 1;
-            __m512 p = b, q = _mm512_setzero_ps(), u = q; /* one partial sum per kernel row */
-#define DW3S2_ROW(r, wl, wm, wr, a)                                                                                \
-    do {                                                                                                           \
-        const __m512 x0 = _mm512_maskz_loadu_ps(ma, (r) + c), x1 = _mm512_maskz_loadu_ps(mb, (r) + c + 16);       \
-        const __m512 x2 = _mm512_maskz_loadu_ps(mc, (r) + c + 32);                                                 \
-        const __m512 e = _mm512_permutex2var_ps(x0, even, x1);                                                     \
-        a = _mm512_fmadd_ps(wl, e, a);                                                                             \
-        a = _mm512_fmadd_ps(wm, _mm512_permutex2var_ps(x0, odd, x1), a);                                           \
-        a = _mm512_fmadd_ps(wr, ALIGNR(x2, e, 1), a);                                                              \
-    } while (0)
-            DW3S2_ROW(r0, w0, w1, w2, p);
-            DW3S2_ROW(r1, w3, w4, w5, q);
-            DW3S2_ROW(r2, w6, w7, w8, u);
-#undef DW3S2_ROW
-            _mm512_mask_storeu_ps(out + c0, tail_mask(ow - c0), act512(_mm512_add_ps(_mm512_add_ps(p, q), u), f));
+                            mc = range_mask(-c - 32, w - c - 32) & 1, s = tail_mask(ow - c0);
+            __m512 left, mid, right;
+            /* one partial sum per kernel row, added up as (row 0 + row 1) + row 2 */
+            __m512 p = b, q = zeros, u = zeros, p2 = b, q2 = zeros, u2 = zeros;
+            dw3s2_taps(rows[0], c, ma, mb, mc, even, odd, &left, &mid, &right);
+            DW3S2_ROW(p, w0, w1, w2);
+            dw3s2_taps(rows[1], c, ma, mb, mc, even, odd, &left, &mid, &right);
+            DW3S2_ROW(q, w3, w4, w5);
+            dw3s2_taps(rows[2], c, ma, mb, mc, even, odd, &left, &mid, &right);
+            DW3S2_ROW(u, w6, w7, w8);
+            _mm512_mask_storeu_ps(out + c0, s, act512(_mm512_add_ps(_mm512_add_ps(p, q), u), f));
+            if (second) {
+                DW3S2_ROW(p2, w0, w1, w2);
+                dw3s2_taps(rows[3], c, ma, mb, mc, even, odd, &left, &mid, &right);
+                DW3S2_ROW(q2, w3, w4, w5);
+                dw3s2_taps(rows[4], c, ma, mb, mc, even, odd, &left, &mid, &right);
+                DW3S2_ROW(u2, w6, w7, w8);
+                _mm512_mask_storeu_ps(out + ow + c0, s, act512(_mm512_add_ps(_mm512_add_ps(p2, q2), u2), f));
+            }
         }
+    }
+#undef DW3S2_ROW
+}
+
+/* Stride 2 with output rows of at most 7 (a 14x14 map to 7x7): two output rows share a vector, lanes 0-7 the
+ * first and 8-15 the second, so fewer lanes idle. Each input row is one masked load of 16 columns from column -pl
+ * (output j reads 2j .. 2j + 2 of them); permutes pick the taps of both rows at once. Sums in the row kernel's
+ * order, so the bits are the same. */
+static void dw3x3s2_narrow_plane(float *out, const float *img, const float *wt, float bias, int64_t h, int64_t w,
+                                 int64_t oh, int64_t ow, int64_t pt, int64_t pl, act_t f) {
+    const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
+    const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
+    const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
+    const __m512 b = _mm512_set1_ps(bias), zeros = _mm512_setzero_ps();
+    /* lane l < 8 reads column 2l (+1, +2) of the first row's load, lane l >= 8 column 2(l - 8) of the second's */
+    const __m512i left_at = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i mid_at = _mm512_add_epi32(left_at, _mm512_set1_epi32(1));
+    const __m512i right_at = _mm512_add_epi32(left_at, _mm512_set1_epi32(2));
+    const __mmask16 columns = range_mask(pl, w + pl), first = tail_mask(ow), both = (__mmask16)(first | first << 8);
+    __m512 x[5];
+    for (int64_t o = 0; o < oh; o += 2, out += 2 * ow) {
+        const int64_t i0 = 2 * o - pt;
+        for (int64_t k = 0; k < 5; k++) /* input rows i0 .. i0 + 4: the first output row's three, the second's */
+            x[k] = i0 + k >= 0 && i0 + k < h && (k < 3 || o + 1 < oh) ? _mm512_maskz_loadu_ps(columns, img + (i0 + k) * w - pl)
+                                                                    : zeros;
+        __m512 p = b, q = zeros, u = zeros;
+#define DW3S2N_ROW(a, k, wl, wm, wr)                                                                               \
+    a = _mm512_fmadd_ps(wr, _mm512_permutex2var_ps(x[k], right_at, x[(k) + 2]),                                    \
+                        _mm512_fmadd_ps(wm, _mm512_permutex2var_ps(x[k], mid_at, x[(k) + 2]),                      \
+                                        _mm512_fmadd_ps(wl, _mm512_permutex2var_ps(x[k], left_at, x[(k) + 2]), a)))
+        DW3S2N_ROW(p, 0, w0, w1, w2);
+        DW3S2N_ROW(q, 1, w3, w4, w5);
+        DW3S2N_ROW(u, 2, w6, w7, w8);
+#undef DW3S2N_ROW
+        const __m512 y = act512(_mm512_add_ps(_mm512_add_ps(p, q), u), f);
+        /* the second row's lanes 8 .. 8 + ow - 1 land at out + ow .. : a masked store from out + ow - 8 */
+        _mm512_mask_storeu_ps(out, first, y);
+        if (o + 1 < oh) _mm512_mask_storeu_ps(out + ow - 8, (__mmask16)(both & 0xFF00), y);
     }
 }
 
@@ -495,6 +580,35 @@ static inline __attribute__((always_inline)) void dw_flat_plane_t(float *out, co
     }
 }
 
+/* Two planes at once (3x3, multiplier 1): the masks and tap offsets are loaded once for both; each plane sums as
+ * dw_flat_plane_t does, so the bits are the same. */
+static void dw_flat_plane_pair(float *out0, float *out1, const float *img0, const float *img1, const float *wt0,
+                               const float *wt1, float bias0, float bias1, int64_t pixels, const flat_taps_t *F,
+                               act_t f) {
+    enum { TAPS = 9 };
+    const __m512 b0 = _mm512_set1_ps(bias0), b1 = _mm512_set1_ps(bias1);
+    for (int64_t v = 0; v < F->vectors; v++) {
+        const __mmask16 *m = F->mask + v * TAPS;
+        const float *at0 = img0 + 16 * v, *at1 = img1 + 16 * v;
+        __m512 a0 = b0, c0 = _mm512_setzero_ps(), a1 = b1, c1 = _mm512_setzero_ps();
+        for (int t = 0; t + 1 < TAPS; t += 2) {
+            const __mmask16 m0 = m[t], m1 = m[t + 1];
+            const int64_t o0 = F->tap[t], o1 = F->tap[t + 1];
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[t]), _mm512_maskz_loadu_ps(m0, at0 + o0), a0);
+            c0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[t + 1]), _mm512_maskz_loadu_ps(m1, at0 + o1), c0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[t]), _mm512_maskz_loadu_ps(m0, at1 + o0), a1);
+            c1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[t + 1]), _mm512_maskz_loadu_ps(m1, at1 + o1), c1);
+        }
+        const __mmask16 ml = m[TAPS - 1];
+        const int64_t ol = F->tap[TAPS - 1];
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(wt0[TAPS - 1]), _mm512_maskz_loadu_ps(ml, at0 + ol), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(wt1[TAPS - 1]), _mm512_maskz_loadu_ps(ml, at1 + ol), a1);
+        const __mmask16 s = tail_mask(pixels - 16 * v);
+        _mm512_mask_storeu_ps(out0 + 16 * v, s, act512(_mm512_add_ps(a0, c0), f));
+        _mm512_mask_storeu_ps(out1 + 16 * v, s, act512(_mm512_add_ps(a1, c1), f));
+    }
+}
+
 static void dw_flat_plane(float *out, const float *img, const float *wt, float bias, int64_t pixels,
                           const flat_taps_t *F, act_t f) {
     if (F->taps == 9)
@@ -519,7 +633,15 @@ int64_t dwconv2d_f32(const float *x, const float *w, const float *bias, float *y
     if (sh == 1 && sw == 1 && ow == w_ && kh * kw <= FLAT_MAX_TAPS && oh * ow <= FLAT_MAX_PIXELS) {
         flat_taps_t F;
         if (flat_taps_init(&F, h, w_, oh, kh, kw, dh, dw, pt, pl)) return -1;
-        for (int64_t q = begin; q < end; q++) {
+        int64_t q = begin;
+        if (mult == 1 && kh * kw == 9) /* plane q writes output plane q with weights q % channels */
+            for (; q + 1 < end; q += 2) {
+                const int64_t m0 = q % channels, m1 = (q + 1) % channels;
+                dw_flat_plane_pair(y + q * oh * ow, y + (q + 1) * oh * ow, x + q * h * w_, x + (q + 1) * h * w_,
+                                   w + m0 * 9, w + m1 * 9, bias ? bias[m0] : 0.0f, bias ? bias[m1] : 0.0f, oh * ow,
+                                   &F, f);
+            }
+        for (; q < end; q++) {
             const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
             for (int64_t k = 0; k < mult; k++) {
                 const int64_t m = (first_out + k) % (channels * mult);
@@ -537,8 +659,13 @@ int64_t dwconv2d_f32(const float *x, const float *w, const float *bias, float *y
             const int64_t first_out = (q / channels) * channels * mult + (q % channels) * mult;
             for (int64_t k = 0; k < mult; k++) {
                 const int64_t m = (first_out + k) % (channels * mult);
-                (sh == 1 ? dw3x3s1_plane : dw3x3s2_plane)(y + (first_out + k) * oh * ow, x + q * h * w_, w + m * 9,
-                                                          bias ? bias[m] : 0.0f, h, w_, oh, ow, pt, pl, zero, f);
+                float *plane = y + (first_out + k) * oh * ow;
+                if (sh == 2 && ow <= 7)
+                    dw3x3s2_narrow_plane(plane, x + q * h * w_, w + m * 9, bias ? bias[m] : 0.0f, h, w_, oh, ow, pt,
+                                         pl, f);
+                else
+                    (sh == 1 ? dw3x3s1_plane : dw3x3s2_plane)(plane, x + q * h * w_, w + m * 9, bias ? bias[m] : 0.0f,
+                                                              h, w_, oh, ow, pt, pl, zero, f);
             }
         }
         free(zero);

@@ -705,6 +705,30 @@ class Conv(_ConvBase):
         return convolve(x, w, strides=strides, pads=pads, dilations=dilations, group=self.group, bias=b, out=out,
                         activation=activation, kernels=self.native, residual=residual)
 
+    def bind_into(self, out, x, w, b=None, activation: Epilogue | None = None, residual: np.ndarray | None = None):
+        """The shape's bound native call for these very arrays with its arguments converted once
+        (BoundConvolution.bind_call), where `run_into` would make that call; a call that fails (out of memory)
+        takes `run_into`'s general path. None where `run_into` would not reach the bound call."""
+        if self.native is None or (activation is not None and activation.code < 0) or half.is_half(x, w, b, residual):
+            return None
+        wd = self.dense[1][1] if 1 in self.dense and w is self.dense[1][0] else w
+        bd = self.dense[2][1] if 2 in self.dense and b is self.dense[2][0] else b
+        prepared = self.prepared.get(x.shape)
+        if (prepared is None or prepared[0].w is not wd or prepared[0].bias is not bd or prepared[1] is not activation
+                or prepared[2] != (residual is not None)):
+            return None
+        call = prepared[0].bind_call(x, out, residual)
+        if call is None:
+            return None
+        run_into = self.run_into
+
+        def bound() -> None:
+            if not call():
+                y = run_into(out, x, w, b, activation, residual)
+                if y is not out:
+                    np.copyto(out, y)
+        return bound
+
 
 @register("ConvTranspose", since=1)
 class ConvTranspose(_ConvBase):

@@ -163,6 +163,9 @@ class FusedConv(_FusedIntoBase):
     def run_into(self, out, x, w, b=None, z=None):
         return self.inner.run_into(out, x, w, b, activation=self.epilogue, residual=z)
 
+    def bind_into(self, out, x, w, b=None, z=None):
+        return self.inner.bind_into(out, x, w, b, activation=self.epilogue, residual=z)
+
 
 @register("FusedBatchNormalization", domain="carrack")
 class FusedBatchNormalization(_FusedIntoBase):
