@@ -400,13 +400,15 @@ static inline cr_vf cr_vclamp(cr_vf v, float lo, float hi) {
 #endif
 }
 
-/* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]) or the im2col of a
- * convolution's input group (k = (c, i, j) tap, column = output pixel) */
+/* where B's elements come from: a strided matrix (B(k, j) = b[k * row + j * col]), the im2col of a
+ * convolution's input group (k = (c, i, j) tap, column = output pixel), or panels written at compile time
+ * (`panel` > 0: B(k, j) = b[((j / panel) * depth + k) * panel + j % panel], zero-padded to whole panels) */
 typedef struct {
     const float *b;
     int64_t row, col;
     int conv;
     int64_t h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl;
+    int64_t panel, depth;
 } cr_bsrc;
 
 #define CR_PACK_FLOATS (CR_KC * CR_NC)
@@ -465,7 +467,12 @@ static void cr_pack_b(const cr_bsrc *s, int64_t k0, int64_t kc, int64_t j0, int6
         for (int64_t kk = 0; kk < kc; kk++) {
             float *o = out + kk * CR_GN;
             const float *src = s->b + (k0 + kk) * s->row + first * s->col;
-            if (s->col == 1) {
+            if (s->panel) { /* panels of another width than this target's tile */
+                for (int64_t q = 0; q < count; q++) {
+                    int64_t j = first + q;
+                    o[q] = s->b[(j / s->panel * s->depth + k0 + kk) * s->panel + j % s->panel];
+                }
+            } else if (s->col == 1) {
                 memcpy(o, src, (size_t)count * sizeof(float));
             } else {
                 for (int64_t q = 0; q < count; q++) o[q] = src[q * s->col];
@@ -554,14 +561,15 @@ static void cr_gemm_tile_narrow(int rows, const float *a, int64_t sa_m, int64_t 
 }
 
 /* c[i, j] = act(sum_k a[i * sa_m + k * sa_k] B(k, j) + row_bias[i] + col_bias[j] + z[i * ldc + j]) for i < m,
- * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place). A strided B with
- * contiguous rows is read where it lies (only a last, partial column tile is copied); an im2col or transposed B is
- * packed panel by panel. */
+ * j < n; row_bias, col_bias and z may be NULL, and z may be c itself (a residual added in place). B in panels of this
+ * target's tile width (constant weights, packed at compile time) and a strided B with contiguous rows are read
+ * where they lie (the latter copies only a last, partial column tile); an im2col, transposed or other-width
+ * panelled B is packed panel by panel. */
 static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k, const cr_bsrc *b, float *c,
                                      int64_t ldc, int64_t m, int64_t k, int64_t n, const float *row_bias,
                                      const float *col_bias, const float *z, int act, float act_a, float act_b) {
     float *panel = (float *)cr_pack_buffer;
-    int direct = !b->conv && b->col == 1;
+    int prepacked = b->panel == CR_GN, direct = !b->conv && !b->panel && b->col == 1;
     if (k == 0) {
         for (int64_t i = 0; i < m; i++) {
             float *ci = c + i * ldc;
@@ -576,7 +584,8 @@ static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k,
         int64_t nc = n - j0 < CR_NC ? n - j0 : CR_NC;
         for (int64_t k0 = 0; k0 < k; k0 += CR_KC) {
             int64_t kc = k - k0 < CR_KC ? k - k0 : CR_KC, full = nc / CR_GN * CR_GN;
-            if (!direct) cr_pack_b(b, k0, kc, j0, nc, panel);
+            if (prepacked) {
+            } else if (!direct) cr_pack_b(b, k0, kc, j0, nc, panel);
             else if (full < nc) cr_pack_b(b, k0, kc, j0 + full, nc - full, panel); /* only the partial tile */
             int is_last = k0 + kc >= k;
             for (int64_t i0 = 0; i0 < m; i0 += CR_GM) {
@@ -586,7 +595,9 @@ static CR_UNUSED void cr_gemm_packed(const float *a, int64_t sa_m, int64_t sa_k,
                     int64_t nq = nc - t * CR_GN < CR_GN ? nc - t * CR_GN : CR_GN, at = i0 * ldc + j0 + t * CR_GN;
                     const float *p = panel + t * kc * CR_GN;
                     int64_t ldp = CR_GN;
-                    if (direct && nq == CR_GN) {
+                    if (prepacked) {
+                        p = b->b + ((j0 / CR_GN + t) * k + k0) * CR_GN;
+                    } else if (direct && nq == CR_GN) {
                         p = b->b + k0 * b->row + j0 + t * CR_GN;
                         ldp = b->row;
                     } else if (direct) {
@@ -873,6 +884,16 @@ static CR_UNUSED void cr_matmul_packed(const float *a, const float *b, const flo
         cr_gemm_packed(a + bt * a_batch, a_row, a_col, &src, y + bt * m * n, n, m, k, n, NULL, col_bias,
                        z ? z + bt * m * n : NULL, act, act_a, act_b);
     }
+}
+
+/* y = act(a b + col_bias + z) for a [m, k] (rows a_row, columns a_col apart) and a constant b [k, n] that the
+ * compiler wrote as panels of `panel` columns (see cr_bsrc); y and z are [m, n]. Read in place where `panel` is
+ * this target's tile width, repacked otherwise. */
+static CR_UNUSED void cr_matmul_prepacked(const float *a, const float *panels, int64_t panel, const float *col_bias,
+                                          const float *z, float *y, int64_t m, int64_t k, int64_t n, int64_t a_row,
+                                          int64_t a_col, int act, float act_a, float act_b) {
+    cr_bsrc src = {.b = panels, .panel = panel, .depth = k};
+    cr_gemm_packed(a, a_row, a_col, &src, y, n, m, k, n, NULL, col_bias, z, act, act_a, act_b);
 }
 
 /* y[o, c, i] = act(x[o, c, i] * scale[c] + shift[c]) (inference BatchNormalization folded at compile time) */
