@@ -425,6 +425,25 @@ static CR_EXACT_FN CR_UNUSED void cr_qlinear_add_flat(const void *a, int a_signe
         cr_qlinear_add(a, a_signed, strides, b, b_signed, strides, ka, kb, offset, y, y_signed, shape);
         return;
     }
+    /* uint8 (the QDQ residual adds): CR_QL lanes at a time, the same float steps in the same order */
+    typedef uint8_t cr_qbytes __attribute__((vector_size(CR_QL)));
+    const uint8_t *pa = (const uint8_t *)a, *pb = (const uint8_t *)b;
+    uint8_t *py = (uint8_t *)y;
+    int64_t i = 0;
+    for (; i + CR_QL <= count; i += CR_QL) {
+        cr_qbytes va, vb;
+        memcpy(&va, pa + i, sizeof va);
+        memcpy(&vb, pb + i, sizeof vb);
+        cr_qf v = __builtin_convertvector(va, cr_qf) * ka;
+        cr_qf u = __builtin_convertvector(vb, cr_qf) * kb;
+        v = cr_qf_clamp((v + u) + offset, 0.0f, 255.0f);
+        cr_qbytes out = __builtin_convertvector(__builtin_convertvector((v + CR_ROUNDER) - CR_ROUNDER, cr_qi), cr_qbytes);
+        memcpy(py + i, &out, sizeof out);
+    }
+    a = pa + i;
+    b = pb + i;
+    y = py + i;
+    count -= i;
     CR_QADD_FLAT(uint8_t, uint8_t, uint8_t, 0.0f, 255.0f);
 }
 
