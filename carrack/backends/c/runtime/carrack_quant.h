@@ -270,10 +270,38 @@ static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *pane
 /* -- QLinearConvExact ------------------------------------------------------------------------------------------- */
 /* panel[k / 2][p][k % 2] = x[c][ih][iw] - x_zero_point (0 outside the image: the shifted padding) for the k = (c, i,
  * j) of one group and the pixels p0..p0+count-1; pixels past count and the odd k's pair are zeros */
+/* the same for a 1x1 convolution at stride 1 without padding over uint8: pixels p0.. of channels 2 kp and 2 kp + 1
+ * are two contiguous runs of the planes, interleaved into the pairs (8 pixels a step on SIMD128) */
+static void cr_qpack_pointwise(const uint8_t *x, int32_t x_zero_point, int64_t channels, int64_t plane,
+                               int64_t kpad, int64_t p0, int64_t count, int16_t *panel) {
+    for (int64_t kp = 0; kp < kpad / 2; kp++) {
+        const uint8_t *even = x + 2 * kp * plane + p0, *odd = 2 * kp + 1 < channels ? even + plane : NULL;
+        int16_t *dst = panel + kp * CR_QNB * 2;
+        int64_t t = 0;
+#if defined(__wasm_simd128__) && !defined(CR_QUANT_PORTABLE)
+        const v128_t zp = wasm_i16x8_splat((int16_t)x_zero_point);
+        for (; odd && t + 8 <= count; t += 8) {
+            v128_t a = wasm_i16x8_sub(wasm_u16x8_load8x8(even + t), zp);
+            v128_t b = wasm_i16x8_sub(wasm_u16x8_load8x8(odd + t), zp);
+            wasm_v128_store(dst + 2 * t, wasm_i16x8_shuffle(a, b, 0, 8, 1, 9, 2, 10, 3, 11));
+            wasm_v128_store(dst + 2 * t + 8, wasm_i16x8_shuffle(a, b, 4, 12, 5, 13, 6, 14, 7, 15));
+        }
+#endif
+        for (; t < count; t++) {
+            dst[2 * t] = (int16_t)(even[t] - x_zero_point);
+            dst[2 * t + 1] = odd ? (int16_t)(odd[t] - x_zero_point) : 0;
+        }
+    }
+}
+
 static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int64_t channels, int64_t h,
                           int64_t wd, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
                           int64_t dw, int64_t pt, int64_t pl, int64_t kpad, int64_t p0, int64_t count,
                           int16_t *panel) {
+    if (!x_signed && kh == 1 && kw == 1 && sh == 1 && sw == 1 && pt == 0 && pl == 0 && ow == wd) {
+        cr_qpack_pointwise((const uint8_t *)x, x_zero_point, channels, h * wd, kpad, p0, count, panel);
+        return;
+    }
     memset(panel, 0, (size_t)(kpad * CR_QNB) * sizeof(int16_t));
     for (int64_t p = 0; p < count;) { /* a run of pixels along one output row */
         const int64_t q = p0 + p, out_row = q / ow, out_col = q % ow;
