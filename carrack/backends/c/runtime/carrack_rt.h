@@ -636,7 +636,9 @@ static CR_UNUSED void cr_gemm_prepacked(const float *a, int64_t sa_m, int64_t sa
 }
 
 /* a 2-D convolution (cr_conv2d's arguments) as one packed product per image and group: A = the group's weights
- * [mg, cg * kh * kw] as stored, B = the im2col of its input channels (packed panel by panel, never whole) */
+ * [mg, cg * kh * kw] as stored, B = the im2col of its input channels (packed panel by panel, never whole). The
+ * blocking is inlined here, a copy of its own: V8 ran the shared out-of-line copy 22-27% slower on 1x1 and 3x3
+ * layers (node, relaxed build) */
 static CR_UNUSED void cr_conv2d_gemm(const float *x, const float *w, const float *bias, const float *z, float *y,
                                      int64_t n, int64_t c_in, int64_t h, int64_t wd, int64_t m_out, int64_t oh,
                                      int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
@@ -648,7 +650,7 @@ static CR_UNUSED void cr_conv2d_gemm(const float *x, const float *w, const float
             const float *xg = x + (img * c_in + g * cg) * h * wd;
             cr_bsrc src = {xg, plane, 1, !pointwise, h, wd, ow, kh, kw, sh, sw, dh, dw, pt, pl};
             int64_t first = (img * m_out + g * mg) * plane;
-            cr_gemm_packed(w + g * mg * depth, depth, 1, &src, y + first, plane, mg, depth, plane,
+            cr_gemm_blocks(w + g * mg * depth, depth, 1, &src, y + first, plane, mg, depth, plane,
                            bias ? bias + g * mg : NULL, NULL, z ? z + first : NULL, act, a, b);
         }
     }
