@@ -360,3 +360,45 @@ def numpy_helper_tensor(name: str, array: np.ndarray):
     from onnx import numpy_helper
 
     return numpy_helper.from_array(np.asarray(array), name)
+
+
+@pytest.mark.parametrize("width", [0, 8, 12, 16, 64])
+@pytest.mark.parametrize("name", ["wide_blocks", "sequence_mlp"])
+def test_prepacked_weights_at_any_panel_width_equal_the_session(exported, tmp_path, name, width):
+    """Constant matrix-product weights written as column panels at compile time: read in place where the width is
+    this build's tile width, repacked where it is another target's (or no target's: 12), kept as stored at 0.
+    wide_blocks' 300 -> 130 Gemm spans two depth blocks and two column blocks with a partial last panel."""
+    path, maxima = exported[name]
+    compile_model(path, tmp_path, "native", max_dims=maxima, panel_width=width)
+    source = (tmp_path / "model.c").read_text()
+    assert ("cr_matmul_prepacked" in source) == (width > 0)
+    model = carrack.CompiledModel(tmp_path)
+    for feed in feeds(name):
+        for got, want in zip(model.run(None, feed), session_outputs(path, feed)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_prepacked_weights_are_column_panels_stored_once(exported):
+    """The MLP's Linear weights ([out, in], Gemm transB) are written only as B = W^T cut into 8-column panels
+    ([ceil(out / 8), in, 8], the last panel zero-padded), 64-byte aligned."""
+    path, maxima = exported["mlp"]
+    model = load_model(str(path))
+    emitted = emit(build_plan(model, 99), None, maxima, panel_width=8)
+    calls = emitted.source.split("cr_matmul_prepacked(")[1:]
+    assert len(calls) == 3 and "::transposed" not in emitted.source
+    weights = np.frombuffer(bytes(emitted.weights), "<f4")
+    gemm_weights = [w for w in model.graph.initializers.values() if np.asarray(w).ndim == 2]
+    for call in calls:
+        offset = int(call.split("r->weights + ")[1].split(")")[0])
+        assert offset % 64 == 0
+        k, n = (int(v) for v in call.split(",")[7:9])
+        w = next(np.asarray(w) for w in gemm_weights if np.asarray(w).shape == (n, k))
+        panels = -(-n // 8)
+        stored = weights[offset // 4: offset // 4 + panels * k * 8].reshape(panels, k, 8)
+        for t in range(panels):
+            columns = min(8, n - 8 * t)
+            np.testing.assert_array_equal(stored[t, :, :columns], w[8 * t: 8 * t + columns].T)
+            assert not stored[t, :, columns:].any()
+    matrices = sum(-(-w.shape[0] // 8) * 8 * w.shape[1] * 4 for w in gemm_weights)
+    assert len(emitted.weights) <= matrices + sum(np.asarray(w).nbytes for w in model.graph.initializers.values()
+                                                  if np.asarray(w).ndim == 1) + 64 * 6

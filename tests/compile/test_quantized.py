@@ -269,3 +269,54 @@ def test_broadcast_qlinear_add_is_bit_exact(tmp_path):
 @needs_wasm
 def test_broadcast_qlinear_add_in_node_is_bit_exact(tmp_path):
     _check_broadcast_add(tmp_path, "wasm32")
+
+
+def _pointwise_graph() -> onnx.ModelProto:
+    """A QDQ 1x1 convolution over an odd number of uint8 channels (5: the last pair half zeros) on a 7x7 plane
+    (49 pixels: a 32-pixel block, then 17 = two 8-pixel steps and a scalar tail)."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(a, n) for a, n in (
+        (np.array(0.25, np.float32), "s"), (np.array(100, np.uint8), "zp"),
+        (rng.integers(-100, 100, (6, 5, 1, 1)).astype(np.int8), "w_q"), (np.array(0.5, np.float32), "ws"),
+        (np.array(0, np.int8), "wzp"), (rng.integers(-300, 300, 6).astype(np.int32), "b_q"),
+        (np.array(0.125, np.float32), "bs"), (np.array(0, np.int32), "bzp"), (np.array(4.0, np.float32), "s2"))]
+    N = helper.make_node  # noqa: N806 - short, for the node list
+    nodes = [N("QuantizeLinear", ["x", "s", "zp"], ["xq"]), N("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
+             N("DequantizeLinear", ["w_q", "ws", "wzp"], ["wd"]), N("DequantizeLinear", ["b_q", "bs", "bzp"], ["bd"]),
+             N("Conv", ["xd", "wd", "bd"], ["conv"]),
+             N("QuantizeLinear", ["conv", "s2", "zp"], ["cq"]), N("DequantizeLinear", ["cq", "s2", "zp"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5, 7, 7])
+    g = helper.make_graph(nodes, "pointwise", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _check_pointwise(tmp_path, target: str) -> None:
+    path = tmp_path / "pointwise.onnx"
+    onnx.save(_pointwise_graph(), str(path))
+    compile_model(path, tmp_path / "out", target, max_dims={"n": 3})
+    assert "cr_qconv2d(" in (tmp_path / "out" / "model.c").read_text()
+    feeds = [{"x": (np.random.default_rng(seed).standard_normal((rows, 5, 7, 7)) * 12).astype(np.float32)}
+             for rows, seed in ((1, 0), (3, 1))]
+    session = carrack.InferenceSession(str(path))
+    wants = [session.run(None, feed) for feed in feeds]
+    assert 0.1 < np.mean((wants[1][0] > -390) & (wants[1][0] < 610))  # mostly not saturated
+    if target == "native":
+        model = carrack.CompiledModel(tmp_path / "out")
+        got = [model.run(None, feed)[0] for feed in feeds]
+    else:
+        report = run_in_node(tmp_path / "out", tmp_path, feeds)
+        got = [node_outputs(run, want)[0] for run, want in zip(report["runs"], wants)]
+    for g, want in zip(got, wants):
+        np.testing.assert_array_equal(g, want[0])
+
+
+@needs_compiler
+def test_pointwise_convolution_is_bit_exact(tmp_path):
+    """1x1 convolutions pack their input pairs straight from the planes (8 pixels a step on SIMD128)."""
+    _check_pointwise(tmp_path, "native")
+
+
+@needs_wasm
+def test_pointwise_convolution_in_node_is_bit_exact(tmp_path):
+    _check_pointwise(tmp_path, "wasm32")

@@ -378,6 +378,21 @@ def test_bert_with_run_time_batch_and_sequence(bert, tmp_path):
         np.testing.assert_allclose(model.run(None, feed)[0], session.run(None, feed)[0], rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
+def test_bert_attention_in_blocks_of_query_rows(bert, tmp_path, monkeypatch):
+    """cr_attention's scores in blocks of query rows (built here with room for 30 scores: 3 rows of a 10-key
+    sequence, 2 of 12, a last partial block), masked rows and a wholly masked sequence among them."""
+    from carrack.backends.c.build import native_compiler
+
+    monkeypatch.setenv("CC", " ".join([*native_compiler(), "-DCR_ATTENTION_SCORES=30"]))
+    compile_model(bert, tmp_path, "native", max_dims=BERT_MAXIMA)
+    model = carrack.CompiledModel(tmp_path)
+    session = carrack.InferenceSession(str(bert))
+    feeds = _bert_feeds_at_run_time_sizes()
+    for feed in [*feeds, {name: value[:, :10] for name, value in feeds[2].items()}]:
+        np.testing.assert_allclose(model.run(None, feed)[0], session.run(None, feed)[0], rtol=1e-5, atol=1e-5)
+
+
 @needs_wasm
 def test_bert_with_run_time_sizes_in_node(bert, tmp_path):
     compile_model(bert, tmp_path / "out", "wasm32", max_dims=BERT_MAXIMA)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,10 @@ WASM_PAGE = 65536
 WASM_STACK = 1 << 20
 #: room for the C library's data and the compiler's globals above the static areas and the stack
 WASM_SLACK = 1 << 20
+#: the packed matrix product's tile width in floats (carrack_rt.h's CR_GN = CR_GNV vectors of CR_VW lanes): the
+#: panel width constant weights are written in. 2 x 4 lanes on SIMD128 (and SSE, NEON), 2 x 8 on AVX2, 4 x 16 on
+#: AVX-512
+WASM_PANEL_WIDTH = 8
 LIBRARY_NAME = {"linux": "libmodel.so", "darwin": "libmodel.dylib", "win32": "model.dll"}
 
 
@@ -61,10 +66,12 @@ def library_name() -> str:
 
 def compile_model(model, directory: str | os.PathLike, target: str = "native", dims: Mapping[str, int] | None = None,
                   max_dims: Mapping[str, int] | None = None, level: int = 99, native_arch: str = "native",
-                  embed_weights: bool = False) -> Compiled:
+                  panel_width: int | None = None, embed_weights: bool = False) -> Compiled:
     """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`; a native build
     is for `native_arch` (the compiler's -march: "native", or e.g. "x86-64-v3" for AVX2 on another machine).
-    `embed_weights` assembles weights.bin into the library or module, so that it alone is shipped."""
+    Constant matrix-product weights are written as panels of `panel_width` columns (default: the target's tile
+    width; 0 keeps them as stored). `embed_weights` assembles weights.bin into the library or module, so that it
+    alone is shipped."""
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
@@ -73,7 +80,9 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if isinstance(model, (str, os.PathLike)):
         model = load_model(str(model))
     compiler = native_compiler() if target == "native" else wasm_compiler()  # fail before the work
-    emitted = emit(build_plan(model, level), dims, max_dims, embed_weights)
+    if panel_width is None:
+        panel_width = native_panel_width(compiler, native_arch) if target == "native" else WASM_PANEL_WIDTH
+    emitted = emit(build_plan(model, level), dims, max_dims, panel_width, embed_weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)
@@ -102,6 +111,17 @@ def native_compiler() -> list[str]:
             return candidate.split()
     raise ToolchainMissing("carrack compile --target native needs a C compiler: install gcc or clang "
                            "(Debian: apt-get install gcc) or set $CC")
+
+
+def native_panel_width(compiler: list[str], arch: str = "native") -> int:
+    """The packed product's tile width for a native build: from the vector extensions the compiler enables at
+    `arch` (0, weights as stored, where the compiler cannot say)."""
+    flags = [] if sys.platform == "win32" else [f"-march={arch}"]
+    done = subprocess.run([*compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
+    if done.returncode != 0:
+        return 0
+    macros = set(re.findall(r"#define (\w+)", done.stdout))
+    return 64 if "__AVX512F__" in macros else 16 if "__AVX__" in macros else WASM_PANEL_WIDTH
 
 
 def wasm_compiler() -> list[str]:

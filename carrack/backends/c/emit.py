@@ -110,6 +110,7 @@ class _Emitter:
     constants: dict[str, np.ndarray] = field(default_factory=dict)  # Constant nodes' values
     failing_steps: set[str] = field(default_factory=set)  # steps that may set run_status (an index out of range)
     facts: dict = field(default_factory=dict)  # shape inference's facts at the fixed dims
+    panel_width: int = 0  # > 0: constant matrix-product B written as panels of this many columns (cr_bsrc)
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -188,13 +189,15 @@ def _identifier(name: str) -> str:
 
 
 def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str, int] | None = None,
-         embed_weights: bool = False) -> Emitted:
+         panel_width: int = 0, embed_weights: bool = False) -> Emitted:
     """The C source, weights and manifest of `plan`: symbols in `fixed` take that size, those in `maxima` are
-    run-time dims bounded by it; every symbol of the model must be in one of them. With `embed_weights` the built
-    library or module carries weights.bin itself (model_init(NULL) uses it)."""
+    run-time dims bounded by it; every symbol of the model must be in one of them. `panel_width` > 0 writes the
+    constant B of matrix products (MatMul, Gemm) into the weights as panels of that many columns, the packed
+    product's layout on a target whose tile is that wide (read in place there, repacked elsewhere). With
+    `embed_weights` the built library or module carries weights.bin itself (model_init(NULL) uses it)."""
     fixed, maxima = dict(fixed or {}), dict(maxima or {})
     _check_symbols(plan, fixed, maxima)
-    em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima])
+    em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima], panel_width=panel_width)
     facts = plan.facts(fixed)
     em.facts = facts
     graph = plan.graph
@@ -807,11 +810,8 @@ def _emit_gemm(em, step, node, shapes, out_shape):
     b_array = _const(em, b)
     m, k = (a_shape[1], a_shape[0]) if trans_a else (a_shape[0], a_shape[1])
     n = shapes[b][0] if trans_b else shapes[b][1]
-    if b_array is not None and trans_b:  # stored as [K, N] so the inner loop reads B's rows contiguously
-        pb = em.constant(f"{b}::transposed", b_array.T)
-        trans_b = 0
-    else:
-        pb = _pointer(em, b)
+    b_matrix = None if b_array is None else b_array.T if trans_b else b_array  # a constant B as [K, N]
+    trans_b = 0 if b_array is not None else trans_b
     a_row, a_col = ("1", em.c_dim(m)) if trans_a else (em.c_dim(k), "1")
     b_row, b_col = ("1", em.c_dim(k)) if trans_b else (em.c_dim(n), "1")
     cs_row, cs_col, pc = "0", "0", "NULL"
@@ -824,12 +824,23 @@ def _emit_gemm(em, step, node, shapes, out_shape):
     y = _output_value(em, step, node.outputs[0], out_shape)
     if alpha == 1.0 and (not c or beta == 1.0 and cs_col == "1" and cs_row in ("0", em.c_dim(n))):
         col_bias, z = (pc if cs_row == "0" else "NULL", pc if cs_row != "0" else "NULL") if c else ("NULL", "NULL")
+        if b_matrix is not None and em.panel_width:
+            return _prepacked_matmul(em, a, b, b_matrix, col_bias, z, y, m, a_row, a_col, act, fa, fb)
+        pb = _gemm_b(em, b, b_array, b_matrix)
         return [f"cr_matmul_packed({_pointer(em, a)}, {pb}, {col_bias}, {z}, {y.pointer},",
                 f"                 1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, "
                 f"{b_col}, 0, 0, {act}, {_f(fa)}, {_f(fb)});"]
+    pb = _gemm_b(em, b, b_array, b_matrix)
     return [f"cr_gemm({_pointer(em, a)}, {pb}, {pc}, {y.pointer},",
             f"        1, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {a_row}, {a_col}, {b_row}, {b_col}, 0, 0,",
             f"        {cs_row}, {cs_col}, {_f(alpha)}, {_f(beta)}, {act}, {_f(fa)}, {_f(fb)});"]
+
+
+def _gemm_b(em, b: str, b_array, b_matrix) -> str:
+    """Gemm's B pointer: a constant stored as [K, N] (transposed when transB) so rows are read contiguously."""
+    if b_array is None:
+        return _pointer(em, b)
+    return _pointer(em, b) if b_matrix is b_array else em.constant(f"{b}::transposed", b_matrix)
 
 
 def _emit_matmul(em, step, node, shapes, out_shape):
@@ -848,9 +859,29 @@ def _emit_matmul(em, step, node, shapes, out_shape):
         raise _Unsupported("MatMul with broadcast batch dims")
     act, fa, fb = _activation(node) if node.op_type == "FusedMatMul" else ("CR_ACT_NONE", 0.0, 0.0)
     y = _output_value(em, step, node.outputs[0], out_shape)
+    b_array = _const(em, b)
+    if b_array is not None and len(b_shape) == 2 and em.panel_width:
+        return _prepacked_matmul(em, a, b, b_array, "NULL", "NULL", y, m, em.c_dim(k), "1", act, fa, fb)
     return [f"cr_matmul_packed({_pointer(em, a)}, {_pointer(em, b)}, NULL, NULL, {y.pointer},",
             f"        {em.c_dim(batch)}, {em.c_dim(m)}, {em.c_dim(k)}, {em.c_dim(n)}, {em.c_dim(k)}, 1, "
             f"{em.c_dim(n)}, 1, {em.c_dim(a_batch)}, {em.c_dim(b_batch)}, {act}, {_f(fa)}, {_f(fb)});"]
+
+
+def _panels(matrix: np.ndarray, width: int) -> np.ndarray:
+    """[k, n] as [ceil(n / width), k, width]: column panels, the last zero-padded (cr_bsrc's `panel` layout)."""
+    k, n = matrix.shape
+    count = -(-n // width)
+    padded = np.zeros((k, count * width), np.float32)
+    padded[:, :n] = matrix
+    return padded.reshape(k, count, width).transpose(1, 0, 2)
+
+
+def _prepacked_matmul(em, a, b, b_array, col_bias, z, y, m, a_row, a_col, act, fa, fb) -> list[str]:
+    """y = act(a b + col_bias + z) with the constant b ([k, n]) written as the target's panels at compile time."""
+    k, n = b_array.shape
+    panels = em.constant(f"{b}::panels{em.panel_width}", _panels(b_array, em.panel_width))
+    return [f"cr_matmul_prepacked({_pointer(em, a)}, {panels}, {em.panel_width}, {col_bias}, {z}, {y.pointer},",
+            f"                    {em.c_dim(m)}, {k}, {n}, {a_row}, {a_col}, {act}, {_f(fa)}, {_f(fb)});"]
 
 
 def _emit_softmax(em, step, node, shapes, out_shape):
