@@ -24,7 +24,7 @@ from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
-from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
+from carrack.runtime.allocator import CHECK_THRESHOLD, MEMORY_LIMIT, check_allocation
 
 if TYPE_CHECKING:
     from carrack.plan.plan import Bound, Plan
@@ -327,15 +327,17 @@ class Program:
         views = [None if place is None else arena[at[0]:at[0] + place[1]].view(place[3]).reshape(place[2])
                  for place, at in zip(bound.places, layout.places)]
         planned = bool(layout.block_sizes) and all(place is not None for place in bound.places)
-        return arena, views, None, None, _Resizable(layout) if planned and self._layout_plan is not None else None
+        resizable = _Resizable(layout) if planned and self._layout_plan is not None else None
+        # an arena for growing sizes is bound by its first run (the next sizes will reuse it)
+        return arena, views, _NOT_BOUND if layout is not bound and resizable is not None else None, None, resizable
 
     def _capacity(self, bound: Bound, previous: tuple[int, ...] | None) -> Bound:
         """The layout of a new arena: `bound` itself, or when the sizes changed since the last run (a decoder's
         growing cache) the plan evaluated with each changed size rounded up to a power of two, so that the next
-        sizes fit the same arena (at most CAPACITY_GROWTH times the bytes these sizes need, within the memory
-        limit; else `bound`)."""
+        sizes fit the same arena (at most CAPACITY_GROWTH times the bytes these sizes need; never under a memory
+        limit, where the session's memory plan for the run's sizes is what may be allocated; else `bound`)."""
         if (previous is None or self._layout_plan is None or len(previous) != len(bound.sizes)
-                or not bound.block_sizes):
+                or not bound.block_sizes or MEMORY_LIMIT.get()):  # under a memory limit: the plan's bytes only
             return bound
         sizes = tuple(s if s == p else 1 << max(s - 1, 0).bit_length() for s, p in zip(bound.sizes, previous))
         if sizes == bound.sizes:
@@ -346,7 +348,7 @@ class Program:
                 return bound
             if layout.arena_bytes >= CHECK_THRESHOLD:
                 check_allocation(layout.arena_bytes, "this run's arena laid out for growing sizes")
-        except CarrackError:  # the capacity is over the memory limit: these sizes' own layout is checked by the run
+        except CarrackError:  # the capacity is over the machine's memory: these sizes' own layout is checked by the run
             return bound
         fits = len(layout.block_sizes) == len(bound.block_sizes) and all(
             map(operator.le, bound.block_sizes, layout.block_sizes))
