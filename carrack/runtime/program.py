@@ -217,8 +217,9 @@ class Program:
                 # values and the size-only values kept for these sizes, the staged inputs
                 per_sizes = [env[s] for s in self._derived_slots] + (list(memo) if plan is self._plan_after_memo
                                                                       and self._memo_steps else [])
-                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes}
-                                   | staged.buffer_ids())
+                unchanging = self._constant_ids | {id(v) for v in per_sizes}  # of fixed contents, too
+                binding = _Binding(plan, views, unchanging | staged.buffer_ids(), self._size_only_steps(plan),
+                                   unchanging)
                 plan = binding.recording_plan()
                 binding_derived = [(s, env[s]) for s in self._derived_slots]
             elif resizable is not None and resizable.binding_bound is not bound and (
@@ -450,6 +451,13 @@ class Program:
         self._plan = self._compile_plan()
         self._plan_after_memo = self._without_memo_steps()
 
+    def _size_only_steps(self, plan: list[tuple]) -> frozenset[int]:
+        """The size-only steps (memoize_size_only) of a plan that runs them, without those giving a graph output."""
+        if plan is not self._plan:
+            return frozenset()
+        outputs = set(self.output_slots)
+        return frozenset(k for k in self._memo_steps if not outputs.intersection(self.steps[k].outs))
+
     def _without_memo_steps(self) -> list[tuple]:
         """The run loop's plan for runs that take the size-only values from the memo."""
         memo = set(self._memo_steps)
@@ -483,8 +491,11 @@ class _Binding:
     constants, the plan's derived and size-only values for these sizes, kept results of view steps) or omitted.
     Later runs with the arena call those steps' bound calls instead of gathering, checking and slicing per call."""
 
-    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
+    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int],
+                 size_only: frozenset[int] = frozenset(), unchanging_ids: frozenset[int] = frozenset()):
         self.plan = plan
+        self.size_only = size_only  # steps whose results depend only on the sizes (and not a graph output)
+        self.unchanging = set(unchanging_ids)  # objects whose contents are the same every run with these sizes
         self.fixed = set(constant_ids) | {id(v) for v in views if v is not None}  # live objects: ids are theirs
         self.calls: dict[int, Any] = {}
         self.views: dict[int, Any] = {}  # step -> its result, for view kernels' steps that give fixed objects
@@ -497,9 +508,13 @@ class _Binding:
                 entry = entry[:8] + (self._recorder(k, entry),)
             elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
                 entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
-            elif entry[6] < 0 and entry[3] > 0 and (_binds(entry[0].kernel) if entry[4] >= 0
-                                                     else hasattr(entry[0].kernel, "bind_outputs")):
-                entry = (entry[0], self._kept_recorder(k, entry[0].kernel, entry[1])) + entry[2:]
+            elif entry[6] < 0 and entry[3] > 0:
+                call = entry[1]
+                if _binds(entry[0].kernel) if entry[4] >= 0 else hasattr(entry[0].kernel, "bind_outputs"):
+                    call = self._kept_recorder(k, entry[0].kernel, call)
+                if k in self.size_only:
+                    call = self._size_only_recorder(k, entry[1], call)
+                entry = (entry[0], call) + entry[2:]
             plan.append(entry)
         return plan
 
@@ -514,6 +529,25 @@ class _Binding:
                             for p in parts)):
                 self.views[k] = result
                 self.fixed.update(id(p) for p in parts)
+            return result
+        return record
+
+    def _size_only_recorder(self, k: int, call, otherwise):
+        """A step computing from the sizes alone (a causal mask's ranges) whose inputs are of unchanging contents
+        (constants, derived values, other such results; not arena views, whose contents each run rewrites) gives
+        the same values every run with these sizes: its result is kept, read-only, as the step's (fixed, for
+        the steps that read it). Other inputs: `otherwise` records the step."""
+        def record(*inputs):
+            if not all(v is None or id(v) in self.unchanging for v in inputs):
+                return otherwise(*inputs)
+            result = call(*inputs)
+            parts = result if type(result) is tuple else (result,)
+            if all(type(p) is np.ndarray for p in parts):
+                for p in parts:
+                    p.flags.writeable = False
+                self.views[k] = result
+                self.fixed.update(id(p) for p in parts)
+                self.unchanging.update(id(p) for p in parts)
             return result
         return record
 

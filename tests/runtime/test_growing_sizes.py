@@ -75,6 +75,8 @@ def test_greedy_decoding_reuses_an_arena_per_capacity_with_the_unchanged_steps_b
         assert kinds.count(program_module._BOUND) >= 15  # the projections, MLPs and layer norms
         bound_ops = {entry[0].node.op_type for entry in plan if entry[3] == program_module._BOUND}
         assert {"MatMul", "FastGelu"} <= bound_ops
+        # size-only steps of the unchanged sizes (the ranges over batch and the new tokens) keep their results
+        assert "Range" in {entry[0].node.op_type for entry in plan if entry[3] == program_module._FIXED}
         # the cache (a new length every token) is read unbound
         unbound_ops = {entry[0].node.op_type for entry in plan if entry[3] > 0}
         assert {"Concat", "MultiHeadAttention"} <= unbound_ops
