@@ -190,7 +190,7 @@ class Plan:
         if self._dtypes is None:
             self._dtypes = [np.dtype(p.dtype) for p in self.placed]
         for p, dtype in zip(self.placed, self._dtypes):
-            shape = tuple(flat[p.first:p.first + p.rank])
+            shape = flat[p.first:p.first + p.rank]  # the dims function gives a tuple
             places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
         check_placed(self.placed, places, arena_bytes)
         return Bound(derived, arena_bytes, places, shapes, sizes=sizes, block_sizes=block_sizes)
