@@ -563,8 +563,10 @@ class _Binding:
                               and not any(p is v for v in inputs) for p in parts)
                     and 0 < sum(p.nbytes for p in parts) <= KEPT_MAX_BYTES
                     and all(v is None or id(v) in self.fixed for v in inputs)):
-                bound = kernel.bind_outputs(result, *inputs) if type(result) is tuple \
-                    else kernel.bind_into(result, *inputs)
+                # several results from a kernel without bind_outputs (a LayerNormalization giving its statistics
+                # too): not kept
+                binder = getattr(kernel, "bind_outputs", None) if type(result) is tuple else kernel.bind_into
+                bound = None if binder is None else binder(result, *inputs)
                 if bound is not None:
                     self.kept[k] = (bound, result)
                     self.fixed.update(id(p) for p in parts)

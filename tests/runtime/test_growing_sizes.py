@@ -198,3 +198,4 @@ def test_integer_arithmetic_writes_into_its_planned_buffer_with_numpys_wrapping(
     out = np.empty((2, 3), dtype)
     assert kernel.run_into(out, a, b) is out
     np.testing.assert_array_equal(out, getattr(np, {"Add": "add", "Sub": "subtract", "Mul": "multiply"}[op])(a, b))
+
