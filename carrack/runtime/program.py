@@ -229,7 +229,9 @@ class Program:
                 plan = self._resized_plan(resizable, bound, steps_bound[0], steps_bound, staged, env)
             else:
                 trusted = staged is None or staged.stage(env)  # the bound steps read the staged buffers
-                if steps_bound[0] is plan:
+                # bound by the first run of these sizes, before they had size-only values kept: its plan computes
+                # them (or kept them, `_size_only_recorder`)
+                if steps_bound[0] is plan or (steps_bound[0] is self._plan and plan is self._plan_after_memo):
                     plan = steps_bound[1]
         step = None
         try:

@@ -199,3 +199,25 @@ def test_integer_arithmetic_writes_into_its_planned_buffer_with_numpys_wrapping(
     assert kernel.run_into(out, a, b) is out
     np.testing.assert_array_equal(out, getattr(np, {"Add": "add", "Sub": "subtract", "Mul": "multiply"}[op])(a, b))
 
+
+
+def test_sizes_that_settle_after_a_change_run_bound(tiny_gpt2):
+    """A capacity arena is bound by its first run, before the settled sizes have size-only values kept: later runs
+    of those sizes still take its bound plan (every placed MatMul bound: no run_into call)."""
+    session = one_thread_session(tiny_gpt2)
+    calls = []
+    for step in session._program.steps:
+        if step.node.op_type == "MatMul":
+            run_into = step.kernel.run_into
+            step.kernel.run_into = lambda out, *inputs, run_into=run_into: calls.append(1) or run_into(out, *inputs)
+    session._program.attach(session._plan)  # the run loop's plan takes the counting run_into
+    unbound = one_thread_session(tiny_gpt2, bind=False)
+    session.run(None, _feed(1, 16, 0))
+    for seed in range(4):
+        session.run(None, _feed(1, 20, seed))
+    calls.clear()
+    for seed in range(4, 7):
+        feed = _feed(1, 20, seed)
+        for got, want in zip(session.run(None, feed), unbound.run(None, feed)):
+            np.testing.assert_array_equal(got, want)
+    assert not calls
