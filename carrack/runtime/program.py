@@ -521,16 +521,21 @@ class _Binding:
         return plan
 
     def _view_recorder(self, k: int, call):
-        """A view kernel's step whose inputs are fixed objects and whose every result is a view of its first input
-        gives the same objects every run: kept as its result (and fixed, for the steps that read it)."""
+        """A view kernel's step whose first input is a fixed object, whose other inputs (target shape, axes, split
+        sizes) are of unchanging contents (not a staged feed, whose values change every run) and whose every result
+        is a view of its first input gives the same objects every run: kept as its result (and fixed, for the steps
+        that read it)."""
         def record(*inputs):
             result = call(*inputs)
             parts = result if type(result) in (tuple, list) else (result,)
-            if (inputs and type(inputs[0]) is np.ndarray and all(v is None or id(v) in self.fixed for v in inputs)
+            if (inputs and type(inputs[0]) is np.ndarray and id(inputs[0]) in self.fixed
+                    and all(v is None or id(v) in self.unchanging for v in inputs[1:])
                     and all(type(p) is np.ndarray and (p is inputs[0] or np.may_share_memory(p, inputs[0]))
                             for p in parts)):
                 self.views[k] = result
                 self.fixed.update(id(p) for p in parts)
+                if id(inputs[0]) in self.unchanging:
+                    self.unchanging.update(id(p) for p in parts)
             return result
         return record
 
@@ -564,7 +569,7 @@ class _Binding:
             if (parts and all(type(p) is np.ndarray and p.base is None and p.flags.writeable
                               and not any(p is v for v in inputs) for p in parts)
                     and 0 < sum(p.nbytes for p in parts) <= KEPT_MAX_BYTES
-                    and all(v is None or id(v) in self.fixed for v in inputs)):
+                    and all(v is None or id(v) in self.fixed for v in inputs) and self._values_kept(kernel, inputs)):
                 # several results from a kernel without bind_outputs (a LayerNormalization giving its statistics
                 # too): not kept
                 binder = getattr(kernel, "bind_outputs", None) if type(result) is tuple else kernel.bind_into
@@ -575,6 +580,12 @@ class _Binding:
             return result
         return record
 
+    def _values_kept(self, kernel, inputs: tuple) -> bool:
+        """Whether the inputs whose values a bound call of `kernel` bakes in (its `value_inputs`: Expand's target
+        shape) are of unchanging contents."""
+        return all(k >= len(inputs) or inputs[k] is None or id(inputs[k]) in self.unchanging
+                   for k in getattr(kernel, "value_inputs", ()))
+
     def kept_ids(self) -> frozenset[int]:
         return frozenset(id(p) for _, result in self.kept.values()
                          for p in (result if type(result) is tuple else (result,)) if p is not None)
@@ -584,7 +595,8 @@ class _Binding:
 
         def record(out, *inputs):
             result = run_into(out, *inputs)
-            if result is out and all(v is None or id(v) in self.fixed for v in inputs):
+            if result is out and all(v is None or id(v) in self.fixed for v in inputs) and self._values_kept(
+                    kernel, inputs):
                 call = kernel.bind_into(out, *inputs)
                 if call is not None:
                     self.calls[k] = call

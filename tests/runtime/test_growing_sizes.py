@@ -221,3 +221,26 @@ def test_sizes_that_settle_after_a_change_run_bound(tiny_gpt2):
         for got, want in zip(session.run(None, feed), unbound.run(None, feed)):
             np.testing.assert_array_equal(got, want)
     assert not calls
+
+
+@pytest.mark.parametrize("op", ["Reshape", "Expand"])
+def test_a_shape_read_from_a_feed_is_read_every_run(op):
+    """A staged feed's contents change every run: a view step or bound call must not keep the shape it first read
+    (the same input sizes, so the same arena and bound plan, with a new target shape)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Add", ["x", "x"], ["h"]), helper.make_node(op, ["h", "shape"], ["r"]),
+             helper.make_node("Relu", ["r"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6]),
+                                           helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    session = one_thread_session(model)
+    reference = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    x = np.linspace(-3, 3, 6, dtype=np.float32)[None]
+    shapes = [[2, 3], [2, 3], [2, 3], [3, 2], [6, 1]] if op == "Reshape" else [[2, 6], [2, 6], [2, 6], [3, 6], [1, 6]]
+    for shape in shapes:
+        feed = {"x": x, "shape": np.array(shape, np.int64)}
+        got, want = session.run(None, feed)[0], reference.run(None, feed)[0]
+        assert got.shape == want.shape == tuple(shape)
+        np.testing.assert_array_equal(got, want)
