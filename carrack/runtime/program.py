@@ -534,8 +534,6 @@ class _Binding:
                             for p in parts)):
                 self.views[k] = result
                 self.fixed.update(id(p) for p in parts)
-                if id(inputs[0]) in self.unchanging:
-                    self.unchanging.update(id(p) for p in parts)
             return result
         return record
 
