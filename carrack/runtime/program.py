@@ -534,6 +534,8 @@ class _Binding:
                             for p in parts)):
                 self.views[k] = result
                 self.fixed.update(id(p) for p in parts)
+                if id(inputs[0]) in self.unchanging:
+                    self.unchanging.update(id(p) for p in parts)
             return result
         return record
 
@@ -665,16 +667,18 @@ class _Resizable:
 
 def _unbind_changed(steps_bound: tuple, changed: set[int]) -> list[tuple]:
     """The bound plan with every bound, fixed or kept step that reads a changed slot (or writes into a changed
-    view) back to its unbound entry; the outputs of those steps are changed objects too, except a placed output
-    whose view did not change (the step still writes into it)."""
+    view) back to its unbound entry; the outputs of every step reading a changed slot are changed objects too
+    (unbound steps' as well: one may pass its input through), except a placed output whose view did not change
+    (the step still writes into it)."""
     recorded, bound_plan = steps_bound
     changed = set(changed)
     plan = []
     for k, entry in enumerate(bound_plan):
         step, arity = entry[0], entry[3]
-        if arity in (_BOUND, _FIXED, _KEPT) and (changed.intersection(step.ins) or (
-                entry[6] >= 0 and step.outs[0] in changed)):
-            entry = recorded[k]
+        if changed.intersection(step.ins) or (entry[6] >= 0 and step.outs[0] in changed):
+            if arity in (_BOUND, _FIXED, _KEPT):
+                entry = recorded[k]
+            # an unbound step's result may be its input itself (a Cast to the same type), which steps were bound to
             if entry[6] < 0:
                 changed.update(s for s in step.outs if s >= 0)
         plan.append(entry)
