@@ -98,8 +98,9 @@ class Arithmetic(_Binary):
 
     def run_into(self, out, a, b):
         """The result, written into `out` (the planned buffer) when it fits; a planned shape that turns out wrong
-        at run time costs an allocation, never a wrong result."""
-        if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind == "f"
+        at run time costs an allocation, never a wrong result. Integers too (a position index grown by the past
+        length): numpy's operation with `out` wraps as it does without."""
+        if (self.legacy_axis is None and a.dtype == b.dtype == out.dtype and out.dtype.kind in "fiu"
                 and broadcasts_to(out.shape, a.shape, b.shape)):
             y = rowops.binary(self.node.op_type, a, b, out) if self.split else None
             return self.fn(a, b, out=out) if y is None else y

@@ -296,6 +296,9 @@ class Flatten(Kernel):
 
 @register("Expand", since=8)
 class Expand(Kernel):
+    #: inputs whose values a bound call bakes in (runtime.program binds only where they do not change)
+    value_inputs = (1,)
+
     def run(self, x, shape):
         if type(shape) is np.ndarray and shape.ndim == 1 and shape.dtype.kind == "i":
             dims = tuple(shape.tolist())

@@ -41,14 +41,14 @@ class ArenaOrder:
 
     def offsets(self, sizes: Sequence[int]) -> tuple[list[int], int]:
         """Byte offsets of every block (in `blocks` order) and the arena size, for these block sizes."""
+        offsets: list[int] = []
         ends: list[int] = []
-        top = 0
-        for k, under in enumerate(self.below):
-            offset = max((ends[j] for j in under), default=0)
-            end = offset + align(sizes[k])
-            ends.append(end)
-            top = max(top, end)
-        return [e - align(s) for e, s in zip(ends, sizes)], top
+        end_of = ends.__getitem__  # evaluated for every new set of sizes (a decoder's every token): kept lean
+        for under, size in zip(self.below, sizes):
+            offset = max(map(end_of, under)) if under else 0
+            offsets.append(offset)
+            ends.append(offset + ((size + ALIGNMENT - 1) & -ALIGNMENT))  # align(size): ALIGNMENT is a power of 2
+        return offsets, max(ends, default=0)
 
 
 def order_blocks(blocks: list[Block], symbols: Sequence) -> ArenaOrder:

@@ -94,6 +94,8 @@ class Bound:
     #: per executor (keyed by its id): the values of its steps that depend only on these sizes (see
     #: `carrack.runtime.program.Program.memoize_size_only`), computed by the first run with these sizes
     memo: dict[int, Any] = field(default_factory=dict)
+    sizes: tuple[int, ...] = ()  # the symbol sizes it was evaluated for
+    block_sizes: tuple[int, ...] = ()  # bytes of each arena block (ArenaOrder order) at these sizes
 
 
 @dataclass
@@ -117,11 +119,13 @@ class Plan:
         self._lock = threading.Lock()
         self._facts: dict[str, Fact] | None = None
         self._on_bind: list[Callable[[Bound], None]] = []
+        self._dtypes: list[np.dtype] | None = None  # of the placed values
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
+        state["_dtypes"] = None
         return state
 
     def on_bind(self, prepare: Callable[[Bound], None]) -> None:
@@ -155,6 +159,11 @@ class Plan:
                 self._bound[sizes] = bound
         return bound
 
+    def layout(self, sizes: tuple[int, ...]) -> Bound:
+        """The plan evaluated for sizes no run has (an arena's capacity, `Program`): not cached, and no executor
+        prepares for it; refused (MemoryLimitExceeded / InvalidArgument) as `bind` refuses."""
+        return self._evaluate(sizes)
+
     def _evaluate(self, sizes: tuple[int, ...]) -> Bound:
         if self._function is None:
             self._function = compile_function(self.dims_source)  # racing threads compile the same function
@@ -171,19 +180,20 @@ class Plan:
             derived.append(value)
         shapes = {s.node: tuple(flat[s.first:s.first + s.rank]) for s in self.shaped}
         if self.arena is None:
-            return Bound(derived, 0, [None] * len(self.placed), shapes)
+            return Bound(derived, 0, [None] * len(self.placed), shapes, sizes=sizes)
         n_blocks = len(self.arena.blocks)
         block_sizes = flat[self.n_derived_dims:self.n_derived_dims + n_blocks]
-        if any(s < 0 for s in block_sizes):
-            return Bound(derived, 0, [None] * len(self.placed), shapes)
+        if min(block_sizes, default=0) < 0:
+            return Bound(derived, 0, [None] * len(self.placed), shapes, sizes=sizes)
         offsets, arena_bytes = self.arena.offsets(block_sizes)
         places = []
-        for p in self.placed:
-            shape = tuple(flat[p.first:p.first + p.rank])
-            dtype = np.dtype(p.dtype)
+        if self._dtypes is None:
+            self._dtypes = [np.dtype(p.dtype) for p in self.placed]
+        for p, dtype in zip(self.placed, self._dtypes):
+            shape = flat[p.first:p.first + p.rank]  # the dims function gives a tuple
             places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
         check_placed(self.placed, places, arena_bytes)
-        return Bound(derived, arena_bytes, places, shapes)
+        return Bound(derived, arena_bytes, places, shapes, sizes=sizes, block_sizes=block_sizes)
 
     def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
         """What shape inference knows about every value of the plan's graph, with the symbols named in `dims`

@@ -19,11 +19,12 @@ import numpy as np
 import onnx
 
 from carrack.errors import CarrackError, InvalidModel, RunFailure, RunTerminated
+from carrack.ir import symbolic
 from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
-from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
+from carrack.runtime.allocator import CHECK_THRESHOLD, MEMORY_LIMIT, check_allocation
 
 if TYPE_CHECKING:
     from carrack.plan.plan import Bound, Plan
@@ -102,8 +103,11 @@ class Program:
         self._derived_slots: tuple[int, ...] = ()  # inputs that are the plan's shape arithmetic (fixed per sizes)
         self._memo_slots: tuple[int, ...] = ()  # their values read by the other steps (kept per Bound)
         self._plan_after_memo: list[tuple] = self._plan
-        #: (bound, arena, views, bound steps) of a finished run, for the next one with the same sizes
+        #: (bound, arena, views, bound steps, staged inputs, its _Resizable) of a finished run, for the next one
         self._spare_arenas: list[tuple] = []
+        self._layout_plan: Plan | None = None  # the plan that lays arenas out for capacity sizes (attach)
+        self._symbols_of_slot: dict[int, frozenset[int]] = {}  # derived input slot -> the symbols it depends on
+        self._slot_of_placed: list[int] = []  # placed value -> the slot of the step output written into it
         self._constant_ids = frozenset(id(v) for v in self.constants.values())
         self._env_start: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot: omitted optional inputs
         for s, v in self.constants.items():
@@ -198,8 +202,9 @@ class Program:
                 for s, v in zip(self._memo_slots, memo):
                     env[s] = v
                 plan = self._plan_after_memo
-        arena, views, steps_bound, staged = (None, None, None, None) if bound is None or profiler is not None \
-            or not self._placed else self._take_arena(bound)
+        arena, views, steps_bound, staged, resizable = (None, None, None, None, None) if bound is None \
+            or profiler is not None or not self._placed else self._take_arena(bound)
+        binding_derived = None
         binding = None
         fast = None  # a reused arena's every step bound: (its (step, call) pairs, the run's output objects)
         trusted = True  # every placed step so far wrote into its view (what the bound steps read)
@@ -213,12 +218,21 @@ class Program:
                 # values and the size-only values kept for these sizes, the staged inputs
                 per_sizes = [env[s] for s in self._derived_slots] + (list(memo) if plan is self._plan_after_memo
                                                                       and self._memo_steps else [])
-                binding = _Binding(plan, views, self._constant_ids | {id(v) for v in per_sizes}
-                                   | staged.buffer_ids())
+                unchanging = self._constant_ids | {id(v) for v in per_sizes}  # of fixed contents, too
+                binding = _Binding(plan, views, unchanging | staged.buffer_ids(), self._size_only_steps(plan),
+                                   unchanging)
                 plan = binding.recording_plan()
+                binding_derived = [(s, env[s]) for s in self._derived_slots]
+            elif resizable is not None and resizable.binding_bound is not bound and (
+                    steps_bound[0] is plan or steps_bound[0] is self._plan):
+                # the arena was bound at other sizes: the steps untouched by the sizes that changed stay bound (the
+                # size-only values of these sizes are computed, as at the binding run, when it computed them)
+                plan = self._resized_plan(resizable, bound, steps_bound[0], steps_bound, staged, env)
             else:
                 trusted = staged is None or staged.stage(env)  # the bound steps read the staged buffers
-                if steps_bound[0] is plan:
+                # bound by the first run of these sizes, before they had size-only values kept: its plan computes
+                # them (or kept them, `_size_only_recorder`)
+                if steps_bound[0] is plan or (steps_bound[0] is self._plan and plan is self._plan_after_memo):
                     plan = steps_bound[1]
                     fast = plan.fast if trusted and should_stop is None and profiler is None else None
         step = None
@@ -289,30 +303,90 @@ class Program:
             steps_bound = binding.bound_plan(outputs) if trusted else _NOT_BINDABLE
             if trusted:
                 staged.kept = binding.kept_ids()
+            if resizable is not None:
+                resizable.bound_at(bound, views, binding_derived)
         outputs = [_off_arena(v, arena) for v in outputs]
         if staged is not None:
             outputs = [staged.own(v) for v in outputs]
         env.clear()  # nothing of this run refers to the arena any more: the next run may reuse it
         if not self._spare_arenas:
-            self._spare_arenas.append((bound, arena, views, steps_bound, staged))
+            self._spare_arenas.append((bound, arena, views, steps_bound, staged, resizable))
         return outputs
 
-    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None, Any]:
+    def _take_arena(self, bound: Bound) -> tuple[np.ndarray, list[np.ndarray | None], tuple | None, Any, Any]:
         """An arena for a run with these sizes, a view of each placed value in it and, for a reused one, its steps
-        bound to those views (`_NOT_BOUND` before they are; None for a new arena) and its staged inputs (None
-        before its steps are bound): the last finished run's when it had the same sizes (so a repeated shape
-        allocates nothing and slices nothing), else a new one. Runs in several threads each take their own
-        (list.pop is atomic)."""
+        bound to those views (`_NOT_BOUND` before they are; None for a new arena), its staged inputs (None
+        before its steps are bound) and its `_Resizable` (None: laid out for these sizes only): the last finished
+        run's when it had the same sizes (so a repeated shape allocates nothing and slices nothing) or when every
+        block of these sizes fits its layout, else a new one, laid out for a capacity when the sizes changed.
+        Runs in several threads each take their own (list.pop is atomic)."""
+        previous = None
         try:
-            spare_bound, arena, views, steps_bound, staged = self._spare_arenas.pop()
+            spare_bound, arena, views, steps_bound, staged, resizable = self._spare_arenas.pop()
             if spare_bound is bound:
-                return arena, views, steps_bound or _NOT_BOUND, staged
+                return arena, views, steps_bound or _NOT_BOUND, staged, resizable
+            if resizable is not None and resizable.fits(bound):
+                return arena, resizable.views_for(bound, arena, views), steps_bound or _NOT_BOUND, staged, resizable
+            previous = spare_bound.sizes
         except IndexError:
             pass
-        arena = aligned_empty((max(bound.arena_bytes, 64),), np.uint8)
-        views = [None if place is None else arena[place[0]:place[0] + place[1]].view(place[3]).reshape(place[2])
-                 for place in bound.places]
-        return arena, views, None, None
+        layout = self._capacity(bound, previous)
+        arena = aligned_empty((max(layout.arena_bytes, 64),), np.uint8)
+        views = [None if place is None else arena[at[0]:at[0] + place[1]].view(place[3]).reshape(place[2])
+                 for place, at in zip(bound.places, layout.places)]
+        planned = bool(layout.block_sizes) and all(place is not None for place in bound.places)
+        resizable = _Resizable(layout) if planned and self._layout_plan is not None else None
+        # an arena for growing sizes is bound by its first run (the next sizes will reuse it)
+        return arena, views, _NOT_BOUND if layout is not bound and resizable is not None else None, None, resizable
+
+    def _capacity(self, bound: Bound, previous: tuple[int, ...] | None) -> Bound:
+        """The layout of a new arena: `bound` itself, or when the sizes changed since the last run (a decoder's
+        growing cache) the plan evaluated with each changed size rounded up to a power of two, so that the next
+        sizes fit the same arena (at most CAPACITY_GROWTH times the bytes these sizes need; never under a memory
+        limit, where the session's memory plan for the run's sizes is what may be allocated; else `bound`)."""
+        if (previous is None or self._layout_plan is None or len(previous) != len(bound.sizes)
+                or not bound.block_sizes or MEMORY_LIMIT.get()):  # under a memory limit: the plan's bytes only
+            return bound
+        sizes = tuple(s if s == p else 1 << max(s - 1, 0).bit_length() for s, p in zip(bound.sizes, previous))
+        if sizes == bound.sizes:
+            return bound
+        try:
+            layout = self._layout_plan.layout(sizes)
+            if layout.arena_bytes > CAPACITY_GROWTH * bound.arena_bytes + CAPACITY_SLACK_BYTES:
+                return bound
+            if layout.arena_bytes >= CHECK_THRESHOLD:
+                check_allocation(layout.arena_bytes, "this run's arena laid out for growing sizes")
+        except CarrackError:  # the capacity is over the machine's memory: these sizes' own layout is checked by the run
+            return bound
+        fits = len(layout.block_sizes) == len(bound.block_sizes) and all(
+            map(operator.le, bound.block_sizes, layout.block_sizes))
+        return layout if fits else bound
+
+    def _resized_plan(self, resizable: _Resizable, bound: Bound, plan: list[tuple], steps_bound: tuple,
+                      staged: Any, env: list[Any]) -> list[tuple]:
+        """The run loop's plan for a run on an arena bound at other sizes: the inputs that fit their staged buffers
+        are staged, the derived values of unchanged symbols are the binding run's objects, and every bound, fixed
+        or kept step reading a value whose object changed (a view of a new shape, an input fed as is, a derived
+        value of a changed symbol, a size-only value of other sizes) runs unbound (one plan per such pattern)."""
+        unstaged = staged.stage_fitting(env) if staged is not None else ()
+        binding_sizes = resizable.binding_bound.sizes
+        changed = tuple(k for k, (a, b) in enumerate(zip(bound.sizes, binding_sizes)) if a != b) \
+            if len(bound.sizes) == len(binding_sizes) else None
+        memo_changed = plan is self._plan_after_memo and bool(self._memo_steps)
+        key = (resizable.changed_views, unstaged, changed, memo_changed)
+        found = resizable.plans.get(key)
+        if found is None:
+            seeds = {self._slot_of_placed[k] for k in resizable.changed_views} | set(unstaged)
+            seeds.update(s for s, _ in resizable.binding_derived
+                         if changed is None or self._symbols_of_slot.get(s, frozenset()).intersection(changed))
+            if memo_changed:
+                seeds.update(self._memo_slots)
+            substitutes = [(s, v) for s, v in resizable.binding_derived if s not in seeds]
+            found = resizable.plans[key] = (_unbind_changed(steps_bound, seeds), substitutes)
+        resized_plan, substitutes = found
+        for s, v in substitutes:
+            env[s] = v
+        return resized_plan
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
@@ -371,9 +445,25 @@ class Program:
         for k, st in enumerate(self.steps):
             if len(st.outs) == 1 and st.node.outputs[0] in index and hasattr(st.kernel, "run_into"):
                 self._placed[k] = index[st.node.outputs[0]]
+        self._layout_plan = plan
+        self._slot_of_placed = [-1] * len(plan.placed)
+        for k, p in self._placed.items():
+            self._slot_of_placed[p] = self.steps[k].outs[0]
+        position = {name: k for k, name in enumerate(plan.symbols)}
+        self._symbols_of_slot = {
+            self.slot_of[d.name]: frozenset(position[sym.name] for x in d.values for sym in symbolic.symbols(x)
+                                            if sym.name in position)
+            for d in plan.derived if d.name in self.slot_of}
         self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
         self._plan_after_memo = self._without_memo_steps()
+
+    def _size_only_steps(self, plan: list[tuple]) -> frozenset[int]:
+        """The size-only steps (memoize_size_only) of a plan that runs them, without those giving a graph output."""
+        if plan is not self._plan:
+            return frozenset()
+        outputs = set(self.output_slots)
+        return frozenset(k for k in self._memo_steps if not outputs.intersection(self.steps[k].outs))
 
     def _without_memo_steps(self) -> list[tuple]:
         """The run loop's plan for runs that take the size-only values from the memo."""
@@ -408,8 +498,11 @@ class _Binding:
     constants, the plan's derived and size-only values for these sizes, kept results of view steps) or omitted.
     Later runs with the arena call those steps' bound calls instead of gathering, checking and slicing per call."""
 
-    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int]):
+    def __init__(self, plan: list[tuple], views: list[np.ndarray | None], constant_ids: frozenset[int],
+                 size_only: frozenset[int] = frozenset(), unchanging_ids: frozenset[int] = frozenset()):
         self.plan = plan
+        self.size_only = size_only  # steps whose results depend only on the sizes (and not a graph output)
+        self.unchanging = set(unchanging_ids)  # objects whose contents are the same every run with these sizes
         self.fixed = set(constant_ids) | {id(v) for v in views if v is not None}  # live objects: ids are theirs
         self.calls: dict[int, Any] = {}
         self.views: dict[int, Any] = {}  # step -> its result, for view kernels' steps that give fixed objects
@@ -422,23 +515,51 @@ class _Binding:
                 entry = entry[:8] + (self._recorder(k, entry),)
             elif entry[6] < 0 and entry[3] > 0 and not entry[7]:  # a view kernel's step (its result is not guarded)
                 entry = (entry[0], self._view_recorder(k, entry[1])) + entry[2:]
-            elif entry[6] < 0 and entry[3] > 0 and (_binds(entry[0].kernel) if entry[4] >= 0
-                                                     else hasattr(entry[0].kernel, "bind_outputs")):
-                entry = (entry[0], self._kept_recorder(k, entry[0].kernel, entry[1])) + entry[2:]
+            elif entry[6] < 0 and entry[3] > 0:
+                call = entry[1]
+                if _binds(entry[0].kernel) if entry[4] >= 0 else hasattr(entry[0].kernel, "bind_outputs"):
+                    call = self._kept_recorder(k, entry[0].kernel, call)
+                if k in self.size_only:
+                    call = self._size_only_recorder(k, entry[1], call)
+                entry = (entry[0], call) + entry[2:]
             plan.append(entry)
         return plan
 
     def _view_recorder(self, k: int, call):
-        """A view kernel's step whose inputs are fixed objects and whose every result is a view of its first input
-        gives the same objects every run: kept as its result (and fixed, for the steps that read it)."""
+        """A view kernel's step whose first input is a fixed object, whose other inputs (target shape, axes, split
+        sizes) are of unchanging contents (not a staged feed, whose values change every run) and whose every result
+        is a view of its first input gives the same objects every run: kept as its result (and fixed, for the steps
+        that read it)."""
         def record(*inputs):
             result = call(*inputs)
             parts = result if type(result) in (tuple, list) else (result,)
-            if (inputs and type(inputs[0]) is np.ndarray and all(v is None or id(v) in self.fixed for v in inputs)
+            if (inputs and type(inputs[0]) is np.ndarray and id(inputs[0]) in self.fixed
+                    and all(v is None or id(v) in self.unchanging for v in inputs[1:])
                     and all(type(p) is np.ndarray and (p is inputs[0] or np.may_share_memory(p, inputs[0]))
                             for p in parts)):
                 self.views[k] = result
                 self.fixed.update(id(p) for p in parts)
+                if id(inputs[0]) in self.unchanging:
+                    self.unchanging.update(id(p) for p in parts)
+            return result
+        return record
+
+    def _size_only_recorder(self, k: int, call, otherwise):
+        """A step computing from the sizes alone (a causal mask's ranges) whose inputs are of unchanging contents
+        (constants, derived values, other such results; not arena views, whose contents each run rewrites) gives
+        the same values every run with these sizes: its result is kept, read-only, as the step's (fixed, for
+        the steps that read it). Other inputs: `otherwise` records the step."""
+        def record(*inputs):
+            if not all(v is None or id(v) in self.unchanging for v in inputs):
+                return otherwise(*inputs)
+            result = call(*inputs)
+            parts = result if type(result) is tuple else (result,)
+            if all(type(p) is np.ndarray for p in parts):
+                for p in parts:
+                    p.flags.writeable = False
+                self.views[k] = result
+                self.fixed.update(id(p) for p in parts)
+                self.unchanging.update(id(p) for p in parts)
             return result
         return record
 
@@ -453,14 +574,22 @@ class _Binding:
             if (parts and all(type(p) is np.ndarray and p.base is None and p.flags.writeable
                               and not any(p is v for v in inputs) for p in parts)
                     and 0 < sum(p.nbytes for p in parts) <= KEPT_MAX_BYTES
-                    and all(v is None or id(v) in self.fixed for v in inputs)):
-                bound = kernel.bind_outputs(result, *inputs) if type(result) is tuple \
-                    else kernel.bind_into(result, *inputs)
+                    and all(v is None or id(v) in self.fixed for v in inputs) and self._values_kept(kernel, inputs)):
+                # several results from a kernel without bind_outputs (a LayerNormalization giving its statistics
+                # too): not kept
+                binder = getattr(kernel, "bind_outputs", None) if type(result) is tuple else kernel.bind_into
+                bound = None if binder is None else binder(result, *inputs)
                 if bound is not None:
                     self.kept[k] = (bound, result)
                     self.fixed.update(id(p) for p in parts)
             return result
         return record
+
+    def _values_kept(self, kernel, inputs: tuple) -> bool:
+        """Whether the inputs whose values a bound call of `kernel` bakes in (its `value_inputs`: Expand's target
+        shape) are of unchanging contents."""
+        return all(k >= len(inputs) or inputs[k] is None or id(inputs[k]) in self.unchanging
+                   for k in getattr(kernel, "value_inputs", ()))
 
     def kept_ids(self) -> frozenset[int]:
         return frozenset(id(p) for _, result in self.kept.values()
@@ -471,7 +600,8 @@ class _Binding:
 
         def record(out, *inputs):
             result = run_into(out, *inputs)
-            if result is out and all(v is None or id(v) in self.fixed for v in inputs):
+            if result is out and all(v is None or id(v) in self.fixed for v in inputs) and self._values_kept(
+                    kernel, inputs):
                 call = kernel.bind_into(out, *inputs)
                 if call is not None:
                     self.calls[k] = call
@@ -511,6 +641,68 @@ class _BoundPlan(list):
     def __init__(self, entries):
         super().__init__(entries)
         self.fast = None
+
+
+class _Resizable:
+    """An arena laid out for sizes at least those of its runs (`layout`), so runs of other sizes whose every block
+    fits reuse it: their views sit at the layout's offsets, and a view whose shape did not change is the same
+    object as at the binding run (what the bound steps were bound to)."""
+
+    def __init__(self, layout: Bound):
+        self.layout = layout
+        self.binding_bound: Bound | None = None  # the sizes the arena's steps were bound at
+        self.binding_views: list[np.ndarray | None] | None = None
+        self.binding_derived: list[tuple[int, Any]] = []  # (slot, object) of the derived values at binding
+        self.changed_views: tuple[int, ...] = ()  # placed values whose view is not the binding run's
+        self.plans: dict[tuple, tuple[list[tuple], list[tuple[int, Any]]]] = {}  # see Program._resized_plan
+
+    def fits(self, bound: Bound) -> bool:
+        return (len(bound.block_sizes) == len(self.layout.block_sizes) and bool(bound.block_sizes)
+                and all(map(operator.le, bound.block_sizes, self.layout.block_sizes)))
+
+    def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None]) -> list[np.ndarray | None]:
+        """The views of `bound`'s placed values: the binding run's or the last run's object where the shape is the
+        same, else a new view at the layout's offset."""
+        first = self.binding_views or views
+        result, changed = [], []
+        for k, (place, at, old, kept) in enumerate(zip(bound.places, self.layout.places, views, first)):
+            shape = place[2]
+            if kept is not None and kept.shape == shape:
+                view = kept
+            elif old is not None and old.shape == shape:
+                view = old
+            else:
+                view = arena[at[0]:at[0] + place[1]].view(place[3]).reshape(shape)
+            if view is not kept:
+                changed.append(k)
+            result.append(view)
+        self.changed_views = tuple(changed)
+        return result
+
+    def bound_at(self, bound: Bound, views: list[np.ndarray | None], derived: list[tuple[int, Any]]) -> None:
+        """Its steps were bound (by a run of `bound`'s sizes) to these views and derived values."""
+        self.binding_bound, self.binding_views, self.binding_derived = bound, list(views), derived
+        self.changed_views, self.plans = (), {}
+
+
+def _unbind_changed(steps_bound: tuple, changed: set[int]) -> list[tuple]:
+    """The bound plan with every bound, fixed or kept step that reads a changed slot (or writes into a changed
+    view) back to its unbound entry; the outputs of every step reading a changed slot are changed objects too
+    (unbound steps' as well: one may pass its input through), except a placed output whose view did not change
+    (the step still writes into it)."""
+    recorded, bound_plan = steps_bound
+    changed = set(changed)
+    plan = []
+    for k, entry in enumerate(bound_plan):
+        step, arity = entry[0], entry[3]
+        if changed.intersection(step.ins) or (entry[6] >= 0 and step.outs[0] in changed):
+            if arity in (_BOUND, _FIXED, _KEPT):
+                entry = recorded[k]
+            # an unbound step's result may be its input itself (a Cast to the same type), which steps were bound to
+            if entry[6] < 0:
+                changed.update(s for s in step.outs if s >= 0)
+        plan.append(entry)
+    return plan
 
 
 class _Staged:
@@ -563,6 +755,19 @@ class _Staged:
                 fits = False
         return fits
 
+    def stage_fitting(self, env: list[Any]) -> tuple[int, ...]:
+        """`stage` for a run of other sizes: the inputs that fit are staged; returns the slots of those that do not
+        (they stay as fed)."""
+        unstaged = []
+        for s, buffer in zip(self.slots, self.buffers):
+            value = env[s]
+            if type(value) is np.ndarray and value.shape == buffer.shape and value.dtype == buffer.dtype:
+                np.copyto(buffer, value)
+                env[s] = buffer
+            else:
+                unstaged.append(s)
+        return tuple(unstaged)
+
 
 def _binds(kernel: registry.Kernel) -> bool:
     return type(kernel).bind_into is not registry.Kernel.bind_into
@@ -575,6 +780,9 @@ def _returning(call, result: np.ndarray):
     return kept
 
 
+#: an arena laid out for growing sizes takes at most this many times the bytes its first sizes need (plus the slack)
+CAPACITY_GROWTH = 4
+CAPACITY_SLACK_BYTES = 65536
 #: results up to this size are kept with an arena for steps outside it (a bigger graph output costs its copy)
 KEPT_MAX_BYTES = 65536
 _BOUND = -2  # a plan entry's arity for a step bound to its arena's views
