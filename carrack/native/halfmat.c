@@ -50,48 +50,45 @@ static inline __m256 load8(const uint16_t *p, int bf16) {
 #endif
 
 #ifdef USE_AVX512
-/* dot(w, x) over k values: generation's case, kept apart so its four accumulators stay in registers */
-static float dot_one(const uint16_t *w, int bf16, int64_t k, const float *x) {
-    int64_t c = 0;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(),
-           acc3 = _mm512_setzero_ps();
-    for (; c + 64 <= k; c += 64) {
-        acc0 = _mm512_fmadd_ps(load16(w + c, bf16), _mm512_loadu_ps(x + c), acc0);
-        acc1 = _mm512_fmadd_ps(load16(w + c + 16, bf16), _mm512_loadu_ps(x + c + 16), acc1);
-        acc2 = _mm512_fmadd_ps(load16(w + c + 32, bf16), _mm512_loadu_ps(x + c + 32), acc2);
-        acc3 = _mm512_fmadd_ps(load16(w + c + 48, bf16), _mm512_loadu_ps(x + c + 48), acc3);
-    }
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), _mm512_add_ps(acc2, acc3)));
-    for (; c < k; c++) sum += widen(w[c], bf16) * x[c];
-    return sum;
-}
+/* weight rows generation streams at once */
+#define STREAM_ROWS 8
 
-/* dot_one for four consecutive weight rows at once: four memory streams in flight lift one core's bandwidth
- * (about 16 -> 26 GB/s here); each row's sum is dot_one's, in the same order. `ahead` is the next four rows this
- * thread reads (k apart, as w's): they are prefetched at the same column. A row of F16 with k = 2048 is one 4 KiB
- * page, and the hardware prefetchers stop at page boundaries, so without this every group starts with four cold
- * misses (one core: 14.5 -> 15.7 GB/s from memory, a pure read loop reaching 16-17; notes-f16gen19e). */
-static void dot_four(const uint16_t *w, int bf16, int64_t k, const float *x, float *out, const uint16_t *ahead) {
+/* out[r] = dot(w + r * k, x) for `rows` (a constant once inlined, <= STREAM_ROWS) consecutive weight rows, each
+ * sum in two accumulators of 16 lanes (32 values a step) and the same order whatever `rows` is, so a row's result
+ * does not depend on which rows it is read with. Several memory streams in flight lift one core's bandwidth, and
+ * `ahead` (NULL: none) is the next `rows` rows this thread reads (k apart, as w's), prefetched at the same column:
+ * a row of F16 with k = 2048 is one 4 KiB page, where the hardware prefetchers stop, so without it every pass
+ * starts with cold misses. One core from memory (notes-f16gen19e): 4 rows 14.5 GB/s, 4 rows + prefetch 15.7,
+ * 8 rows + prefetch ~16.2; a pure read loop ~16.9. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, int bf16, int64_t k, const float *x,
+                                                           float *out, const uint16_t *ahead, const int rows) {
     int64_t c = 0;
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    for (; c + 64 <= k; c += 64) {
-        for (int r = 0; r < 4; r++) {  /* 64 values = 128 bytes = two cache lines per row */
-            _mm_prefetch((const char *)(ahead + r * k + c), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ahead + r * k + c + 32), _MM_HINT_T0);
+    __m512 acc[STREAM_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (; c + 32 <= k; c += 32) {
+        if (ahead != NULL)
+            for (int r = 0; r < rows; r++) _mm_prefetch((const char *)(ahead + r * k + c), _MM_HINT_T0);
+        const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+        for (int r = 0; r < rows; r++) {
+            acc[r][0] = _mm512_fmadd_ps(load16(w + r * k + c, bf16), x0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(load16(w + r * k + c + 16, bf16), x1, acc[r][1]);
         }
-        const __m512 xs[4] = {_mm512_loadu_ps(x + c), _mm512_loadu_ps(x + c + 16), _mm512_loadu_ps(x + c + 32),
-                              _mm512_loadu_ps(x + c + 48)};
-        for (int j = 0; j < 4; j++)
-            for (int r = 0; r < 4; r++)
-                acc[r][j] = _mm512_fmadd_ps(load16(w + r * k + c + 16 * j, bf16), xs[j], acc[r][j]);
     }
-    for (int r = 0; r < 4; r++) {
-        const __m512 pairs = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-        float s = _mm512_reduce_add_ps(pairs);
+    for (int r = 0; r < rows; r++) {
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
         for (int64_t t = c; t < k; t++) s += widen(w[r * k + t], bf16) * x[t];
         out[r] = s;
     }
+}
+
+static void dot_stream(const uint16_t *w, int bf16, int64_t k, const float *x, float *out, const uint16_t *ahead) {
+    dot_rows(w, bf16, k, x, out, ahead, STREAM_ROWS);
+}
+
+static float dot_one(const uint16_t *w, int bf16, int64_t k, const float *x) {
+    float sum;
+    dot_rows(w, bf16, k, x, &sum, NULL, 1);
+    return sum;
 }
 #endif
 
@@ -150,9 +147,9 @@ static void halfmat_rows(const uint16_t *w, int bf16, int64_t n, int64_t k, cons
 #ifdef USE_AVX512
     if (m == 1) {
         int64_t r = row_start;
-        for (; r + 4 <= row_end; r += 4) {
-            const uint16_t *ahead = r + 8 <= row_end ? w + (r + 4) * k : then != NULL ? then : w + r * k;
-            dot_four(w + r * k, bf16, k, x, y + r, ahead);
+        for (; r + STREAM_ROWS <= row_end; r += STREAM_ROWS) {
+            const uint16_t *ahead = r + 2 * STREAM_ROWS <= row_end ? w + (r + STREAM_ROWS) * k : then;
+            dot_stream(w + r * k, bf16, k, x, y + r, ahead);
         }
         for (; r < row_end; r++) y[r] = dot_one(w + r * k, bf16, k, x);
         return;
