@@ -98,9 +98,10 @@ def test_product_group_equals_one_matvec_per_matrix(build, m):
             np.testing.assert_array_equal(g, e)
 
 
-def test_product_group_matches_numpy_past_the_four_row_groups(build):
-    """Rows streamed four at a time with the next four prefetched, a 1- to 3-row tail, k with a 6-value tail."""
-    weights = [random_weight("F16", n, 70, seed=n)[0] for n in (4, 9, 7, 1)]
+def test_product_group_matches_numpy_past_the_streamed_rows(build):
+    """Rows streamed eight at a time with the next eight prefetched (from the same matrix or the next one), 1- to
+    7-row tails, k with a 6-value tail."""
+    weights = [random_weight("F16", n, 70, seed=n)[0] for n in (8, 17, 7, 1, 31)]
     x = np.random.default_rng(7).standard_normal((1, 70)).astype(np.float32)
     for got, w in zip(halfmat.ProductGroup(weights, 1)(x), weights):
         expected = expected_product(x, w.astype(np.float32))
