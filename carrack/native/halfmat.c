@@ -58,8 +58,9 @@ static inline __m256 load8(const uint16_t *p, int bf16) {
  * does not depend on which rows it is read with. Several memory streams in flight lift one core's bandwidth, and
  * `ahead` (NULL: none) is the next `rows` rows this thread reads (k apart, as w's), prefetched at the same column:
  * a row of F16 with k = 2048 is one 4 KiB page, where the hardware prefetchers stop, so without it every pass
- * starts with cold misses. One core from memory (notes-f16gen19e): 4 rows 14.5 GB/s, 4 rows + prefetch 15.7,
- * 8 rows + prefetch ~16.2; a pure read loop ~16.9. */
+ * starts with cold misses (a prefetch past the mapping is dropped, never a fault). One core from memory
+ * (notes-f16gen19e): 4 rows a pass 14.5 GB/s, with the prefetch 15.7, 8 rows a pass ~5 % more; a pure read loop
+ * 16.9. */
 static inline __attribute__((always_inline)) void dot_rows(const uint16_t *w, int bf16, int64_t k, const float *x,
                                                            float *out, const uint16_t *ahead, const int rows) {
     int64_t c = 0;
