@@ -20,7 +20,7 @@ import numpy as np
 from carrack.errors import InvalidArgument, InvalidModel, MemoryLimitExceeded
 from carrack.gguf.reader import GGUFFile, read_gguf
 from carrack.llm.hparams import HParams, read_hparams
-from carrack.llm.weights import Linear, WeightStore, grouped_products
+from carrack.llm.weights import Linear, SharedInputProducts, WeightStore
 from carrack.native import llmrows
 
 
@@ -43,6 +43,14 @@ class Layer:
     w_up: Linear
     w_down: Linear
     ffn_post_norm: np.ndarray | None
+    qkv: SharedInputProducts | None = None  # wq, wk, wv grouped (None with a fused wqkv)
+    gate_up: SharedInputProducts | None = None  # w_gate, w_up grouped (None with a fused gate_up)
+
+    def __post_init__(self) -> None:
+        if self.wqkv is None:
+            self.qkv = SharedInputProducts([self.wq, self.wk, self.wv])
+        if self.w_gate is not None:
+            self.gate_up = SharedInputProducts([self.w_gate, self.w_up])
 
 
 @dataclass(frozen=True)
@@ -261,7 +269,7 @@ class Decoder:
             q_rows, kv_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
             q, k, v = qkv[:, :q_rows], qkv[:, q_rows:q_rows + kv_rows], qkv[:, q_rows + kv_rows:]
         else:
-            q, k, v = grouped_products([layer.wq, layer.wk, layer.wv], h) or (layer.wq(h), layer.wk(h), layer.wv(h))
+            q, k, v = layer.qkv(h)
         if layer.bq is not None:
             q = q + layer.bq
         if layer.bk is not None:
@@ -328,7 +336,7 @@ class Decoder:
             gate_up = layer.w_up(h)
             gate, up = gate_up[:, :self.hp.n_ff], gate_up[:, self.hp.n_ff:]
         else:
-            gate, up = grouped_products([layer.w_gate, layer.w_up], h) or (layer.w_gate(h), layer.w_up(h))
+            gate, up = layer.gate_up(h)
         if self.hp.arch.activation != "gelu_tanh":
             product = llmrows.silu_mul(gate, up, self.threads)
             if product is not None:

@@ -75,12 +75,13 @@ class HalfLinear:
         self.threads = threads
         self.out_features, self.in_features = weight.shape
         self.nbytes = weight.nbytes
+        self.matvec = halfmat.ProductGroup([weight], threads)  # the address bound once, not per token
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
-            y = halfmat.matvec(self.weight, x, self.threads)
+            y = self.matvec(x)
             if y is not None:
-                return y
+                return y[0]
         n, k = self.out_features, self.in_features
         x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
         step = self._panel_rows()
@@ -184,6 +185,26 @@ def grouped_products(linears: list[Linear], x: np.ndarray) -> list[np.ndarray] |
     if x.ndim != 2 or not all(isinstance(m, QuantizedLinear) and m.int8 for m in linears):
         return None
     return qdot.matmul_group([(m.rows_2d, m.ggml_type) for m in linears], x, linears[0].threads)
+
+
+class SharedInputProducts:
+    """A layer's matrices that share their input (q, k, v; gate, up), grouped once at load: `products(x)` is
+    [m(x) for m in linears], in one native call where their kind allows it (16-bit matrices: halfmat's
+    ProductGroup for a few rows of x; int8-quantized ones: qdot's matmul_group), else one call per matrix."""
+
+    def __init__(self, linears: list[Linear]):
+        self.linears = linears
+        self.half_group = None
+        if all(isinstance(m, HalfLinear) for m in linears):
+            self.half_group = halfmat.ProductGroup([m.weight for m in linears], linears[0].threads)
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        if self.half_group is not None and x.ndim == 2 and x.shape[0] <= NATIVE_MAX_ROWS:
+            outputs = self.half_group(x)
+            if outputs is not None:
+                return outputs
+        outputs = grouped_products(self.linears, x)
+        return outputs if outputs is not None else [m(x) for m in self.linears]
 
 
 class WeightStore:

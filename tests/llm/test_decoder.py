@@ -306,6 +306,36 @@ def test_f16_weights_stay_16_bit_in_memory_and_plan(tmp_path):
     assert greedy(f16, ids, 8) == greedy(reference, ids, 8)
 
 
+def test_f16_generation_groups_the_projections_that_share_x(tmp_path, monkeypatch):
+    """An F16 llama's q/k/v and gate/up are one halfmat call each while generating, with the logits of one call
+    per matrix."""
+    from carrack.native import halfmat
+
+    if halfmat.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler?)")
+    path = write_gguf(tiny_model("llama", f16_weights=True), tmp_path, "F16")
+    grouped, separate = Decoder(path, n_ctx=64), Decoder(path, n_ctx=64)
+    for layer in separate.layers:
+        layer.qkv.half_group = layer.gate_up.half_group = None
+    calls = []
+    original = halfmat.ProductGroup.__call__
+
+    def counting(group, x):
+        calls.append(len(group.weights))
+        return original(group, x)
+
+    ids = prompt_ids(12)
+    expected = [separate.forward(ids, 0, all_logits=False)] + [separate.forward([t]) for t in (5, 9, 17)]
+    grouped.forward(ids, 0, all_logits=False)
+    monkeypatch.setattr(halfmat.ProductGroup, "__call__", counting)
+    got = [grouped.forward([t]) for t in (5, 9, 17)]
+    n_layer = len(grouped.layers)
+    # per token and layer: q/k/v (3 matrices), wo, gate/up (2), down; then the output matrix
+    assert calls == ([3, 1, 2, 1] * n_layer + [1]) * 3
+    for g, e in zip(got, expected[1:]):
+        np.testing.assert_array_equal(g, e)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_native_row_kernels_equal_the_numpy_steps(arch, tmp_path, monkeypatch):
     """llmrows.c's norms, rope, SiLU * up and attention (gemma2's softcapped, sliding-window layers too) give the

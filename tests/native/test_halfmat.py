@@ -80,3 +80,45 @@ def test_bad_weight_and_shapes_are_named():
         halfmat.matvec(np.zeros((4, 8), np.float16), np.zeros((1, 7), np.float32))
     with pytest.raises(ValueError, match="out must be"):
         halfmat.decode_rows(np.zeros((4, 8), np.float16), 0, 2, np.empty((3, 8), np.float32))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_product_group_equals_one_matvec_per_matrix(build, m):
+    """One call for matrices that share x (F16 and BF16 mixed, row counts not multiples of 4): each output equals
+    that matrix's own matvec bit for bit at 1, 2 and 4 threads (pieces straddle matrices, and a piece's last rows
+    of one matrix prefetch the next one's first rows)."""
+    weights = [random_weight("F16", N, K, seed=3)[0], random_weight("BF16", 67, K, seed=4)[0],
+               random_weight("F16", 130, K, seed=5)[0]]
+    x = np.random.default_rng(6).standard_normal((m, K)).astype(np.float32)
+    expected = [halfmat.matvec(w, x, 1) for w in weights]
+    for threads in (1, 2, 4):
+        got = halfmat.ProductGroup(weights, threads)(x)
+        assert [g.shape for g in got] == [(m, N), (m, 67), (m, 130)]
+        for g, e in zip(got, expected):
+            np.testing.assert_array_equal(g, e)
+
+
+def test_product_group_matches_numpy_past_the_streamed_rows(build):
+    """Rows streamed eight at a time with the next eight prefetched (from the same matrix or the next one), 1- to
+    7-row tails, k with a 6-value tail."""
+    weights = [random_weight("F16", n, 70, seed=n)[0] for n in (8, 17, 7, 1, 31)]
+    x = np.random.default_rng(7).standard_normal((1, 70)).astype(np.float32)
+    for got, w in zip(halfmat.ProductGroup(weights, 1)(x), weights):
+        expected = expected_product(x, w.astype(np.float32))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_product_group_refuses_bad_groups_by_name():
+    f16 = np.zeros((4, 8), np.float16)
+    with pytest.raises(ValueError, match="share their row length"):
+        halfmat.ProductGroup([f16, np.zeros((4, 16), np.float16)])
+    with pytest.raises(ValueError, match="1 to 8 matrices, got 0"):
+        halfmat.ProductGroup([])
+    with pytest.raises(ValueError, match="1 to 8 matrices, got 9"):
+        halfmat.ProductGroup([f16] * 9)
+    with pytest.raises(ValueError, match="float16 .*uint16"):
+        halfmat.ProductGroup([f16, np.zeros((4, 8), np.float32)])
+    if halfmat.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler?)")
+    with pytest.raises(ValueError, match=r"expected \(rows, 8\)"):
+        halfmat.ProductGroup([f16])(np.zeros((1, 7), np.float32))
