@@ -44,13 +44,32 @@ def threads() -> int:
     return getattr(_local, "count", 0) or default_threads()
 
 
+_UNRESOLVED = object()
+_hold: object = _UNRESOLVED  # the pool's carrack_pool_hold, None without the pool library
+
+
+def _pool_hold():
+    """carrack_pool_hold(delta) of the pool library (looked up once), or None without it."""
+    global _hold
+    if _hold is _UNRESOLVED:
+        from carrack import native
+
+        pool = native.library("threadpool")
+        fn = getattr(pool, "carrack_pool_hold", None) if pool is not None else None
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int64], None
+        _hold = fn
+    return _hold
+
+
 class intra_op_threads:  # noqa: N801 - used as the context manager function it was
     """Run the block (in this Python thread only) with native kernels limited to `count` threads; 0 or None
     means one per core. `with` gives the count in force. Nested blocks restore the outer count when they end.
+    A block with two or more threads holds the pool (`holding_pool`) for its duration.
     (A class rather than a generator context manager: every session run enters one, and contextlib's costs
     ~2 us.)"""
 
-    __slots__ = ("count", "before")
+    __slots__ = ("count", "before", "hold")
 
     def __init__(self, count: int | None) -> None:
         if count is not None and (not isinstance(count, int) or count < 0):
@@ -61,11 +80,30 @@ class intra_op_threads:  # noqa: N801 - used as the context manager function it 
 
     def __enter__(self) -> int:
         self.before = getattr(_local, "count", 0)
-        _local.count = self.count or default_threads()
-        return _local.count
+        count = _local.count = self.count or default_threads()
+        self.hold = _pool_hold() if count > 1 else None
+        if self.hold is not None:
+            self.hold(1)
+        return count
 
     def __exit__(self, *exc) -> None:
         _local.count = self.before
+        if self.hold is not None:
+            self.hold(-1)
+
+
+def holding_pool() -> int:
+    """Blocks (runs) holding the pool now: while there is one, idle pool workers keep spinning between the run's
+    split kernels (up to CARRACK_HELD_SPIN_US, default 5000 us, per gap) instead of falling asleep after
+    CARRACK_SPIN_US, so the next kernel does not wait for a worker to wake up. 0 without the pool library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_holds", None) if pool is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def attach_pool(name: str, lib: ctypes.CDLL, pool: ctypes.CDLL | None) -> bool:
@@ -114,3 +152,17 @@ def pool_wakes() -> int:
         return 0
     fn.restype = ctypes.c_int64
     return int(fn())
+
+
+def work_seconds() -> float:
+    """Time the participants of split regions (calling threads and pool workers together) have spent running
+    their pieces in this process. Beside `parallel_seconds()` times the threads it shows how long a region's
+    participants waited: for a worker to start, or for the last piece to end. 0.0 without the pool library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_work_ns", None) if pool is not None else None
+    if fn is None:
+        return 0.0
+    fn.restype = ctypes.c_int64
+    return int(fn()) / 1e9

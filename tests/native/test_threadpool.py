@@ -139,6 +139,62 @@ def test_a_sleeping_worker_is_counted_when_woken():
     assert intra_op.pool_wakes() > wakes
 
 
+@needs_native
+def test_work_seconds_counts_the_pieces_of_split_regions():
+    """The time participants spent running pieces: at least the items' own time, nothing for a region that was
+    not split."""
+    _selftest(4, 4, 2, 0)
+    before = intra_op.work_seconds()
+    _selftest(8, 1, 2, 100_000)  # one chunk: runs on the caller, not a split region
+    assert intra_op.work_seconds() == before
+    _selftest(8, 8, 2, 200_000)  # eight items of at least 0.2 ms each, whichever thread ran them
+    assert intra_op.work_seconds() - before >= 0.0016
+
+
+def test_a_run_with_threads_holds_the_pool():
+    assert intra_op.holding_pool() == 0
+    with intra_op.intra_op_threads(1):
+        assert intra_op.holding_pool() == 0  # one thread: no worker to keep awake
+    if intra_op._pool_hold() is None:
+        pytest.skip("the pool library is not built here")
+    with intra_op.intra_op_threads(2):
+        assert intra_op.holding_pool() == 1
+        with intra_op.intra_op_threads(3):
+            assert intra_op.holding_pool() == 2
+        with intra_op.intra_op_threads(1):
+            assert intra_op.holding_pool() == 1
+        assert intra_op.holding_pool() == 1
+    assert intra_op.holding_pool() == 0
+    with pytest.raises(RuntimeError), intra_op.intra_op_threads(2):
+        raise RuntimeError("a failing run")
+    assert intra_op.holding_pool() == 0  # released by a run that raised
+
+
+def _wakes_over_gaps(gaps: int, seconds: float) -> int:
+    before = intra_op.pool_wakes()
+    for _ in range(gaps):
+        threading.Event().wait(seconds)  # longer than CARRACK_SPIN_US (200 us), shorter than the held spin (5 ms)
+        _selftest(4, 4, 2, 0)
+    return intra_op.pool_wakes() - before
+
+
+@needs_native
+def test_a_held_pool_keeps_its_workers_awake_between_regions():
+    """Between the split kernels of a run holding the pool, an idle worker spins on instead of sleeping after
+    CARRACK_SPIN_US, so the next region finds it awake; outside runs it sleeps as before. The machine is shared:
+    a gap can overrun, so held gaps must wake the worker at most half as often as plain ones, in one of a few
+    tries."""
+    _selftest(4, 4, 2, 0)
+    for _ in range(5):
+        plain = _wakes_over_gaps(20, 0.001)
+        with intra_op.intra_op_threads(2):
+            held = _wakes_over_gaps(20, 0.001)
+        if plain >= 10 and held <= plain // 2:
+            break
+    assert plain >= 10, "the worker did not sleep between plain regions"
+    assert held <= plain // 2, f"held gaps woke the worker {held} times, plain gaps {plain}"
+
+
 def test_thread_count_is_per_python_thread():
     seen = {}
 
