@@ -44,22 +44,44 @@ def threads() -> int:
     return getattr(_local, "count", 0) or default_threads()
 
 
-_UNRESOLVED = object()
-_hold: object = _UNRESOLVED  # the pool's carrack_pool_hold, None without the pool library
+class _Hold:
+    """The pool's hold count as this Python thread updates it: a word of the pool's that only this thread writes,
+    updated by a store through a memoryview (a ctypes call each way would cost a small model's run about a
+    microsecond), else the shared word through carrack_pool_hold. Made once per Python thread (`_pool_hold`)."""
+
+    __slots__ = ("words", "slot", "call")
+
+    def __init__(self, pool: ctypes.CDLL) -> None:
+        pool.carrack_pool_hold.argtypes, pool.carrack_pool_hold.restype = [ctypes.c_int64], None
+        pool.carrack_pool_hold_words.restype = ctypes.c_void_p
+        pool.carrack_pool_hold_slot.restype = ctypes.c_int64
+        self.call = pool.carrack_pool_hold
+        self.slot = int(pool.carrack_pool_hold_slot())
+        address = pool.carrack_pool_hold_words()
+        self.words = memoryview((ctypes.c_int64 * _HOLD_WORDS).from_address(address)).cast("B").cast("q")
 
 
-def _pool_hold():
-    """carrack_pool_hold(delta) of the pool library (looked up once), or None without it."""
-    global _hold
-    if _hold is _UNRESOLVED:
+_HOLD_WORDS = 64  # threadpool.c's HOLD_WORDS
+_pool_checked = False
+_pool: ctypes.CDLL | None = None
+
+
+def _pool_hold() -> _Hold | None:
+    """This Python thread's way to take and give back the pool's hold, or None without the pool library."""
+    hold = getattr(_local, "hold", None)
+    if hold is not None:
+        return hold
+    global _pool_checked, _pool
+    if not _pool_checked:
         from carrack import native
 
         pool = native.library("threadpool")
-        fn = getattr(pool, "carrack_pool_hold", None) if pool is not None else None
-        if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int64], None
-        _hold = fn
-    return _hold
+        _pool = pool if pool is not None and hasattr(pool, "carrack_pool_hold_slot") else None
+        _pool_checked = True
+    if _pool is None:
+        return None
+    hold = _local.hold = _Hold(_pool)
+    return hold
 
 
 class intra_op_threads:  # noqa: N801 - used as the context manager function it was
@@ -81,15 +103,22 @@ class intra_op_threads:  # noqa: N801 - used as the context manager function it 
     def __enter__(self) -> int:
         self.before = getattr(_local, "count", 0)
         count = _local.count = self.count or default_threads()
-        self.hold = _pool_hold() if count > 1 else None
-        if self.hold is not None:
-            self.hold(1)
+        hold = self.hold = (getattr(_local, "hold", None) or _pool_hold()) if count > 1 else None
+        if hold is not None:
+            if hold.slot >= 0:
+                hold.words[hold.slot] += 1
+            else:
+                hold.call(1)
         return count
 
     def __exit__(self, *exc) -> None:
         _local.count = self.before
-        if self.hold is not None:
-            self.hold(-1)
+        hold = self.hold
+        if hold is not None:
+            if hold.slot >= 0:
+                hold.words[hold.slot] -= 1
+            else:
+                hold.call(-1)
 
 
 def holding_pool() -> int:

@@ -71,14 +71,34 @@ static int64_t spin_ns = -1, held_spin_ns = -1;
  * spins up to held_spin_ns (CARRACK_HELD_SPIN_US) instead of spin_ns before it sleeps: a run's serial stretches
  * between two split kernels (Python dispatch, a small op on one thread) are often longer than spin_ns, and waking a
  * sleeping worker costs tens of microseconds (a halted virtual CPU, more) at the start of the next region. Once
- * the runs have ended, workers sleep after spin_ns as before, so an idle process costs no CPU. */
-static _Atomic int64_t holds;
+ * the runs have ended, workers sleep after spin_ns as before, so an idle process costs no CPU.
+ *
+ * The count is kept in words: word 0 is shared (carrack_pool_hold), and a Python thread may own one of the others
+ * (carrack_pool_hold_slot), which it then updates by a plain store, without a call: a session run takes the hold
+ * and gives it back, and two ctypes calls per run would cost a small model's run a microsecond. */
+#define HOLD_WORDS 64
+static _Atomic int64_t hold_words[HOLD_WORDS];
+static _Atomic int hold_words_used = 1;
 
-void carrack_pool_hold(int64_t delta) { atomic_fetch_add_explicit(&holds, delta, memory_order_relaxed); }
+void carrack_pool_hold(int64_t delta) { atomic_fetch_add_explicit(&hold_words[0], delta, memory_order_relaxed); }
 
-int64_t carrack_pool_holds(void) { return atomic_load_explicit(&holds, memory_order_relaxed); }
+/* The address of the hold words, and a word of its own for the calling thread: its index, or -1 when none is left
+ * (the thread then uses carrack_pool_hold). */
+int64_t *carrack_pool_hold_words(void) { return (int64_t *)hold_words; }
 
-static int held(void) { return atomic_load_explicit(&holds, memory_order_relaxed) > 0; }
+int64_t carrack_pool_hold_slot(void) {
+    const int slot = atomic_fetch_add(&hold_words_used, 1);
+    return slot < HOLD_WORDS ? slot : -1;
+}
+
+int64_t carrack_pool_holds(void) {
+    const int used = atomic_load_explicit(&hold_words_used, memory_order_relaxed);
+    int64_t total = 0;
+    for (int i = 0; i < used && i < HOLD_WORDS; i++) total += atomic_load_explicit(&hold_words[i], memory_order_relaxed);
+    return total;
+}
+
+static int held(void) { return carrack_pool_holds() > 0; }
 
 static int64_t now_ns(void) {
     struct timespec t;

@@ -170,6 +170,29 @@ def test_a_run_with_threads_holds_the_pool():
     assert intra_op.holding_pool() == 0  # released by a run that raised
 
 
+def test_runs_in_several_python_threads_hold_the_pool_together():
+    """Each Python thread updates a hold word of its own; the pool sees the sum."""
+    if intra_op._pool_hold() is None:
+        pytest.skip("the pool library is not built here")
+    inside, leave, seen = threading.Barrier(3), threading.Barrier(3), []
+
+    def run() -> None:
+        with intra_op.intra_op_threads(2):
+            inside.wait()
+            leave.wait()
+
+    workers = [threading.Thread(target=run) for _ in range(2)]
+    for w in workers:
+        w.start()
+    inside.wait()
+    seen.append(intra_op.holding_pool())
+    leave.wait()
+    for w in workers:
+        w.join()
+    assert seen == [2]
+    assert intra_op.holding_pool() == 0
+
+
 def _wakes_over_gaps(gaps: int, seconds: float) -> int:
     before = intra_op.pool_wakes()
     for _ in range(gaps):
