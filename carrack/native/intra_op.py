@@ -183,10 +183,23 @@ def pool_wakes() -> int:
     return int(fn())
 
 
+def count_work(on: bool) -> None:
+    """Start (True) or stop counting `work_seconds()` (off by default: it costs two clock reads per thread and
+    split region)."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_count_work", None) if pool is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int64], None
+        fn(int(bool(on)))
+
+
 def work_seconds() -> float:
-    """Time the participants of split regions (calling threads and pool workers together) have spent running
-    their pieces in this process. Beside `parallel_seconds()` times the threads it shows how long a region's
-    participants waited: for a worker to start, or for the last piece to end. 0.0 without the pool library."""
+    """CPU time the participants of split regions (calling threads and pool workers together) spent running their
+    pieces while `count_work` was on, in this process. Beside the process's CPU time it separates a run's work
+    from its spinning; beside a one-thread run's CPU time it shows the work a split adds. 0.0 without the pool
+    library."""
     from carrack import native
 
     pool = native.library("threadpool")

@@ -106,9 +106,20 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Time the participants of split regions (callers and workers together) spent running pieces: beside
- * parallel_ns x threads it gives the time a region's participants waited for each other or for a start. */
+/* CPU time the participants of split regions (callers and workers together) spent running pieces, counted while
+ * carrack_pool_count_work is on (two clock reads per participant and region: off by default). Beside the process's
+ * CPU time it separates a run's useful work from its spinning; beside a one-thread run's CPU time it shows the work
+ * a split adds. CPU time, not wall time, so that other processes taking the cores do not count. */
 static _Atomic int64_t work_ns;
+static _Atomic int counting_work;
+
+void carrack_pool_count_work(int64_t on) { atomic_store(&counting_work, on != 0); }
+
+static int64_t thread_cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static void run_pieces(job_t *job, int64_t slot) {
     for (;;) {
@@ -121,9 +132,13 @@ static void run_pieces(job_t *job, int64_t slot) {
 }
 
 static void run_pieces_timed(job_t *job, int64_t slot) {
-    const int64_t start = now_ns();
+    if (!atomic_load_explicit(&counting_work, memory_order_relaxed)) {
+        run_pieces(job, slot);
+        return;
+    }
+    const int64_t start = thread_cpu_ns();
     run_pieces(job, slot);
-    atomic_fetch_add_explicit(&work_ns, now_ns() - start, memory_order_relaxed);
+    atomic_fetch_add_explicit(&work_ns, thread_cpu_ns() - start, memory_order_relaxed);
 }
 
 /* Waits until the worker is given a job: spinning first (longer while a run holds the pool, yielding the core now

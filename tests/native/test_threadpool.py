@@ -140,15 +140,20 @@ def test_a_sleeping_worker_is_counted_when_woken():
 
 
 @needs_native
-def test_work_seconds_counts_the_pieces_of_split_regions():
-    """The time participants spent running pieces: at least the items' own time, nothing for a region that was
-    not split."""
+def test_work_seconds_counts_the_pieces_of_split_regions_while_on():
+    """CPU time running pieces: none for a region that was not split or while counting is off."""
     _selftest(4, 4, 2, 0)
     before = intra_op.work_seconds()
-    _selftest(8, 1, 2, 100_000)  # one chunk: runs on the caller, not a split region
-    assert intra_op.work_seconds() == before
-    _selftest(8, 8, 2, 200_000)  # eight items of at least 0.2 ms each, whichever thread ran them
-    assert intra_op.work_seconds() - before >= 0.0016
+    _selftest(8, 8, 2, 100_000)
+    assert intra_op.work_seconds() == before  # off by default
+    intra_op.count_work(True)
+    try:
+        _selftest(8, 1, 2, 100_000)  # one chunk: runs on the caller, not a split region
+        assert intra_op.work_seconds() == before
+        _selftest(8, 8, 2, 200_000)  # eight items of 0.2 ms of spinning each
+        assert intra_op.work_seconds() > before
+    finally:
+        intra_op.count_work(False)
 
 
 def test_a_run_with_threads_holds_the_pool():
