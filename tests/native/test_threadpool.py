@@ -213,7 +213,7 @@ def test_a_held_pool_keeps_its_workers_awake_between_regions():
     a gap can overrun, so held gaps must wake the worker at most half as often as plain ones, in one of a few
     tries."""
     _selftest(4, 4, 2, 0)
-    for _ in range(5):
+    for _ in range(10):
         plain = _wakes_over_gaps(20, 0.001)
         with intra_op.intra_op_threads(2):
             held = _wakes_over_gaps(20, 0.001)
