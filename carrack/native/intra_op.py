@@ -47,14 +47,16 @@ def threads() -> int:
 class _Hold:
     """The pool's hold count as this Python thread updates it: a word of the pool's that only this thread writes,
     updated by a store through a memoryview (a ctypes call each way would cost a small model's run about a
-    microsecond), else the shared word through carrack_pool_hold. Made once per Python thread (`_pool_hold`)."""
+    microsecond), else the shared word through carrack_pool_hold. Made once per Python thread and pool library
+    (`_pool_hold`)."""
 
-    __slots__ = ("words", "slot", "call")
+    __slots__ = ("pool", "words", "slot", "call")
 
     def __init__(self, pool: ctypes.CDLL) -> None:
         pool.carrack_pool_hold.argtypes, pool.carrack_pool_hold.restype = [ctypes.c_int64], None
         pool.carrack_pool_hold_words.restype = ctypes.c_void_p
         pool.carrack_pool_hold_slot.restype = ctypes.c_int64
+        self.pool = pool
         self.call = pool.carrack_pool_hold
         self.slot = int(pool.carrack_pool_hold_slot())
         address = pool.carrack_pool_hold_words()
@@ -62,25 +64,25 @@ class _Hold:
 
 
 _HOLD_WORDS = 64  # threadpool.c's HOLD_WORDS
-_pool_checked = False
-_pool: ctypes.CDLL | None = None
+_native = None  # carrack.native, once imported (it imports this module)
 
 
 def _pool_hold() -> _Hold | None:
-    """This Python thread's way to take and give back the pool's hold, or None without the pool library."""
-    hold = getattr(_local, "hold", None)
-    if hold is not None:
-        return hold
-    global _pool_checked, _pool
-    if not _pool_checked:
+    """This Python thread's way to take and give back the hold of the pool the kernels use: the threadpool
+    library as loaded now (a run before any kernel library has loaded it holds nothing, nor does one where it is
+    turned off or failed to build), else None."""
+    global _native
+    if _native is None:
         from carrack import native
 
-        pool = native.library("threadpool")
-        _pool = pool if pool is not None and hasattr(pool, "carrack_pool_hold_slot") else None
-        _pool_checked = True
-    if _pool is None:
+        _native = native
+    pool = _native._loaded.get("threadpool")
+    hold = getattr(_local, "hold", None)
+    if hold is not None and hold.pool is pool:
+        return hold
+    if pool is None or not hasattr(pool, "carrack_pool_hold_slot"):
         return None
-    hold = _local.hold = _Hold(_pool)
+    hold = _local.hold = _Hold(pool)
     return hold
 
 
@@ -103,7 +105,7 @@ class intra_op_threads:  # noqa: N801 - used as the context manager function it 
     def __enter__(self) -> int:
         self.before = getattr(_local, "count", 0)
         count = _local.count = self.count or default_threads()
-        hold = self.hold = (getattr(_local, "hold", None) or _pool_hold()) if count > 1 else None
+        hold = self.hold = _pool_hold() if count > 1 else None
         if hold is not None:
             if hold.slot >= 0:
                 hold.words[hold.slot] += 1

@@ -157,6 +157,7 @@ def test_work_seconds_counts_the_pieces_of_split_regions_while_on():
 
 
 def test_a_run_with_threads_holds_the_pool():
+    native.library("threadpool")
     assert intra_op.holding_pool() == 0
     with intra_op.intra_op_threads(1):
         assert intra_op.holding_pool() == 0  # one thread: no worker to keep awake
@@ -177,6 +178,7 @@ def test_a_run_with_threads_holds_the_pool():
 
 def test_runs_in_several_python_threads_hold_the_pool_together():
     """Each Python thread updates a hold word of its own; the pool sees the sum."""
+    native.library("threadpool")
     if intra_op._pool_hold() is None:
         pytest.skip("the pool library is not built here")
     inside, leave, seen = threading.Barrier(3), threading.Barrier(3), []
@@ -196,6 +198,27 @@ def test_runs_in_several_python_threads_hold_the_pool_together():
         w.join()
     assert seen == [2]
     assert intra_op.holding_pool() == 0
+
+
+def test_a_python_thread_without_a_word_of_its_own_holds_through_the_shared_one():
+    """Past the pool's 63 per-thread words a Python thread takes the hold by a call on the shared word."""
+    native.library("threadpool")
+    if intra_op._pool_hold() is None:
+        pytest.skip("the pool library is not built here")
+    seen = []
+
+    def run() -> None:
+        hold = intra_op._Hold(native.library("threadpool"))
+        hold.slot = -1  # as when every word is taken
+        intra_op._local.hold = hold
+        with intra_op.intra_op_threads(2):
+            seen.append(intra_op.holding_pool())
+        seen.append(intra_op.holding_pool())
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == [1, 0]
 
 
 def _wakes_over_gaps(gaps: int, seconds: float) -> int:
