@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -221,29 +222,39 @@ def test_a_python_thread_without_a_word_of_its_own_holds_through_the_shared_one(
     assert seen == [1, 0]
 
 
-def _wakes_over_gaps(gaps: int, seconds: float) -> int:
-    before = intra_op.pool_wakes()
+def _gaps_and_wakes(gaps: int, seconds: float) -> list[tuple[float, int]]:
+    """(the real gap in seconds, the worker wake-ups of the region after it) for `gaps` regions `seconds` apart."""
+    out = []
     for _ in range(gaps):
-        threading.Event().wait(seconds)  # longer than CARRACK_SPIN_US (200 us), shorter than the held spin (5 ms)
+        ended = time.perf_counter()
+        threading.Event().wait(seconds)
+        before = intra_op.pool_wakes()
+        gap = time.perf_counter() - ended
         _selftest(4, 4, 2, 0)
-    return intra_op.pool_wakes() - before
+        out.append((gap, intra_op.pool_wakes() - before))
+    return out
 
 
 @needs_native
 def test_a_held_pool_keeps_its_workers_awake_between_regions():
-    """Between the split kernels of a run holding the pool, an idle worker spins on instead of sleeping after
-    CARRACK_SPIN_US, so the next region finds it awake; outside runs it sleeps as before. The machine is shared:
-    a gap can overrun, so held gaps must wake the worker at most half as often as plain ones, in one of a few
-    tries."""
+    """Between the split kernels of a run holding the pool, an idle worker spins on (up to 5 ms, the default
+    CARRACK_HELD_SPIN_US) instead of sleeping after CARRACK_SPIN_US (200 us), so the next region finds it awake;
+    outside runs it sleeps as before. The machine is shared and a 1 ms gap can overrun: only gaps that really
+    lasted 0.5-3 ms count, and held ones must wake the worker at most half as often as plain ones."""
     _selftest(4, 4, 2, 0)
-    for _ in range(10):
-        plain = _wakes_over_gaps(20, 0.001)
+    plain, held = [], []
+    for _ in range(20):
+        plain += [w for gap, w in _gaps_and_wakes(10, 0.001) if 0.0005 <= gap <= 0.003]
         with intra_op.intra_op_threads(2):
-            held = _wakes_over_gaps(20, 0.001)
-        if plain >= 10 and held <= plain // 2:
+            held += [w for gap, w in _gaps_and_wakes(10, 0.001) if 0.0005 <= gap <= 0.003]
+        if len(plain) >= 10 and len(held) >= 10:
             break
-    assert plain >= 10, "the worker did not sleep between plain regions"
-    assert held <= plain // 2, f"held gaps woke the worker {held} times, plain gaps {plain}"
+    if len(plain) < 10 or len(held) < 10:
+        pytest.skip("the machine is too loaded: too few gaps of 0.5-3 ms")
+    plain_rate, held_rate = sum(plain) / len(plain), sum(held) / len(held)
+    assert plain_rate >= 0.5, f"the worker slept in only {sum(plain)} of {len(plain)} plain gaps"
+    assert held_rate <= plain_rate / 2, f"held gaps woke the worker {sum(held)} of {len(held)} times, plain " \
+                                        f"gaps {sum(plain)} of {len(plain)}"
 
 
 def test_thread_count_is_per_python_thread():
