@@ -44,13 +44,56 @@ def threads() -> int:
     return getattr(_local, "count", 0) or default_threads()
 
 
+class _Hold:
+    """The pool's hold count as this Python thread updates it: a word of the pool's that only this thread writes,
+    updated by a store through a memoryview (a ctypes call each way would cost a small model's run about a
+    microsecond), else the shared word through carrack_pool_hold. Made once per Python thread and pool library
+    (`_pool_hold`)."""
+
+    __slots__ = ("pool", "words", "slot", "call")
+
+    def __init__(self, pool: ctypes.CDLL) -> None:
+        pool.carrack_pool_hold.argtypes, pool.carrack_pool_hold.restype = [ctypes.c_int64], None
+        pool.carrack_pool_hold_words.restype = ctypes.c_void_p
+        pool.carrack_pool_hold_slot.restype = ctypes.c_int64
+        self.pool = pool
+        self.call = pool.carrack_pool_hold
+        self.slot = int(pool.carrack_pool_hold_slot())
+        address = pool.carrack_pool_hold_words()
+        self.words = memoryview((ctypes.c_int64 * _HOLD_WORDS).from_address(address)).cast("B").cast("q")
+
+
+_HOLD_WORDS = 64  # threadpool.c's HOLD_WORDS
+_native = None  # carrack.native, once imported (it imports this module)
+
+
+def _pool_hold() -> _Hold | None:
+    """This Python thread's way to take and give back the hold of the pool the kernels use: the threadpool
+    library as loaded now (a run before any kernel library has loaded it holds nothing, nor does one where it is
+    turned off or failed to build), else None."""
+    global _native
+    if _native is None:
+        from carrack import native
+
+        _native = native
+    pool = _native._loaded.get("threadpool")
+    hold = getattr(_local, "hold", None)
+    if hold is not None and hold.pool is pool:
+        return hold
+    if pool is None or not hasattr(pool, "carrack_pool_hold_slot"):
+        return None
+    hold = _local.hold = _Hold(pool)
+    return hold
+
+
 class intra_op_threads:  # noqa: N801 - used as the context manager function it was
     """Run the block (in this Python thread only) with native kernels limited to `count` threads; 0 or None
     means one per core. `with` gives the count in force. Nested blocks restore the outer count when they end.
+    A block with two or more threads holds the pool (`holding_pool`) for its duration.
     (A class rather than a generator context manager: every session run enters one, and contextlib's costs
     ~2 us.)"""
 
-    __slots__ = ("count", "before")
+    __slots__ = ("count", "before", "hold")
 
     def __init__(self, count: int | None) -> None:
         if count is not None and (not isinstance(count, int) or count < 0):
@@ -61,11 +104,37 @@ class intra_op_threads:  # noqa: N801 - used as the context manager function it 
 
     def __enter__(self) -> int:
         self.before = getattr(_local, "count", 0)
-        _local.count = self.count or default_threads()
-        return _local.count
+        count = _local.count = self.count or default_threads()
+        hold = self.hold = _pool_hold() if count > 1 else None
+        if hold is not None:
+            if hold.slot >= 0:
+                hold.words[hold.slot] += 1
+            else:
+                hold.call(1)
+        return count
 
     def __exit__(self, *exc) -> None:
         _local.count = self.before
+        hold = self.hold
+        if hold is not None:
+            if hold.slot >= 0:
+                hold.words[hold.slot] -= 1
+            else:
+                hold.call(-1)
+
+
+def holding_pool() -> int:
+    """Blocks (runs) holding the pool now: while there is one, idle pool workers keep spinning between the run's
+    split kernels (up to CARRACK_HELD_SPIN_US, default 5000 us, per gap) instead of falling asleep after
+    CARRACK_SPIN_US, so the next kernel does not wait for a worker to wake up. 0 without the pool library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_holds", None) if pool is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def attach_pool(name: str, lib: ctypes.CDLL, pool: ctypes.CDLL | None) -> bool:
@@ -114,3 +183,30 @@ def pool_wakes() -> int:
         return 0
     fn.restype = ctypes.c_int64
     return int(fn())
+
+
+def count_work(on: bool) -> None:
+    """Start (True) or stop counting `work_seconds()` (off by default: it costs two clock reads per thread and
+    split region)."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_count_work", None) if pool is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int64], None
+        fn(int(bool(on)))
+
+
+def work_seconds() -> float:
+    """CPU time the participants of split regions (calling threads and pool workers together) spent running their
+    pieces while `count_work` was on, in this process. Beside the process's CPU time it separates a run's work
+    from its spinning; beside a one-thread run's CPU time it shows the work a split adds. 0.0 without the pool
+    library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_work_ns", None) if pool is not None else None
+    if fn is None:
+        return 0.0
+    fn.restype = ctypes.c_int64
+    return int(fn()) / 1e9

@@ -19,6 +19,7 @@
 #include "threadpool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
@@ -33,6 +34,9 @@
 
 #define MAX_WORKERS 255
 #define FINISH_SPIN_NS 30000 /* how long a caller spins for its helpers to finish before it sleeps */
+#define HELD_FINISH_SPIN_NS 200000 /* the same while a run holds the pool (see carrack_pool_hold) */
+#define HELD_SPIN_DEFAULT_US 5000 /* how long an idle worker spins while a run holds the pool */
+#define YIELD_EVERY_NS 50000 /* a held worker's spin yields the core this often to any other runnable thread */
 
 /* A worker's state word: the state in the low 2 bits, above them the number of the last reservation, so that a
  * caller withdrawing its assignment can never withdraw a newer one given by another caller meanwhile. */
@@ -61,11 +65,59 @@ typedef struct {
 static worker_t workers[MAX_WORKERS];
 static _Atomic int worker_count;
 static pthread_mutex_t grow_lock = PTHREAD_MUTEX_INITIALIZER;
-static int64_t spin_ns = -1;
+static int64_t spin_ns = -1, held_spin_ns = -1;
+
+/* Runs in progress that asked for two or more threads (carrack_pool_hold). While there is one, an idle worker
+ * spins up to held_spin_ns (CARRACK_HELD_SPIN_US) instead of spin_ns before it sleeps: a run's serial stretches
+ * between two split kernels (Python dispatch, a small op on one thread) are often longer than spin_ns, and waking a
+ * sleeping worker costs tens of microseconds (a halted virtual CPU, more) at the start of the next region. Once
+ * the runs have ended, workers sleep after spin_ns as before, so an idle process costs no CPU.
+ *
+ * The count is kept in words: word 0 is shared (carrack_pool_hold), and a Python thread may own one of the others
+ * (carrack_pool_hold_slot), which it then updates by a plain store, without a call: a session run takes the hold
+ * and gives it back, and two ctypes calls per run would cost a small model's run a microsecond. */
+#define HOLD_WORDS 64
+static _Atomic int64_t hold_words[HOLD_WORDS];
+static _Atomic int hold_words_used = 1;
+
+void carrack_pool_hold(int64_t delta) { atomic_fetch_add_explicit(&hold_words[0], delta, memory_order_relaxed); }
+
+/* The address of the hold words, and a word of its own for the calling thread: its index, or -1 when none is left
+ * (the thread then uses carrack_pool_hold). */
+int64_t *carrack_pool_hold_words(void) { return (int64_t *)hold_words; }
+
+int64_t carrack_pool_hold_slot(void) {
+    const int slot = atomic_fetch_add(&hold_words_used, 1);
+    return slot < HOLD_WORDS ? slot : -1;
+}
+
+int64_t carrack_pool_holds(void) {
+    const int used = atomic_load_explicit(&hold_words_used, memory_order_relaxed);
+    int64_t total = 0;
+    for (int i = 0; i < used && i < HOLD_WORDS; i++) total += atomic_load_explicit(&hold_words[i], memory_order_relaxed);
+    return total;
+}
+
+static int held(void) { return carrack_pool_holds() > 0; }
 
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* CPU time the participants of split regions (callers and workers together) spent running pieces, counted while
+ * carrack_pool_count_work is on (two clock reads per participant and region: off by default). Beside the process's
+ * CPU time it separates a run's useful work from its spinning; beside a one-thread run's CPU time it shows the work
+ * a split adds. CPU time, not wall time, so that other processes taking the cores do not count. */
+static _Atomic int64_t work_ns;
+static _Atomic int counting_work;
+
+void carrack_pool_count_work(int64_t on) { atomic_store(&counting_work, on != 0); }
+
+static int64_t thread_cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
@@ -79,12 +131,31 @@ static void run_pieces(job_t *job, int64_t slot) {
     }
 }
 
-/* Waits until the worker is given a job: spinning first, then asleep. */
+static void run_pieces_timed(job_t *job, int64_t slot) {
+    if (!atomic_load_explicit(&counting_work, memory_order_relaxed)) {
+        run_pieces(job, slot);
+        return;
+    }
+    const int64_t start = thread_cpu_ns();
+    run_pieces(job, slot);
+    atomic_fetch_add_explicit(&work_ns, thread_cpu_ns() - start, memory_order_relaxed);
+}
+
+/* Waits until the worker is given a job: spinning first (longer while a run holds the pool, yielding the core now
+ * and then to any other runnable thread), then asleep. */
 static void await_assignment(worker_t *w) {
-    const int64_t deadline = now_ns() + spin_ns;
+    const int64_t start = now_ns(), deadline = start + spin_ns, held_deadline = start + held_spin_ns;
+    int64_t next_yield = start + YIELD_EVERY_NS;
     for (int spins = 0; STATE(atomic_load_explicit(&w->state, memory_order_acquire)) != ASSIGNED; spins++) {
         cpu_relax();
-        if ((spins & 63) == 63 && now_ns() >= deadline) break;
+        if ((spins & 63) != 63) continue;
+        const int64_t now = now_ns();
+        if (now < deadline) continue;
+        if (now >= held_deadline || !held()) break;
+        if (now >= next_yield) {
+            sched_yield();
+            next_yield = now + YIELD_EVERY_NS;
+        }
     }
     if (STATE(atomic_load(&w->state)) == ASSIGNED) return;
     pthread_mutex_lock(&w->mutex);
@@ -104,7 +175,7 @@ static void *worker_main(void *arg) {
             !atomic_compare_exchange_strong(&w->state, &assigned, WITH_STATE(assigned, RUNNING)))
             continue;
         job_t *job = atomic_load_explicit(&w->job, memory_order_acquire);
-        run_pieces(job, atomic_fetch_add_explicit(&job->slots, 1, memory_order_relaxed));
+        run_pieces_timed(job, atomic_fetch_add_explicit(&job->slots, 1, memory_order_relaxed));
         /* the job's last use: its caller may return (and the job leave its stack) once this is seen */
         atomic_store(&w->state, WITH_STATE(assigned, IDLE)); /* sequentially consistent, before the read below */
         if (atomic_load(&w->caller_waiting)) {
@@ -129,6 +200,9 @@ static void ensure_workers(int wanted) {
     if (spin_ns < 0) {
         const char *text = getenv("CARRACK_SPIN_US");
         spin_ns = (text && *text ? atoll(text) : 200) * 1000;
+        const char *held_text = getenv("CARRACK_HELD_SPIN_US");
+        held_spin_ns = (held_text && *held_text ? atoll(held_text) : HELD_SPIN_DEFAULT_US) * 1000;
+        if (held_spin_ns < spin_ns) held_spin_ns = spin_ns;
         pthread_atfork(NULL, NULL, reset_after_fork);
     }
     for (int i = atomic_load(&worker_count); i < wanted; i++) {
@@ -165,7 +239,7 @@ static void assign(worker_t *w, job_t *job, int64_t reserved) {
  * last piece usually ends about when the caller's does), then asleep, leaving the core to the worker should the
  * machine have preempted it. */
 static void await_finish(worker_t *w, int64_t running) {
-    const int64_t deadline = now_ns() + FINISH_SPIN_NS;
+    const int64_t deadline = now_ns() + (held() ? HELD_FINISH_SPIN_NS : FINISH_SPIN_NS);
     for (int spins = 0; atomic_load_explicit(&w->state, memory_order_acquire) == running; spins++) {
         cpu_relax();
         if ((spins & 63) == 63 && now_ns() >= deadline) break;
@@ -200,6 +274,8 @@ void carrack_parallel(carrack_task task, void *context, int64_t begin, int64_t e
 
 int64_t carrack_pool_parallel_ns(void) { return atomic_load_explicit(&parallel_ns, memory_order_relaxed); }
 
+int64_t carrack_pool_work_ns(void) { return atomic_load_explicit(&work_ns, memory_order_relaxed); }
+
 int64_t carrack_pool_wakes(void) { return atomic_load_explicit(&wakes, memory_order_relaxed); }
 
 static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
@@ -219,7 +295,7 @@ static void run_split(carrack_task task, void *context, int64_t begin, int64_t e
             taken[count++] = i;
         }
     }
-    run_pieces(&job, 0);
+    run_pieces_timed(&job, 0);
     for (int i = 0; i < count; i++) { /* withdraw the workers that have not started on this job */
         int64_t expected = WITH_STATE(reservation[i], ASSIGNED);
         atomic_compare_exchange_strong(&workers[taken[i]].state, &expected, WITH_STATE(reservation[i], IDLE));
