@@ -127,14 +127,7 @@ def holding_pool() -> int:
     """Blocks (runs) holding the pool now: while there is one, idle pool workers keep spinning between the run's
     split kernels (up to CARRACK_HELD_SPIN_US, default 5000 us, per gap) instead of falling asleep after
     CARRACK_SPIN_US, so the next kernel does not wait for a worker to wake up. 0 without the pool library."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_holds", None) if pool is not None else None
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int64
-    return int(fn())
+    return _pool_counter("carrack_pool_holds")
 
 
 def attach_pool(name: str, lib: ctypes.CDLL, pool: ctypes.CDLL | None) -> bool:
@@ -162,23 +155,21 @@ def pool_workers() -> int:
 def parallel_seconds() -> float:
     """Wall time this process has spent in native regions split over two or more threads (all Python threads
     together); the rest of a run's time ran on one core. 0.0 without the pool library."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_parallel_ns", None) if pool is not None else None
-    if fn is None:
-        return 0.0
-    fn.restype = ctypes.c_int64
-    return int(fn()) / 1e9
+    return _pool_counter("carrack_pool_parallel_ns") / 1e9
 
 
 def pool_wakes() -> int:
     """Times a parallel region had to wake a sleeping pool worker in this process (a worker sleeps once it has
     spun CARRACK_SPIN_US without work; a woken worker starts later than a spinning one)."""
+    return _pool_counter("carrack_pool_wakes")
+
+
+def _pool_counter(function: str) -> int:
+    """One of the pool library's int64 counters (0 without the library, or in a build that lacks it)."""
     from carrack import native
 
     pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_wakes", None) if pool is not None else None
+    fn = getattr(pool, function, None) if pool is not None else None
     if fn is None:
         return 0
     fn.restype = ctypes.c_int64
@@ -202,11 +193,4 @@ def work_seconds() -> float:
     pieces while `count_work` was on, in this process. Beside the process's CPU time it separates a run's work
     from its spinning; beside a one-thread run's CPU time it shows the work a split adds. 0.0 without the pool
     library."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_work_ns", None) if pool is not None else None
-    if fn is None:
-        return 0.0
-    fn.restype = ctypes.c_int64
-    return int(fn()) / 1e9
+    return _pool_counter("carrack_pool_work_ns") / 1e9

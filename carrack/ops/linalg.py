@@ -61,6 +61,16 @@ def _native_batched(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.
     return y if native_matmul.batched_into(a, b, y) else None
 
 
+def _packed_rows(kernel) -> rowlinear.PackedLinear | None:
+    """The kernel's few-row packed weight, packed by its `row_pack` on the first call (a missing library is not
+    asked again)."""
+    if kernel.rows is None:
+        kernel.rows = kernel.row_pack()
+        if kernel.rows is None:
+            kernel.row_pack = None
+    return kernel.rows
+
+
 @register("MatMul", since=1)
 class MatMul(Kernel):
     def setup(self):
@@ -95,11 +105,7 @@ class MatMul(Kernel):
         if self.row_pack is None or type(a) is not np.ndarray or a.ndim < 2 or a.shape[-1] != self.weight.shape[0] \
                 or not 0 < a.size // a.shape[-1] <= rowlinear.MAX_ROWS:
             return None
-        if self.rows is None:
-            self.rows = self.row_pack()
-            if self.rows is None:  # the library is not there: not asked again
-                self.row_pack = None
-        return self.rows
+        return _packed_rows(self)
 
     def _rows_into(self, out, a) -> np.ndarray | None:
         """a (..., K) @ the prepared weight for 1..rowlinear.MAX_ROWS rows by the packed few-row kernel, into
@@ -263,11 +269,7 @@ class Gemm(Kernel):
         if self.row_pack is None or b is not self.row_operands[0] or c is not self.row_operands[1] \
                 or type(a) is not np.ndarray or a.ndim != 2 or not 0 < a.shape[0] <= rowlinear.MAX_ROWS:
             return None
-        if self.rows is None:
-            self.rows = self.row_pack()
-            if self.rows is None:  # the library is not there: not asked again
-                self.row_pack = None
-        return self.rows
+        return _packed_rows(self)
 
     def run_into(self, out, a, b, c=None):
         """The product goes straight into `out` (a planned buffer of Y's shape and dtype) and the scaling and bias

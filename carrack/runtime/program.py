@@ -745,15 +745,7 @@ class _Staged:
     def stage(self, env: list[Any]) -> bool:
         """Copy this run's inputs into the buffers and put the buffers in their slots; False when an input does not
         fit its buffer (that input stays as fed, and the steps bound to the buffer must not run)."""
-        fits = True
-        for s, buffer in zip(self.slots, self.buffers):
-            value = env[s]
-            if type(value) is np.ndarray and value.shape == buffer.shape and value.dtype == buffer.dtype:
-                np.copyto(buffer, value)
-                env[s] = buffer
-            else:
-                fits = False
-        return fits
+        return not self.stage_fitting(env)
 
     def stage_fitting(self, env: list[Any]) -> tuple[int, ...]:
         """`stage` for a run of other sizes: the inputs that fit are staged; returns the slots of those that do not

@@ -242,13 +242,14 @@ def _broadcast_add_graph() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _check_broadcast_add(tmp_path, target: str) -> None:
-    path = tmp_path / "broadcast_add.onnx"
-    onnx.save(_broadcast_add_graph(), str(path))
+def _compiled_equals_session(tmp_path, target: str, graph: onnx.ModelProto, kernel: str,
+                             feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    """Compiles `graph` for `target` (its code must call `kernel`) and checks that the library, or the module in
+    Node, gives the session's bits on every feed; returns the session's outputs."""
+    path = tmp_path / "graph.onnx"
+    onnx.save(graph, str(path))
     compile_model(path, tmp_path / "out", target, max_dims={"n": 3})
-    assert "cr_qlinear_add(" in (tmp_path / "out" / "model.c").read_text()
-    feeds = [{"x": (np.random.default_rng(n).integers(-40, 40, (n, 4, 3, 3)) * 0.25).astype(np.float32)}
-             for n in (1, 3)]
+    assert f"{kernel}(" in (tmp_path / "out" / "model.c").read_text()
     session = carrack.InferenceSession(str(path))
     wants = [session.run(None, feed) for feed in feeds]
     if target == "native":
@@ -259,6 +260,13 @@ def _check_broadcast_add(tmp_path, target: str) -> None:
         got = [node_outputs(run, want)[0] for run, want in zip(report["runs"], wants)]
     for g, want in zip(got, wants):
         np.testing.assert_array_equal(g, want[0])
+    return wants
+
+
+def _check_broadcast_add(tmp_path, target: str) -> None:
+    feeds = [{"x": (np.random.default_rng(n).integers(-40, 40, (n, 4, 3, 3)) * 0.25).astype(np.float32)}
+             for n in (1, 3)]
+    _compiled_equals_session(tmp_path, target, _broadcast_add_graph(), "cr_qlinear_add", feeds)
 
 
 @needs_compiler
@@ -292,23 +300,10 @@ def _pointwise_graph() -> onnx.ModelProto:
 
 
 def _check_pointwise(tmp_path, target: str) -> None:
-    path = tmp_path / "pointwise.onnx"
-    onnx.save(_pointwise_graph(), str(path))
-    compile_model(path, tmp_path / "out", target, max_dims={"n": 3})
-    assert "cr_qconv2d(" in (tmp_path / "out" / "model.c").read_text()
     feeds = [{"x": (np.random.default_rng(seed).standard_normal((rows, 5, 7, 7)) * 12).astype(np.float32)}
              for rows, seed in ((1, 0), (3, 1))]
-    session = carrack.InferenceSession(str(path))
-    wants = [session.run(None, feed) for feed in feeds]
+    wants = _compiled_equals_session(tmp_path, target, _pointwise_graph(), "cr_qconv2d", feeds)
     assert 0.1 < np.mean((wants[1][0] > -390) & (wants[1][0] < 610))  # mostly not saturated
-    if target == "native":
-        model = carrack.CompiledModel(tmp_path / "out")
-        got = [model.run(None, feed)[0] for feed in feeds]
-    else:
-        report = run_in_node(tmp_path / "out", tmp_path, feeds)
-        got = [node_outputs(run, want)[0] for run, want in zip(report["runs"], wants)]
-    for g, want in zip(got, wants):
-        np.testing.assert_array_equal(g, want[0])
 
 
 @needs_compiler
