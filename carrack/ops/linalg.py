@@ -136,29 +136,34 @@ class MatMul(Kernel):
     def _into_weight(self, out, a) -> bool:
         """out = a (..., K) @ the prepared weight [K, N] with only the run's operands checked; False when they
         are not plain float32 of matching shapes (the general path then handles them)."""
-        b = self.weight
-        k, n = b.shape
+        views = self._weight_views(out, a)
+        if views is None:
+            return False
+        a2, out2 = views
+        if not (self.native and native_matmul.matmul_checked_into(a2, self.weight, out2)):
+            np.matmul(a2, self.weight, out=out2)
+        return True
+
+    def _weight_views(self, out, a) -> tuple[np.ndarray, np.ndarray] | None:
+        """(a, out) as 2-D [rows, K] and [rows, N] views for a product by the prepared weight, or None when they are
+        not plain float32 of matching shapes with `out` writeable and apart from `a`."""
+        k, n = self.weight.shape
         if not (_plain_f32(a) and a.ndim >= 2 and a.shape[-1] == k and out.dtype == _F32 and out.flags.c_contiguous
                 and out.flags.writeable and out.shape == a.shape[:-1] + (n,) and a.size
                 and not np.may_share_memory(out, a)):
-            return False
+            return None
         rows = a.size // k
-        a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
-        if not (self.native and native_matmul.matmul_checked_into(a2, b, out2)):
-            np.matmul(a2, b, out=out2)
-        return True
+        return a.reshape(rows, k), out.reshape(rows, n)
 
     def bind_into(self, out, a, b):
         """`_into_weight` for these very arrays: the checks and the 2-D views made once."""
         if self.weight is None or b is not self.weight:
             return None
-        k, n = b.shape
-        if not (_plain_f32(a) and a.ndim >= 2 and a.shape[-1] == k and out.dtype == _F32 and out.flags.c_contiguous
-                and out.flags.writeable and out.shape == a.shape[:-1] + (n,) and a.size
-                and not np.may_share_memory(out, a)):
+        views = self._weight_views(out, a)
+        if views is None:
             return None
-        rows = a.size // k
-        a2, out2 = a.reshape(rows, k), out.reshape(rows, n)
+        a2, out2 = views
+        (rows, k), n = a2.shape, b.shape[1]
         linear = self._few_rows(a2)
         call = linear.bind(a2, out2) if linear is not None else None
         if call is not None:
