@@ -47,3 +47,19 @@ def one_thread_session(model: bytes, bind: bool = True):
     session = carrack.InferenceSession(model, options)
     session._program.bind_steps = bind
     return session
+
+
+def first_output_module(model):
+    """A torch module calling a transformers `model` with (input_ids, attention_mask) and returning its first
+    output: the traceable form the torch exporters take."""
+    import torch
+
+    class FirstOutput(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask)[0]
+
+    return FirstOutput(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,24 @@ def portable_build(name: str, directory: Path) -> ctypes.CDLL:
         lib = native.library(name)
     assert lib is not None, native._reasons
     return lib
+
+
+def native_and_portable(name: str, loaded: Callable[[], ctypes.CDLL | None], machine: str, unavailable: str):
+    """The `portable_library` and `build` fixtures of a kernel module's tests: `build` runs each test on the
+    library as built for this machine (`machine` says what it has), then on `name`'s portable build, which it
+    puts in native's loaded libraries; a test skips with `unavailable` where `loaded()` finds no library."""
+
+    @pytest.fixture(scope="module", name="portable_library")
+    def portable_library(tmp_path_factory):
+        return portable_build(name, tmp_path_factory.mktemp("portable"))
+
+    @pytest.fixture(params=["native", "portable"], name="build")
+    def build(request, monkeypatch):
+        if loaded() is None:
+            pytest.skip(unavailable)
+        if request.param == "portable":
+            monkeypatch.setattr(native, "_loaded", {name: request.getfixturevalue("portable_library")})
+        return request.param
+
+    build.__doc__ = f"The library as built for this machine ({machine}), then its portable build."
+    return portable_library, build

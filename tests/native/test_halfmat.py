@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carrack import native
 from carrack.native import halfmat
-from tests.native.portable import portable_build
+from tests.native.portable import native_and_portable
 
 # n * k * 2 bytes over 1 MiB, so 4 threads get 4 pieces (halfmat.PARALLEL_MIN_BYTES); k not a multiple of 32
 N, K = 523, 1030
@@ -23,19 +22,8 @@ def random_weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray,
     return bits, (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    return portable_build("halfmat", tmp_path_factory.mktemp("portable"))
-
-
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch):
-    """The library as built for this machine (F16C / AVX-512 where it has them), then its portable build."""
-    if halfmat.library() is None:
-        pytest.skip("native kernels unavailable (no C compiler?)")
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_loaded", {"halfmat": request.getfixturevalue("portable_library")})
-    return request.param
+portable_library, build = native_and_portable("halfmat", halfmat.library, "F16C / AVX-512 where it has them",
+                                              "native kernels unavailable (no C compiler?)")
 
 
 def expected_product(x: np.ndarray, weight32: np.ndarray) -> np.ndarray:

@@ -7,27 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carrack import native
 from carrack.llm import model
 from carrack.native import llmrows
-from tests.native.portable import portable_build
+from tests.native.portable import native_and_portable
 
 THREADS = (1, 2, 4)
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    return portable_build("llmrows", tmp_path_factory.mktemp("portable"))
-
-
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch):
-    """The library as built for this machine (AVX-512 where it has it), then its portable build."""
-    if llmrows.library() is None:
-        pytest.skip("native kernels unavailable (no C compiler?)")
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_loaded", {"llmrows": request.getfixturevalue("portable_library")})
-    return request.param
+portable_library, build = native_and_portable("llmrows", llmrows.library, "AVX-512 where it has it",
+                                              "native kernels unavailable (no C compiler?)")
 
 
 def random(shape, seed, scale=1.0) -> np.ndarray:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carrack import native
 from carrack.gguf.types import GGML_BLOCK_SIZES, GGMLType
 from carrack.native import qdot
-from tests.native.portable import portable_build
+from tests.native.portable import native_and_portable
 
 gguf_quants = pytest.importorskip("gguf.quants")
 
@@ -42,19 +41,8 @@ def gguf_dequantized(rows: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
     return gguf_quants.dequantize(rows, int(ggml_type)).astype(np.float64)
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    return portable_build("qdot", tmp_path_factory.mktemp("portable"))
-
-
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch):
-    """The library as built for this machine (AVX-512 VNNI where it has it), then its portable build."""
-    if qdot.library() is None:
-        pytest.skip("native kernels unavailable (no C compiler?)")
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_loaded", {"qdot": request.getfixturevalue("portable_library")})
-    return request.param
+portable_library, build = native_and_portable("qdot", qdot.library, "AVX-512 VNNI where it has it",
+                                              "native kernels unavailable (no C compiler?)")
 
 
 @pytest.mark.parametrize("m", [1, 3, 13, 19])  # the GEMM takes activation rows 8, then 4, then 1 at a time

@@ -5,30 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from carrack import native
 from carrack.gguf.dequant import dequantize
 from carrack.gguf.types import GGMLType
 from carrack.native import qmatvec
-from tests.native.portable import portable_build
+from tests.native.portable import native_and_portable
 from tests.native.test_qdot import random_blocks
 
 TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K]
 needs_native = pytest.mark.skipif(qmatvec.library() is None, reason="native kernels unavailable (no C compiler?)")
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    return portable_build("qmatvec", tmp_path_factory.mktemp("portable"))
-
-
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch):
-    """The library as built for this machine (intrinsics where it has them), then its portable build."""
-    if qmatvec.library() is None:
-        pytest.skip("native kernels unavailable (no C compiler?)")
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_loaded", {"qmatvec": request.getfixturevalue("portable_library")})
-    return request.param
+portable_library, build = native_and_portable("qmatvec", qmatvec.library, "intrinsics where it has them",
+                                              "native kernels unavailable (no C compiler?)")
 
 
 @pytest.mark.parametrize("m", [1, 3])

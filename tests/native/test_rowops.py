@@ -17,7 +17,7 @@ import carrack
 from carrack import native
 from carrack.native import rowops
 from carrack.ops.elementwise import erfc
-from tests.native.portable import portable_build
+from tests.native.portable import native_and_portable
 
 needs_native = pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
 LENGTHS = [1, 3, 17, 768, 1000]
@@ -57,19 +57,8 @@ def _tanh_gelu64(x: np.ndarray) -> np.ndarray:
 
 
 # -- the wrapper functions -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory):
-    return portable_build("rowops", tmp_path_factory.mktemp("portable"))
-
-
-@pytest.fixture(params=["native", "portable"])
-def build(request, monkeypatch):
-    """The library as built for this machine, then its portable build."""
-    if rowops.library() is None:
-        pytest.skip("native row kernels unavailable")
-    if request.param == "portable":
-        monkeypatch.setattr(native, "_loaded", {"rowops": request.getfixturevalue("portable_library")})
-    return request.param
+portable_library, build = native_and_portable("rowops", rowops.library, "intrinsics where it has them",
+                                              "native row kernels unavailable")
 
 
 @pytest.mark.parametrize("n", LENGTHS)

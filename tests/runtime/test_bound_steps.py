@@ -13,20 +13,11 @@ from onnx import TensorProto, helper
 import carrack
 from carrack.native import packed, rowops
 from carrack.runtime import program as program_module
-from tests.helpers import one_thread_session, run_in_threads
+from tests.helpers import first_output_module, one_thread_session, run_in_threads
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
-
-
-class _LastHidden(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, mask):
-        return self.model(input_ids=ids, attention_mask=mask)[0]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +27,7 @@ def tiny_bert(tmp_path_factory) -> bytes:
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=128, max_position_embeddings=64)
-    model = _LastHidden(transformers.BertModel(config, add_pooling_layer=False).eval())
+    model = first_output_module(transformers.BertModel(config, add_pooling_layer=False).eval())
     ids = torch.randint(0, 100, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     path = tmp_path_factory.mktemp("bert") / "bert.onnx"

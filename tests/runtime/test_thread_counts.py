@@ -13,21 +13,13 @@ import carrack
 from carrack import native
 from carrack.native import convolution as native_conv
 from carrack.native import intra_op, qgemm, rowops
+from tests.helpers import first_output_module
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 needs_pool = pytest.mark.skipif(native.library("threadpool") is None or rowops.library() is None
                                 or native_conv.load() is None, reason="native kernels are not built here")
-
-
-class _FirstOutput(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, mask):
-        return self.model(input_ids=ids, attention_mask=mask)[0]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +29,7 @@ def bert(tmp_path_factory) -> tuple[bytes, dict[str, np.ndarray]]:
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=50, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=256, max_position_embeddings=80)
-    model = _FirstOutput(transformers.BertModel(config).eval())
+    model = first_output_module(transformers.BertModel(config).eval())
     ids = torch.randint(0, 50, (1, 70))
     mask = torch.ones(1, 70, dtype=torch.int64)
     mask[0, 60:] = 0
