@@ -12,6 +12,7 @@ version everywhere. The module is built as a reactor with no imports; its memory
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -22,12 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from carrack.backends.c import emit_native
 from carrack.backends.c.emit import C_TYPES, QUANT_HEADER, RUNTIME_HEADER, VALUES_HEADER, Emitted, emit, manifest_json
 from carrack.errors import CarrackError
 
 RUNTIME_DIR = Path(__file__).parent / "runtime"
 #: the activations the native kernels and the compiled models' runtime share (carrack_rt.h includes it)
 ACTIVATIONS_HEADER = Path(__file__).parent.parent.parent / "native" / "activations.h"
+#: the session's kernel sources, built into native libraries that call them (emit_native)
+NATIVE_KERNELS_DIR = ACTIVATIONS_HEADER.parent
 TARGETS = ("native", "wasm32")
 #: the WebAssembly builds of one model: SIMD128, which every engine runs, and relaxed SIMD, whose fused
 #: multiply-add (f32x4.relaxed_madd, from a * b + c under -ffp-contract=fast) the loader picks where the engine
@@ -66,12 +70,14 @@ def library_name() -> str:
 
 def compile_model(model, directory: str | os.PathLike, target: str = "native", dims: Mapping[str, int] | None = None,
                   max_dims: Mapping[str, int] | None = None, level: int = 99, native_arch: str = "native",
-                  panel_width: int | None = None, embed_weights: bool = False) -> Compiled:
+                  panel_width: int | None = None, embed_weights: bool = False,
+                  native_kernels: bool | None = None) -> Compiled:
     """Plan `model` (a path or a carrack Model), emit C and build it for `target` into `directory`; a native build
     is for `native_arch` (the compiler's -march: "native", or e.g. "x86-64-v3" for AVX2 on another machine).
     Constant matrix-product weights are written as panels of `panel_width` columns (default: the target's tile
     width; 0 keeps them as stored). `embed_weights` assembles weights.bin into the library or module, so that it
-    alone is shipped."""
+    alone is shipped. `native_kernels` (default: wherever they apply, native builds for x86-64 with AVX-512)
+    builds the session's own convolution and pool kernels into the library and calls them."""
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
@@ -82,12 +88,13 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     compiler = native_compiler() if target == "native" else wasm_compiler()  # fail before the work
     if panel_width is None:
         panel_width = native_panel_width(compiler, native_arch) if target == "native" else WASM_PANEL_WIDTH
-    emitted = emit(build_plan(model, level), dims, max_dims, panel_width, embed_weights)
+    native_kernels = _native_kernels(target, compiler, native_arch, native_kernels)
+    emitted = emit(build_plan(model, level), dims, max_dims, panel_width, embed_weights, native_kernels)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)
     if target == "native":
-        files.append(_build_native(compiler, out, native_arch))
+        files.append(_build_native(compiler, out, native_arch, emitted.kernel_sources))
     else:
         files += _build_wasm(compiler, out, emitted)
     return Compiled(out, target, files)
@@ -102,6 +109,11 @@ def write_sources(emitted: Emitted, out: Path) -> list[str]:
     (out / "weights.bin").write_bytes(emitted.weights)
     (out / "model.json").write_text(manifest_json(emitted.manifest))
     headers = [RUNTIME_HEADER, VALUES_HEADER, QUANT_HEADER, ACTIVATIONS_HEADER.name]
+    if emitted.kernel_sources:
+        shutil.copyfile(RUNTIME_DIR / emit_native.NATIVE_HEADER, out / emit_native.NATIVE_HEADER)
+        for name in (*emitted.kernel_sources, *emit_native.KERNEL_HEADERS):
+            shutil.copyfile(NATIVE_KERNELS_DIR / name, out / name)
+        headers += [emit_native.NATIVE_HEADER, *emitted.kernel_sources, *emit_native.KERNEL_HEADERS]
     return ["model.c", *headers, "weights.bin", "model.json"]
 
 
@@ -116,12 +128,37 @@ def native_compiler() -> list[str]:
 def native_panel_width(compiler: list[str], arch: str = "native") -> int:
     """The packed product's tile width for a native build: from the vector extensions the compiler enables at
     `arch` (0, weights as stored, where the compiler cannot say)."""
+    macros = _compiler_macros(tuple(compiler), arch)
+    if macros is None:
+        return 0
+    return 64 if "__AVX512F__" in macros else 16 if "__AVX__" in macros else WASM_PANEL_WIDTH
+
+
+def native_kernels_apply(compiler: list[str], arch: str = "native") -> bool:
+    """Whether a native build for `arch` can call the session's own kernels (packconv.c, dwconv.c): their vector
+    code is AVX-512's, and their build flags are GCC's and Clang's on Linux and macOS."""
+    macros = _compiler_macros(tuple(compiler), arch)
+    return sys.platform != "win32" and macros is not None and "__AVX512F__" in macros
+
+
+@functools.lru_cache(maxsize=16)
+def _compiler_macros(compiler: tuple[str, ...], arch: str) -> frozenset[str] | None:
+    """The macros `compiler` predefines at -march=`arch` (None where it cannot say)."""
     flags = [] if sys.platform == "win32" else [f"-march={arch}"]
     done = subprocess.run([*compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True)
     if done.returncode != 0:
-        return 0
-    macros = set(re.findall(r"#define (\w+)", done.stdout))
-    return 64 if "__AVX512F__" in macros else 16 if "__AVX__" in macros else WASM_PANEL_WIDTH
+        return None
+    return frozenset(re.findall(r"#define (\w+)", done.stdout))
+
+
+def _native_kernels(target: str, compiler: list[str], arch: str, wanted: bool | None) -> bool:
+    if target != "native" or wanted is False:
+        return False
+    applies = native_kernels_apply(compiler, arch)
+    if wanted and not applies:
+        raise CarrackError(f"carrack compile: native_kernels=True needs a native build for x86-64 with AVX-512 "
+                           f"(the session kernels' vector code); -march={arch} of {' '.join(compiler)} has none")
+    return applies
 
 
 def wasm_compiler() -> list[str]:
@@ -138,13 +175,37 @@ def _run(command: list[str], cwd: Path) -> None:
                           f"{(done.stdout + done.stderr)[-4000:]}")
 
 
-def _build_native(compiler: list[str], out: Path, arch: str = "native") -> str:
+def _build_native(compiler: list[str], out: Path, arch: str = "native", kernel_sources=()) -> str:
     name = library_name()
     flags = ["-std=c11", "-O3", "-ffp-contract=fast", "-fPIC", "-shared", "-Wall", "-Wno-unused-function"]
     if sys.platform != "win32":
         flags.append(f"-march={arch}")
-    _run([*compiler, *flags, "-o", name, "model.c", "-lm"], out)
+    objects = _build_kernel_objects(compiler, out, arch, kernel_sources)
+    try:
+        _run([*compiler, *flags, "-o", name, "model.c", *objects, "-lm"], out)
+    finally:
+        for obj in objects:
+            (out / obj).unlink(missing_ok=True)
     return name
+
+
+def _build_kernel_objects(compiler: list[str], out: Path, arch: str, sources) -> list[str]:
+    """The session kernels' objects, compiled side by side with the session's own flags (so they round as its
+    kernels do), their symbols hidden in the library (another copy loaded in the process cannot interpose)."""
+    from carrack.native.variants import BASE_FLAGS, source_flags
+
+    jobs = []
+    for source in sources:
+        obj = Path(source).with_suffix(".o").name
+        extra = source_flags((out / source).read_text())
+        command = [*compiler, *BASE_FLAGS, *extra, f"-march={arch}", "-fvisibility=hidden", "-c", source, "-o", obj]
+        jobs.append((command, obj, subprocess.Popen(command, cwd=out, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.STDOUT, text=True)))
+    for command, _, job in jobs:
+        output, _ = job.communicate()
+        if job.returncode != 0:
+            raise BuildFailed(f"carrack compile: the C compiler failed ({' '.join(command)}):\n{output[-4000:]}")
+    return [obj for _, obj, _ in jobs]
 
 
 def wasm_memory_bytes(emitted: Emitted) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from carrack.backends.c import emit_native
 from carrack.backends.c.compiled import MAX_RANK_IO
 from carrack.errors import CarrackError, UnsupportedModel
 from carrack.ir import symbolic
@@ -47,7 +48,8 @@ MAX_RANK = 6
 #: error codes of model_run, as the manifest tells the loaders
 RUN_ERRORS = {1: "model_init was not called", 2: "a dim is outside 1..its declared maximum",
               3: "the arena is too small for these dims",
-              5: "an index is out of range (Gather: each index must be in -size..size-1 of its axis)"}
+              5: "an index is out of range (Gather: each index must be in -size..size-1 of its axis)",
+              emit_native.NATIVE_KERNEL_FAILED: "a native kernel could not allocate its scratch memory"}
 #: the element types a compiled value may have: ONNX element type -> name, and name -> (C type, cr_type, bytes)
 ELEMENT_TYPES = {1: "float32", 7: "int64", 6: "int32", 9: "bool", 2: "uint8", 3: "int8", 5: "int16"}
 C_TYPES = {"float32": ("float", "CR_F32", 4), "int64": ("int64_t", "CR_I64", 8), "int32": ("int32_t", "CR_I32", 4),
@@ -85,6 +87,7 @@ class Emitted:
     source: str  # model.c
     weights: bytes  # weights.bin
     manifest: dict  # model.json
+    kernel_sources: tuple[str, ...] = ()  # carrack/native sources built into the library (emit_native)
 
 
 @dataclass
@@ -111,6 +114,8 @@ class _Emitter:
     failing_steps: set[str] = field(default_factory=set)  # steps that may set run_status (an index out of range)
     facts: dict = field(default_factory=dict)  # shape inference's facts at the fixed dims
     panel_width: int = 0  # > 0: constant matrix-product B written as panels of this many columns (cr_bsrc)
+    native_kernels: bool = False  # convolutions and pools through the session's kernels (emit_native)
+    uses_native: bool = False  # a step calls one
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -189,15 +194,17 @@ def _identifier(name: str) -> str:
 
 
 def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str, int] | None = None,
-         panel_width: int = 0, embed_weights: bool = False) -> Emitted:
+         panel_width: int = 0, embed_weights: bool = False, native_kernels: bool = False) -> Emitted:
     """The C source, weights and manifest of `plan`: symbols in `fixed` take that size, those in `maxima` are
     run-time dims bounded by it; every symbol of the model must be in one of them. `panel_width` > 0 writes the
     constant B of matrix products (MatMul, Gemm) into the weights as panels of that many columns, the packed
     product's layout on a target whose tile is that wide (read in place there, repacked elsewhere). With
-    `embed_weights` the built library or module carries weights.bin itself (model_init(NULL) uses it)."""
+    `embed_weights` the built library or module carries weights.bin itself (model_init(NULL) uses it). With
+    `native_kernels` (native x86-64 builds with AVX-512) convolutions and pools call the session's kernels."""
     fixed, maxima = dict(fixed or {}), dict(maxima or {})
     _check_symbols(plan, fixed, maxima)
-    em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima], panel_width=panel_width)
+    em = _Emitter(plan, fixed, maxima, runtime=[s for s in plan.symbols if s in maxima], panel_width=panel_width,
+                  native_kernels=native_kernels)
     facts = plan.facts(fixed)
     em.facts = facts
     graph = plan.graph
@@ -630,6 +637,13 @@ def _emit_conv(em, step, node, shapes, out_shape):
     h, wd = _hw(x_shape, g["spatial"])
     oh, ow = _hw(out_shape, g["spatial"])
     groups = int(node.attrs.get("group", 1))
+    if em.native_kernels:
+        dims = dict(zip(("n", "c", "h", "w", "m", "oh", "ow"), (x_shape[0], x_shape[1], h, wd, out_shape[1], oh, ow)))
+        lines = emit_native.conv_lines(em, _pointer(em, x), w, w_array, _pointer(em, bias) if bias else "",
+                                       _pointer(em, z) if z else "", y.pointer, dims, g, groups, (act, a, b))
+        if lines:
+            em.uses_native = True
+            return lines
     short_rows = not isinstance(ow, int) or ow < SHORT_ROW or g["s"][1] != 1  # rows that vectorize poorly
     if groups == x_shape[1] == out_shape[1]:  # depthwise
         kernel, weights = "cr_dwconv2d", _pointer(em, w)
@@ -699,6 +713,12 @@ def _emit_pool(em, step, node, shapes, out_shape):
     oh, ow = _hw(out_shape, spatial)
     is_max = int(node.op_type == "MaxPool")
     count_pad = int(node.attrs.get("count_include_pad", 0))
+    if em.native_kernels:
+        lines = emit_native.pool_lines(_pointer(em, x), y.pointer, symbolic.mul(x_shape[0], x_shape[1]), h, wd, oh, ow,
+                                       kernel, strides, dilations, pads, bool(is_max), bool(count_pad))
+        if lines:
+            em.uses_native = True
+            return lines
     args = [_pointer(em, x), y.pointer, em.c_dim(symbolic.mul(x_shape[0], x_shape[1])),
             *(em.c_dim(d) for d in (h, wd, oh, ow)), *map(str, (*kernel, *strides, *dilations, *pads)),
             str(is_max), str(count_pad)]
@@ -1008,6 +1028,7 @@ def _assemble(em: _Emitter, embed_weights: bool = False) -> Emitted:
         f"#include \"{RUNTIME_HEADER}\"",
         f"#include \"{VALUES_HEADER}\"",
         f"#include \"{QUANT_HEADER}\"",
+        *([f"#include \"{emit_native.NATIVE_HEADER}\""] if em.uses_native else []),
         "",
         f"#define MODEL_N_INPUTS {len(inputs)}",
         f"#define MODEL_N_OUTPUTS {len(outputs)}",
@@ -1092,7 +1113,8 @@ def _assemble(em: _Emitter, embed_weights: bool = False) -> Emitted:
         "run_errors": {str(k): v for k, v in RUN_ERRORS.items()},
         "steps": len(em.steps),
     }
-    return Emitted("\n".join(lines) + "\n", bytes(em.weights), manifest)
+    sources = emit_native.KERNEL_SOURCES if em.uses_native else ()
+    return Emitted("\n".join(lines) + "\n", bytes(em.weights), manifest, sources)
 
 
 def _embedded_weights(size: int) -> list[str]:

@@ -1,0 +1,86 @@
+"""Steps of a native x86-64 library with AVX-512 that call carrack's own session kernels instead of the portable
+ones of ``runtime/carrack_rt.h``: packconv.c's convolutions on weights packed at compile time, dwconv.c's
+depthwise convolutions and pools. The kernel sources are copied beside model.c and built into the library with
+the session's flags (``KERNEL_SOURCES``); ``runtime/carrack_native.h`` declares the entry points model.c calls.
+
+Each emitter returns the step's C lines, or None where the session kernel does not take the node (the portable
+kernel is emitted instead). A kernel that runs out of memory (dwconv.c's scratch rows) stops the run with
+``NATIVE_KERNEL_FAILED``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: the session kernels' sources (carrack/native) a library with native kernels is built from
+KERNEL_SOURCES = ("packconv.c", "dwconv.c")
+#: headers those sources include, copied beside them
+KERNEL_HEADERS = ("threadpool.h",)
+#: model.c's declarations of the kernels it calls
+NATIVE_HEADER = "carrack_native.h"
+#: model_run's error code when a session kernel could not allocate its scratch memory
+NATIVE_KERNEL_FAILED = 6
+#: packconv.c's weight panels (PR rows) and pixel panels (PW outputs)
+PACK_ROWS, PACK_PIXELS = 6, 64
+#: packconv.c works out input positions in 32-bit lanes (as carrack/native/convolution.py checks)
+_INT32_REACH = (2**31 - 1) // 4
+_POOL_MAX, _POOL_AVERAGE, _POOL_AVERAGE_PADS = 0, 1, 2
+
+
+def packed_conv_weights(w: np.ndarray, groups: int) -> np.ndarray:
+    """w[M, C / groups, KH, KW] in packconv.c's layout (packconv_pack_weights): per group, panels of PACK_ROWS
+    output channels, each panel's depth k = tap * Cg + c contiguous with its rows side by side, zero rows past the
+    group's last."""
+    m, cg = w.shape[:2]
+    mg, taps = m // groups, int(np.prod(w.shape[2:], dtype=np.int64))
+    panels = -(-mg // PACK_ROWS)
+    grouped = np.zeros((groups, panels * PACK_ROWS, cg, taps), np.float32)
+    grouped[:, :mg] = np.asarray(w, np.float32).reshape(groups, mg, cg, taps)
+    return np.ascontiguousarray(grouped.reshape(groups, panels, PACK_ROWS, cg, taps).transpose(0, 1, 4, 3, 2))
+
+
+def conv_lines(em, x: str, w: str, w_array: np.ndarray, bias: str, z: str, y: str, dims: dict, geometry: dict,
+               groups: int, activation: tuple[str, float, float]) -> list[str] | None:
+    """A 2-D (or 1-D as 2-D) convolution through packconv.c, or dwconv.c for a depthwise one without a residual.
+    x, bias, z, y: C pointers (bias and z "" for none); w: the weights' name, w_array their value; `dims`: n, c, h,
+    w, m, oh, ow (ints, else None is returned); `geometry`: _conv_geometry's k, s, d, p."""
+    from carrack.backends.c.emit import _f, _pointer
+
+    if z and z == y:  # packconv.c keeps partial sums in y between depth blocks: a residual read from y would be lost
+        return None
+    (kh, kw), (sh, sw), (dh, dw) = geometry["k"], geometry["s"], geometry["d"]
+    pt, pl, pb, pr = geometry["p"]
+    n, c, h, wd, m, oh, ow = (dims[k] for k in ("n", "c", "h", "w", "m", "oh", "ow"))
+    if not all(isinstance(v, int) for v in (n, c, h, wd, m, oh, ow)):
+        return None  # run-time dims: the portable kernels, whose checks need no compile-time geometry
+    act, a, b = activation
+    if groups == c == m and w_array.shape[1] == 1 and not z:
+        args = [x, _pointer(em, w), bias or "NULL", y, c, 1, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt,
+                pl, 0, n * c, act, _f(a), _f(b)]
+        return _checked("dwconv2d_f32", args)
+    cg, mg = w_array.shape[1], m // groups
+    reach = (h * wd, oh * ow, h + pt + pb, wd + pl + pr, oh * sh, ow * sw, kh * dh, kw * dw)
+    if cg * groups != c or m % groups or max(reach) > _INT32_REACH:
+        return None
+    packed = em.constant(f"{w}::packconv.{groups}", packed_conv_weights(w_array, groups))
+    items = n * groups * -(-(oh * ow) // PACK_PIXELS)
+    args = [x, packed, bias or "NULL", y, z or "NULL", n, groups, mg, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt,
+            pl, 0, items, act, _f(a), _f(b), 1]
+    return [f"packconv_f32_threads({', '.join(map(str, args[:5]))},",
+            f"                     {', '.join(map(str, args[5:21]))},",
+            f"                     {', '.join(map(str, args[21:]))});"]
+
+
+def pool_lines(x: str, y: str, planes, h, wd, oh, ow, kernel, strides, dilations, pads, is_max: bool,
+               count_pad: bool) -> list[str] | None:
+    """A 2-D max or average pool through dwconv.c's pool2d_f32 (ceil_mode's windows past the end pads included)."""
+    if not all(isinstance(v, int) for v in (planes, h, wd, oh, ow)) or min(pads) < 0:
+        return None
+    mode = _POOL_MAX if is_max else _POOL_AVERAGE_PADS if count_pad else _POOL_AVERAGE
+    args = [x, y, h, wd, *kernel, oh, ow, *strides, *dilations, *pads, 0, planes, mode]
+    return _checked("pool2d_f32", args)
+
+
+def _checked(function: str, args: list) -> list[str]:
+    text = ", ".join(map(str, args))
+    return [f"if ({function}({text}) != 0)", f"    run_status = {NATIVE_KERNEL_FAILED};"]
