@@ -116,6 +116,7 @@ class _Emitter:
     panel_width: int = 0  # > 0: constant matrix-product B written as panels of this many columns (cr_bsrc)
     native_kernels: bool = False  # convolutions and pools through the session's kernels (emit_native)
     uses_native: bool = False  # a step calls one
+    elided: set[str] = field(default_factory=set)  # Concat outputs whose parts were written in place
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -210,6 +211,8 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     graph = plan.graph
     em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
+    if native_kernels:
+        emit_native.elide_concats(em)
     for k, node in enumerate(graph.nodes):
         _emit_node(em, k, node, facts)
     if em.missing:
@@ -714,11 +717,9 @@ def _emit_pool(em, step, node, shapes, out_shape):
     is_max = int(node.op_type == "MaxPool")
     count_pad = int(node.attrs.get("count_include_pad", 0))
     if em.native_kernels:
-        lines = emit_native.pool_lines(_pointer(em, x), y.pointer, symbolic.mul(x_shape[0], x_shape[1]), h, wd, oh, ow,
-                                       kernel, strides, dilations, pads, bool(is_max), bool(count_pad))
-        if lines:
-            em.uses_native = True
-            return lines
+        em.uses_native = True
+        return emit_native.pool_lines(em, _pointer(em, x), y.pointer, symbolic.mul(x_shape[0], x_shape[1]), h, wd,
+                                      oh, ow, kernel, strides, dilations, pads, bool(is_max), bool(count_pad))
     args = [_pointer(em, x), y.pointer, em.c_dim(symbolic.mul(x_shape[0], x_shape[1])),
             *(em.c_dim(d) for d in (h, wd, oh, ow)), *map(str, (*kernel, *strides, *dilations, *pads)),
             str(is_max), str(count_pad)]
@@ -921,6 +922,8 @@ def _emit_softmax(em, step, node, shapes, out_shape):
 
 
 def _emit_concat(em, step, node, shapes, out_shape):
+    if node.outputs[0] in em.elided:
+        return None  # its parts are written in place
     names = [i for i in node.inputs if i]
     _require_float(em, node, names)
     axis = int(node.attrs["axis"]) % len(out_shape)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from carrack.plan.arena import Block
+
 #: the session kernels' sources (carrack/native) a library with native kernels is built from
 KERNEL_SOURCES = ("packconv.c", "dwconv.c")
 #: headers those sources include, copied beside them
@@ -43,27 +45,28 @@ def conv_lines(em, x: str, w: str, w_array: np.ndarray, bias: str, z: str, y: st
                groups: int, activation: tuple[str, float, float]) -> list[str] | None:
     """A 2-D (or 1-D as 2-D) convolution through packconv.c, or dwconv.c for a depthwise one without a residual.
     x, bias, z, y: C pointers (bias and z "" for none); w: the weights' name, w_array their value; `dims`: n, c, h,
-    w, m, oh, ow (ints, else None is returned); `geometry`: _conv_geometry's k, s, d, p."""
+    w, m, oh, ow (fixed or run-time dims); `geometry`: _conv_geometry's k, s, d, p."""
     from carrack.backends.c.emit import _f, _pointer
 
     if z and z == y:  # packconv.c keeps partial sums in y between depth blocks: a residual read from y would be lost
         return None
     (kh, kw), (sh, sw), (dh, dw) = geometry["k"], geometry["s"], geometry["d"]
     pt, pl, pb, pr = geometry["p"]
-    n, c, h, wd, m, oh, ow = (dims[k] for k in ("n", "c", "h", "w", "m", "oh", "ow"))
-    if not all(isinstance(v, int) for v in (n, c, h, wd, m, oh, ow)):
-        return None  # run-time dims: the portable kernels, whose checks need no compile-time geometry
+    c, m = (int(dims[k]) for k in ("c", "m"))  # channels are fixed: the weights say them
+    n, h, wd, oh, ow = (em.c_dim(dims[k]) for k in ("n", "h", "w", "oh", "ow"))
     act, a, b = activation
     if groups == c == m and w_array.shape[1] == 1 and not z:
-        args = [x, _pointer(em, w), bias or "NULL", y, c, 1, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt,
-                pl, 0, n * c, act, _f(a), _f(b)]
+        args = [x, _pointer(em, w), bias or "NULL", y, c, 1, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl, 0,
+                f"{n} * {c}", act, _f(a), _f(b)]
         return _checked("dwconv2d_f32", args)
     cg, mg = w_array.shape[1], m // groups
-    reach = (h * wd, oh * ow, h + pt + pb, wd + pl + pr, oh * sh, ow * sw, kh * dh, kw * dw)
+    h_max, w_max, oh_max, ow_max = (em.at_maxima(dims[k]) for k in ("h", "w", "oh", "ow"))
+    reach = (h_max * w_max, oh_max * ow_max, h_max + pt + pb, w_max + pl + pr, oh_max * sh, ow_max * sw, kh * dh,
+             kw * dw)
     if cg * groups != c or m % groups or max(reach) > _INT32_REACH:
         return None
     packed = em.constant(f"{w}::packconv.{groups}", packed_conv_weights(w_array, groups))
-    items = n * groups * -(-(oh * ow) // PACK_PIXELS)
+    items = f"{n} * {groups} * (({oh} * {ow} + {PACK_PIXELS - 1}) / {PACK_PIXELS})"
     args = [x, packed, bias or "NULL", y, z or "NULL", n, groups, mg, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt,
             pl, 0, items, act, _f(a), _f(b), 1]
     return [f"packconv_f32_threads({', '.join(map(str, args[:5]))},",
@@ -71,16 +74,64 @@ def conv_lines(em, x: str, w: str, w_array: np.ndarray, bias: str, z: str, y: st
             f"                     {', '.join(map(str, args[21:]))});"]
 
 
-def pool_lines(x: str, y: str, planes, h, wd, oh, ow, kernel, strides, dilations, pads, is_max: bool,
-               count_pad: bool) -> list[str] | None:
+def pool_lines(em, x: str, y: str, planes, h, wd, oh, ow, kernel, strides, dilations, pads, is_max: bool,
+               count_pad: bool) -> list[str]:
     """A 2-D max or average pool through dwconv.c's pool2d_f32 (ceil_mode's windows past the end pads included)."""
-    if not all(isinstance(v, int) for v in (planes, h, wd, oh, ow)) or min(pads) < 0:
-        return None
     mode = _POOL_MAX if is_max else _POOL_AVERAGE_PADS if count_pad else _POOL_AVERAGE
-    args = [x, y, h, wd, *kernel, oh, ow, *strides, *dilations, *pads, 0, planes, mode]
+    args = [x, y, *(em.c_dim(d) for d in (h, wd)), *kernel, *(em.c_dim(d) for d in (oh, ow)), *strides, *dilations,
+            *pads, 0, em.c_dim(planes), mode]
     return _checked("pool2d_f32", args)
 
 
 def _checked(function: str, args: list) -> list[str]:
     text = ", ".join(map(str, args))
     return [f"if ({function}({text}) != 0)", f"    run_status = {NATIVE_KERNEL_FAILED};"]
+
+
+#: producers whose step writes its output wherever the value's pointer says (emit._output_value)
+_WRITES_IN_PLACE = frozenset({"Conv", "FusedConv", "MaxPool", "AveragePool"})
+
+
+def elide_concats(em) -> None:
+    """Concats along an axis with nothing before it but ones (batch 1, channels): each part's producer writes its
+    output straight into its slice of the concatenation, and the Concat step goes (squeezenet's fire modules).
+    Where every part is a convolution or pool output read by this Concat alone, the concatenation gets a block of
+    its own, live from its first part's step to its last reader, above the plan's blocks."""
+    from carrack.backends.c.emit import _elements, _itemsize, _last_use, _Value
+
+    graph = em.plan.graph
+    producer = {o: (k, node) for k, node in enumerate(graph.nodes) for o in node.outputs if o}
+    readers: dict[str, int] = {}
+    for node in graph.nodes:
+        for name in set(node.inputs):
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {v.name for v in graph.outputs}
+    for step, node in enumerate(graph.nodes):
+        parts = node.inputs
+        if node.op_type != "Concat" or node.domain or len(parts) < 2 or len(set(parts)) != len(parts):
+            continue
+        out = node.outputs[0]
+        facts = [em.facts.get(name) for name in (*parts, out)]
+        if any(f is None or f.shape is None or f.elem_type != 1 for f in facts):
+            continue
+        axis = int(node.attrs["axis"]) % len(facts[-1].shape)
+        if any(not isinstance(d, int) for f in facts for d in f.shape) or _elements(facts[-1].shape[:axis]) != 1:
+            continue
+        if any(name in outputs or readers.get(name) != 1 or name not in producer
+               or producer[name][1].op_type not in _WRITES_IN_PLACE or len(producer[name][1].outputs) != 1
+               for name in parts):
+            continue
+        shape = tuple(facts[-1].shape)
+        if out in outputs:
+            whole = f"(float *)r->out[{[v.name for v in graph.outputs].index(out)}]"
+        else:
+            first = min(producer[name][0] for name in parts)
+            em.extra_blocks.append(Block(out, _itemsize("float32") * _elements(shape), first, _last_use(em, out, step)))
+            index = len(em.plan.arena.blocks if em.plan.arena else ()) + len(em.extra_blocks) - 1
+            whole = f"(float *)(r->arena + r->off[{index}])"
+        em.values[out] = _Value(out, shape, whole)
+        offset = 0
+        for name, fact in zip(parts, facts):
+            em.values[name] = _Value(name, tuple(fact.shape), f"({whole} + {offset})")
+            offset += _elements(tuple(fact.shape))
+        em.elided.add(out)
