@@ -56,8 +56,9 @@ def conv_lines(em, x: str, w: str, w_array: np.ndarray, bias: str, z: str, y: st
     n, h, wd, oh, ow = (em.c_dim(dims[k]) for k in ("n", "h", "w", "oh", "ow"))
     act, a, b = activation
     if groups == c == m and w_array.shape[1] == 1 and not z:
-        args = [x, _pointer(em, w), bias or "NULL", y, c, 1, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl, 0,
-                f"{n} * {c}", act, _f(a), _f(b)]
+        planes = _product(em, dims["n"], c)
+        args = [x, _pointer(em, w), bias or "NULL", y, c, 1, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl, 0, planes,
+                act, _f(a), _f(b)]
         return _checked("dwconv2d_f32", args)
     cg, mg = w_array.shape[1], m // groups
     h_max, w_max, oh_max, ow_max = (em.at_maxima(dims[k]) for k in ("h", "w", "oh", "ow"))
@@ -66,7 +67,11 @@ def conv_lines(em, x: str, w: str, w_array: np.ndarray, bias: str, z: str, y: st
     if cg * groups != c or m % groups or max(reach) > _INT32_REACH:
         return None
     packed = em.constant(f"{w}::packconv.{groups}", packed_conv_weights(w_array, groups))
-    items = f"{n} * {groups} * (({oh} * {ow} + {PACK_PIXELS - 1}) / {PACK_PIXELS})"
+    pixels = (dims["oh"], dims["ow"])
+    if all(isinstance(d, int) for d in pixels):
+        items = _product(em, dims["n"], groups * -(-pixels[0] * pixels[1] // PACK_PIXELS))
+    else:
+        items = f"{n} * {groups} * (({oh} * {ow} + {PACK_PIXELS - 1}) / {PACK_PIXELS})"
     args = [x, packed, bias or "NULL", y, z or "NULL", n, groups, mg, cg, h, wd, kh, kw, oh, ow, sh, sw, dh, dw, pt,
             pl, 0, items, act, _f(a), _f(b), 1]
     return [f"packconv_f32_threads({', '.join(map(str, args[:5]))},",
@@ -83,9 +88,15 @@ def pool_lines(em, x: str, y: str, planes, h, wd, oh, ow, kernel, strides, dilat
     return _checked("pool2d_f32", args)
 
 
+def _product(em, dim, factor: int) -> str:
+    """C source of dim * factor (one number when the dim is fixed)."""
+    return str(dim * factor) if isinstance(dim, int) else f"{em.c_dim(dim)} * {factor}"
+
+
 def _checked(function: str, args: list) -> list[str]:
     text = ", ".join(map(str, args))
-    return [f"if ({function}({text}) != 0)", f"    run_status = {NATIVE_KERNEL_FAILED};"]
+    return [f"if ({function}({text}) != 0)",
+            f"    run_status = {NATIVE_KERNEL_FAILED};  /* out of memory for the kernel's scratch rows */"]
 
 
 #: producers whose step writes its output wherever the value's pointer says (emit._output_value)
