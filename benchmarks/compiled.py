@@ -2,7 +2,10 @@
 real architectures shipped in the onnx wheel (placeholder weights: the latency is the architecture's), runs
 interleaved so a shared machine's load hits every engine alike.
 
-    python benchmarks/compiled.py squeezenet shufflenet mobilenetv2 resnet50 [--iters 7]
+    python benchmarks/compiled.py squeezenet shufflenet mobilenetv2 resnet50 [--iters 7] [--portable]
+
+--portable adds a library built with the portable kernels only (native_kernels=False: no session kernels, the
+build every target without AVX-512 gets) to the interleaved runs.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def interleaved_medians(runs: dict, iters: int) -> dict[str, float]:
     return {name: float(np.median(t)) * 1000 for name, t in times.items()}
 
 
-def measure(name: str, iters: int) -> dict[str, float]:
+def measure(name: str, iters: int, portable: bool = False) -> dict[str, float]:
     path = model_path(name)
     graph = onnx.load(path, load_external_data=False).graph
     stored = {t.name for t in graph.initializer}
@@ -51,6 +54,9 @@ def measure(name: str, iters: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         compile_model(path, directory, "native", dims=symbols)
         compiled = carrack.CompiledModel(directory)
+        if portable:
+            compile_model(path, os.path.join(directory, "portable"), "native", dims=symbols, native_kernels=False)
+            compiled_portable = carrack.CompiledModel(os.path.join(directory, "portable"))
         session = carrack.InferenceSession(path)
         options = ort.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = 1
@@ -60,6 +66,8 @@ def measure(name: str, iters: int) -> dict[str, float]:
         feed = {info.name: np.random.default_rng(0).standard_normal(shape).astype(np.float32)}
         runs = {"compiled": lambda: compiled.run(None, feed), "session": lambda: session.run(None, feed),
                 "onnxruntime_1t": lambda: reference.run(None, feed)}
+        if portable:
+            runs["compiled_portable"] = lambda: compiled_portable.run(None, feed)
         for run in runs.values():
             run()
         return interleaved_medians(runs, iters)
@@ -69,12 +77,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help="light model names: squeezenet, shufflenet, resnet50, ...")
     parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--portable", action="store_true", help="also the portable-kernel library")
     args = parser.parse_args()
     for name in args.models:
-        ms = measure(name, args.iters)
+        ms = measure(name, args.iters, args.portable)
         cells = "  ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
         print(f"{name:12s} {cells}  compiled/onnxruntime {ms['compiled'] / ms['onnxruntime_1t']:.2f}  "
-              f"compiled/session {ms['compiled'] / ms['session']:.2f}")
+              f"compiled/session {ms['compiled'] / ms['session']:.2f}"
+              + (f"  portable/onnxruntime {ms['compiled_portable'] / ms['onnxruntime_1t']:.2f}" if args.portable
+                 else ""))
 
 
 if __name__ == "__main__":
