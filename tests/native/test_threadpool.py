@@ -364,7 +364,7 @@ def _rand(*shape, seed=0):
 
 
 @needs_native
-@pytest.mark.parametrize(("t", "k", "n"), [(37, 129, 203), (8, 64, 64), (255, 77, 65)])
+@pytest.mark.parametrize(("t", "k", "n"), [(37, 129, 203), (8, 64, 64), (255, 77, 65), (37, 2100, 200), (9, 2048, 64)])
 def test_matmul(split_small, t, k, n):
     a, b = _rand(t, k), _rand(k, n, seed=1)
 
@@ -375,6 +375,26 @@ def test_matmul(split_small, t, k, n):
 
     _assert_same_at_every_count(compute)
     np.testing.assert_allclose(compute(), a @ b, rtol=1e-4, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(37, 2100, 200), (64, 3072, 768)])
+def test_a_deep_narrow_product_sums_its_two_depth_halves(split_small, t, k, n):
+    """K >= 2048 and >= 4 N: the sums of the two halves of the depth (whole blocks of matmul.DEPTH_BLOCK), added
+    once, at every thread count (each thread of two runs one half)."""
+    a, b = _rand(t, k), _rand(k, n, seed=1)
+    split = -(-k // native_matmul.DEPTH_BLOCK) // 2 * native_matmul.DEPTH_BLOCK
+    halves = []
+    for part in (slice(0, split), slice(split, k)):  # each half alone is one sum (not deep)
+        y = np.empty((t, n), np.float32)
+        assert native_matmul.matmul_into(np.ascontiguousarray(a[:, part]), np.ascontiguousarray(b[part]), y)
+        halves.append(y)
+    for count in THREAD_COUNTS:
+        y = np.empty((t, n), np.float32)
+        with intra_op.intra_op_threads(count):
+            assert native_matmul.matmul_into(a, b, y)
+        np.testing.assert_array_equal(y, halves[0] + halves[1])
+    np.testing.assert_allclose(y, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
 
 
 @needs_native
