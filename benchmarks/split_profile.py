@@ -12,6 +12,8 @@ start, end, CPU time and pieces. Per product shape it reports:
 - end gap: |difference of the two participants' end times| (median): the halves not finishing together;
 - 2t CPU: both participants' CPU time (min) and its excess over 1t CPU: the work the split adds;
 - region wall (min) and the efficiency it gives (1t CPU / (2 x region wall)).
+A deep product (convgemm.c's DEEP_MIN) runs as two regions, its depth halves and then their sum: its CPU and wall
+cover both, its start and end gap are the first's.
 
 Whole-run lines: 1t and 2t wall (min) and efficiency; the share of the 2-thread run inside split regions; the sums
 of end gaps and later starts over all regions. CPU times do not depend on the machine's load (apart from other
@@ -171,8 +173,8 @@ def profile(session_one, session_two, feed: dict, runs: int) -> RunProfile:
                 by_start = sorted((w.start, r) for r, w in whole.items())
                 for shape, begin, end, _ in clock.calls:
                     inside = [r for s, r in by_start if begin / 1e9 <= s <= end / 1e9]
-                    if len(inside) == 1:
-                        two_records[shape].append((whole[inside[0]], parts.get(inside[0], {})))
+                    if inside:  # (a deep product is two regions: its depth halves, then their sum)
+                        two_records[shape].append(([whole[r] for r in inside], [parts.get(r, {}) for r in inside]))
     shapes = [_shape_profile(shape, one_cpu[shape], two_records.get(shape, []), calls_counted[shape] / runs)
               for shape in sorted(one_cpu, key=lambda s: -s[0] * s[1] * s[2])]
     best = min(range(len(walls_two)), key=walls_two.__getitem__)
@@ -180,15 +182,17 @@ def profile(session_one, session_two, feed: dict, runs: int) -> RunProfile:
                       tuple(os.getloadavg()) if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0), median(others))
 
 
-def _shape_profile(shape, one_cpu: list[float], regions: list, calls_per_run: float) -> ShapeProfile:
-    both = [(w, p) for w, p in regions if len(p) == 2 and all(x.pieces for x in p.values())]
-    result = ShapeProfile(shape, calls_per_run, min(one_cpu), len(regions), len(both))
-    if regions:
-        result.region_wall_us = min(w.end - w.start for w, _ in regions) * 1e6
+def _shape_profile(shape, one_cpu: list[float], calls: list, calls_per_run: float) -> ShapeProfile:
+    """`calls`: per 2-thread call, its regions' slot -1 records and participants ({slot: record}), in order; the
+    start and end gap are the first (main) region's, the CPU and wall all of the call's regions'."""
+    both = [(w, p) for w, p in calls if len(p[0]) == 2 and all(x.pieces for x in p[0].values())]
+    result = ShapeProfile(shape, calls_per_run, min(one_cpu), len(calls), len(both))
+    if calls:
+        result.region_wall_us = min(w[-1].end - w[0].start for w, _ in calls) * 1e6
     if both:
-        result.worker_start_us = median(max(x.start for x in p.values()) - w.start for w, p in both) * 1e6
-        result.end_gap_us = median(abs(p[0].end - p[1].end) for _, p in both) * 1e6
-        result.two_thread_cpu_us = min(p[0].cpu + p[1].cpu for _, p in both) * 1e6
+        result.worker_start_us = median(max(x.start for x in p[0].values()) - w[0].start for w, p in both) * 1e6
+        result.end_gap_us = median(abs(p[0][0].end - p[0][1].end) for _, p in both) * 1e6
+        result.two_thread_cpu_us = min(sum(x.cpu for region in p for x in region.values()) for _, p in both) * 1e6
     return result
 
 

@@ -62,6 +62,17 @@ def test_each_product_is_matched_to_its_split_region(monkeypatch):
 
 
 @needs_native
+def test_a_deep_product_counts_both_of_its_regions(monkeypatch):
+    """K >= 2048 and >= 4 N: the depth halves, then their sum, two regions of one call."""
+    monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)
+    model = _product_model(16, 2048, 64)
+    feed = {"x": np.random.default_rng(1).standard_normal((1, 16, 2048)).astype(np.float32)}
+    result = split_profile.profile(_session(model, 1), _session(model, 2), feed, runs=2)
+    [shape] = result.shapes
+    assert shape.shape == (16, 2048, 64) and shape.regions == 2
+
+
+@needs_native
 def test_a_product_left_to_numpy_is_not_profiled():
     model = _product_model(4, 16, 16)  # numpy_is_faster: never the native tile
     feed = {"x": np.ones((1, 4, 16), np.float32)}
