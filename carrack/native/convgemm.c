@@ -726,15 +726,17 @@ static void matmul_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
  * columns instead, each thread reads all of the activations and half of every weight row, and the two halves at
  * once took 8-15 % more CPU than the whole product on one thread (64x3072 @ 3072x768 and 128x3072 @ 3072x768 in
  * GPT-2 and BERT-base; the depth halves 0-4 % with their final addition). On one thread the halves and their sum
- * cost 2-4 % more than one sum; at K = 1536 (ViT-small's 1536 -> 384) 7 %, more than they saved: hence DEEP_MIN. */
+ * cost 2-4 % more than one sum; at K = 1536 (ViT-small's 1536 -> 384) 7 %, more than they saved: hence DEEP_MIN.
+ * Measured on 64-197 rows; products of more than DEEP_MAX_ROWS rows keep one sum (and the buffer stays small). */
 #define DEEP_RATIO 4
 #define DEEP_MIN 2048
+#define DEEP_MAX_ROWS 256
 
 /* Where the second depth half starts (a whole number of blocks), or 0 for one sum over the whole depth. */
-static int64_t deep_split(int64_t k, int64_t n, int64_t kblock) {
+static int64_t deep_split(int64_t t, int64_t k, int64_t n, int64_t kblock) {
     if (kblock <= 0 || kblock > k) kblock = k;
     const int64_t blocks = (k + kblock - 1) / kblock;
-    return k >= DEEP_MIN && k >= DEEP_RATIO * n && blocks >= 2 ? blocks / 2 * kblock : 0;
+    return t <= DEEP_MAX_ROWS && k >= DEEP_MIN && k >= DEEP_RATIO * n && blocks >= 2 ? blocks / 2 * kblock : 0;
 }
 
 /* The calling thread's buffer for a deep product's second half (kept for its next calls), NULL when it cannot
@@ -799,7 +801,7 @@ void matmul_f32_threads(const float *a, const float *b, float *y, int64_t t, int
                         int64_t ldb, int64_t ldy, int64_t kblock, int64_t begin, int64_t end, int64_t threads) {
     matmul_call_t c = {a, b, y, t, k, n, lda, ldb, ldy, kblock};
     const int64_t tiles = ((t + MR - 1) / MR) * ((n + NR - 1) / NR);
-    const int64_t split = begin == 0 && end == tiles ? deep_split(k, n, kblock) : 0;
+    const int64_t split = begin == 0 && end == tiles ? deep_split(t, k, n, kblock) : 0;
     if (split > 0 && matmul_deep(&c, tiles, split, threads)) return;
     /* one piece per thread: every piece reads all of `a` again, block by block (from L3 once it has left the L2
      * to the weight's stream), so finer pieces cost more than the balance they buy (on one thread, 128x3072 @
