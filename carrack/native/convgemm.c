@@ -720,9 +720,89 @@ static void matmul_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     matmul_f32(c->a, c->b, c->y, c->t, c->k, c->n, c->lda, c->ldb, c->ldy, c->kblock, begin, end);
 }
 
+/* A deep, narrow product (K at least DEEP_MIN and DEEP_RATIO x N: a transformer's FFN-down, 3072 -> 768) sums its
+ * depth in two halves, y = (blocks of the first half) + (blocks of the second), whatever the thread count, so that
+ * results do not depend on it: at two threads each thread runs one half over every output tile. Split by output
+ * columns instead, each thread reads all of the activations and half of every weight row, and the two halves at
+ * once took 8-15 % more CPU than the whole product on one thread (64x3072 @ 3072x768 and 128x3072 @ 3072x768 in
+ * GPT-2 and BERT-base; the depth halves 0-4 % with their final addition). On one thread the halves and their sum
+ * cost 2-4 % more than one sum; at K = 1536 (ViT-small's 1536 -> 384) 7 %, more than they saved: hence DEEP_MIN.
+ * Measured on 64-197 rows; products of more than DEEP_MAX_ROWS rows keep one sum (and the buffer stays small). */
+#define DEEP_RATIO 4
+#define DEEP_MIN 2048
+#define DEEP_MAX_ROWS 256
+
+/* Where the second depth half starts (a whole number of blocks), or 0 for one sum over the whole depth. */
+static int64_t deep_split(int64_t t, int64_t k, int64_t n, int64_t kblock) {
+    if (kblock <= 0 || kblock > k) kblock = k;
+    const int64_t blocks = (k + kblock - 1) / kblock;
+    return t <= DEEP_MAX_ROWS && k >= DEEP_MIN && k >= DEEP_RATIO * n && blocks >= 2 ? blocks / 2 * kblock : 0;
+}
+
+/* The calling thread's buffer for a deep product's second half (kept for its next calls), NULL when it cannot
+ * have `count` floats. */
+static float *deep_scratch(int64_t count) {
+    static _Thread_local float *buffer;
+    static _Thread_local int64_t capacity;
+    if (count > capacity) {
+        float *bigger = malloc((size_t)count * sizeof *bigger);
+        if (bigger == NULL) return NULL;
+        free(buffer);
+        buffer = bigger, capacity = count;
+    }
+    return buffer;
+}
+
+typedef struct {
+    matmul_call_t m;
+    float *second;        /* the second half's sums, [t, n] */
+    int64_t tiles, split; /* tiles of the output; where the second half of the depth starts */
+} deep_call_t;
+
+/* Items are (half, tile) pairs, half-major: the first half's tiles write y, the second's `second`. */
+static void deep_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const deep_call_t *c = p;
+    const matmul_call_t *m = &c->m;
+    (void)slot;
+    while (begin < end) {
+        const int64_t half = begin / c->tiles, first = begin % c->tiles;
+        const int64_t last = end - half * c->tiles < c->tiles ? end - half * c->tiles : c->tiles;
+        const int64_t k0 = half ? c->split : 0, depth = half ? m->k - c->split : c->split;
+        matmul_f32(m->a + k0, m->b + k0 * m->ldb, half ? c->second : m->y, m->t, depth, m->n, m->lda, m->ldb,
+                   half ? m->n : m->ldy, m->kblock, first, last);
+        begin = half * c->tiles + last;
+    }
+}
+
+/* rows [begin, end) of y += second */
+static void deep_sum_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const deep_call_t *c = p;
+    const matmul_call_t *m = &c->m;
+    (void)slot;
+    for (int64_t r = begin; r < end; r++) {
+        float *yr = m->y + r * m->ldy;
+        const float *sr = c->second + r * m->n;
+        for (int64_t j = 0; j < m->n; j++) yr[j] += sr[j];
+    }
+}
+
+/* The whole product as two depth halves (deep_split), then their sum; 0 when its buffer cannot be had. */
+static int matmul_deep(const matmul_call_t *m, int64_t tiles, int64_t split, int64_t threads) {
+    float *second = deep_scratch(m->t * m->n);
+    if (second == NULL) return 0;
+    deep_call_t c = {*m, second, tiles, split};
+    const int64_t items = 2 * tiles;
+    parallel_for(deep_piece, &c, 0, items, threads < items ? threads : items, threads);
+    parallel_for(deep_sum_piece, &c, 0, m->t, pieces_for(m->t, threads), threads);
+    return 1;
+}
+
 void matmul_f32_threads(const float *a, const float *b, float *y, int64_t t, int64_t k, int64_t n, int64_t lda,
                         int64_t ldb, int64_t ldy, int64_t kblock, int64_t begin, int64_t end, int64_t threads) {
     matmul_call_t c = {a, b, y, t, k, n, lda, ldb, ldy, kblock};
+    const int64_t tiles = ((t + MR - 1) / MR) * ((n + NR - 1) / NR);
+    const int64_t split = begin == 0 && end == tiles ? deep_split(t, k, n, kblock) : 0;
+    if (split > 0 && matmul_deep(&c, tiles, split, threads)) return;
     /* one piece per thread: every piece reads all of `a` again, block by block (from L3 once it has left the L2
      * to the weight's stream), so finer pieces cost more than the balance they buy (on one thread, 128x3072 @
      * 3072x768 in 8 pieces took 16 % longer than in 2) */

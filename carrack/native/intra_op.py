@@ -15,6 +15,7 @@ import ctypes
 import functools
 import os
 import threading
+from typing import NamedTuple
 
 _local = threading.local()
 _default: int | None = None
@@ -194,3 +195,52 @@ def work_seconds() -> float:
     from its spinning; beside a one-thread run's CPU time it shows the work a split adds. 0.0 without the pool
     library."""
     return _pool_counter("carrack_pool_work_ns") / 1e9
+
+
+class RegionPart(NamedTuple):
+    """One participant's share of a split region in the pool's trace (`region_trace`): times in seconds of
+    CLOCK_MONOTONIC (start, end) and of the participant's CPU (cpu). slot -1 is the region as its caller saw it,
+    from before it handed out work to after the last participant finished (pieces: the region's piece count)."""
+
+    region: int
+    slot: int
+    pieces: int
+    start: float
+    end: float
+    cpu: float
+
+
+_TRACE_FIELDS = 6  # threadpool.c's TRACE_FIELDS
+_TRACE_RECORDS = 8192  # threadpool.c's TRACE_RECORDS
+
+
+def trace_regions(on: bool) -> None:
+    """Start (True, forgetting earlier records) or stop (False, keeping them) recording how each split region's
+    participants ran it: when each started and ended, its CPU time and pieces (`region_trace`). Off by default:
+    it costs four clock reads per participant and region."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_trace", None) if pool is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int64], None
+        fn(int(bool(on)))
+
+
+def region_trace() -> list[RegionPart]:
+    """The newest records of the regions split since `trace_regions(True)` (up to 8192, oldest first; a region's
+    participants first, then its slot -1 record). Empty without the pool library."""
+    from carrack import native
+
+    pool = native.library("threadpool")
+    fn = getattr(pool, "carrack_pool_trace_read", None) if pool is not None else None
+    if fn is None:
+        return []
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
+    records = (ctypes.c_int64 * (_TRACE_RECORDS * _TRACE_FIELDS))()
+    count = fn(records, _TRACE_RECORDS)
+    parts = []
+    for r in range(count):
+        region, slot, pieces, start, end, cpu = records[r * _TRACE_FIELDS:(r + 1) * _TRACE_FIELDS]
+        parts.append(RegionPart(region, slot, pieces, start / 1e9, end / 1e9, cpu / 1e9))
+    return parts

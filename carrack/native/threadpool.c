@@ -50,6 +50,7 @@ typedef struct {
     int64_t begin, count, chunks;
     _Atomic int64_t next;    /* the next unclaimed piece */
     _Atomic int64_t slots;   /* slot numbers handed out (the caller is slot 0) */
+    int64_t region;          /* its number in the trace (carrack_pool_trace), -1 when not traced */
 } job_t;
 
 typedef struct {
@@ -121,24 +122,64 @@ static int64_t thread_cpu_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static void run_pieces(job_t *job, int64_t slot) {
-    for (;;) {
+/* Runs pieces of the job until none is left; returns how many it ran. */
+static int64_t run_pieces(job_t *job, int64_t slot) {
+    for (int64_t ran = 0;; ran++) {
         const int64_t piece = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-        if (piece >= job->chunks) return;
+        if (piece >= job->chunks) return ran;
         const int64_t lo = job->begin + job->count * piece / job->chunks;
         const int64_t hi = job->begin + job->count * (piece + 1) / job->chunks;
         if (hi > lo) job->task(job->context, lo, hi, slot);
     }
 }
 
+/* A trace of split regions, for profiling how the participants of one region share it (carrack_pool_trace: off by
+ * default). Each participant's run of a region's pieces is one record: the region's number, the participant's
+ * slot, its pieces, its start and end (CLOCK_MONOTONIC) and its CPU time over them; each region ends with a record
+ * of slot -1 for the caller's whole region (from before it assigns workers to after the last one finished). The
+ * records fill a ring of TRACE_RECORDS; carrack_pool_trace_read copies the newest out. */
+#define TRACE_RECORDS 8192
+enum { TRACE_REGION, TRACE_SLOT, TRACE_PIECES, TRACE_START, TRACE_END, TRACE_CPU, TRACE_FIELDS };
+static int64_t trace_ring[TRACE_RECORDS][TRACE_FIELDS];
+static _Atomic int64_t trace_written, trace_regions;
+static _Atomic int tracing;
+
+/* Starts (forgetting earlier records) or stops recording; the records stay readable after a stop. */
+void carrack_pool_trace(int64_t on) {
+    atomic_store(&tracing, 0);
+    if (on) atomic_store(&trace_written, 0);
+    atomic_store(&tracing, on != 0);
+}
+
+static void trace_record(int64_t region, int64_t slot, int64_t pieces, int64_t start, int64_t end, int64_t cpu) {
+    const int64_t at = atomic_fetch_add_explicit(&trace_written, 1, memory_order_relaxed) % TRACE_RECORDS;
+    const int64_t record[TRACE_FIELDS] = {region, slot, pieces, start, end, cpu};
+    for (int i = 0; i < TRACE_FIELDS; i++) trace_ring[at][i] = record[i];
+}
+
+/* Copies the newest records (at most `capacity`, oldest first) into out[capacity][TRACE_FIELDS]; returns how many. */
+int64_t carrack_pool_trace_read(int64_t *out, int64_t capacity) {
+    const int64_t written = atomic_load(&trace_written);
+    int64_t count = written < TRACE_RECORDS ? written : TRACE_RECORDS;
+    if (count > capacity) count = capacity;
+    for (int64_t r = 0; r < count; r++)
+        for (int i = 0; i < TRACE_FIELDS; i++)
+            out[r * TRACE_FIELDS + i] = trace_ring[(written - count + r) % TRACE_RECORDS][i];
+    return count;
+}
+
 static void run_pieces_timed(job_t *job, int64_t slot) {
-    if (!atomic_load_explicit(&counting_work, memory_order_relaxed)) {
+    const int traced = job->region >= 0;
+    if (!traced && !atomic_load_explicit(&counting_work, memory_order_relaxed)) {
         run_pieces(job, slot);
         return;
     }
-    const int64_t start = thread_cpu_ns();
-    run_pieces(job, slot);
-    atomic_fetch_add_explicit(&work_ns, thread_cpu_ns() - start, memory_order_relaxed);
+    const int64_t start = thread_cpu_ns(), wall = traced ? now_ns() : 0;
+    const int64_t pieces = run_pieces(job, slot);
+    const int64_t cpu = thread_cpu_ns() - start;
+    if (traced) trace_record(job->region, slot, pieces, wall, now_ns(), cpu);
+    if (atomic_load_explicit(&counting_work, memory_order_relaxed))
+        atomic_fetch_add_explicit(&work_ns, cpu, memory_order_relaxed);
 }
 
 /* Waits until the worker is given a job: spinning first (longer while a run holds the pool, yielding the core now
@@ -281,7 +322,9 @@ int64_t carrack_pool_wakes(void) { return atomic_load_explicit(&wakes, memory_or
 static void run_split(carrack_task task, void *context, int64_t begin, int64_t end, int64_t chunks,
                       int64_t threads) {
     ensure_workers((int)(threads - 1 < MAX_WORKERS ? threads - 1 : MAX_WORKERS));
-    job_t job = {task, context, begin, end - begin, chunks, 0, 1};
+    const int64_t traced_at = atomic_load_explicit(&tracing, memory_order_relaxed) ? now_ns() : -1;
+    job_t job = {task, context, begin, end - begin, chunks, 0, 1,
+                 traced_at < 0 ? -1 : atomic_fetch_add_explicit(&trace_regions, 1, memory_order_relaxed)};
     int taken[MAX_WORKERS], count = 0;
     int64_t reservation[MAX_WORKERS];
     const int available = atomic_load_explicit(&worker_count, memory_order_acquire);
@@ -301,6 +344,7 @@ static void run_split(carrack_task task, void *context, int64_t begin, int64_t e
         atomic_compare_exchange_strong(&workers[taken[i]].state, &expected, WITH_STATE(reservation[i], IDLE));
     }
     for (int i = 0; i < count; i++) await_finish(&workers[taken[i]], WITH_STATE(reservation[i], RUNNING));
+    if (job.region >= 0) trace_record(job.region, -1, chunks, traced_at, now_ns(), 0);
 }
 
 /* Workers created so far (for tests and `carrack info`). */

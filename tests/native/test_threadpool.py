@@ -156,6 +156,44 @@ def test_work_seconds_counts_the_pieces_of_split_regions_while_on():
         intra_op.count_work(False)
 
 
+@needs_native
+def test_the_region_trace_records_each_participants_share():
+    """Off by default; on, one record per participant of each split region (its slot, pieces, start, end and CPU)
+    and one of slot -1 for the region as its caller saw it, which spans the participants'."""
+    _selftest(4, 4, 2, 0)
+    intra_op.trace_regions(True)
+    intra_op.trace_regions(False)
+    _selftest(8, 8, 2, 10_000)
+    assert intra_op.region_trace() == []  # nothing recorded while off
+    intra_op.trace_regions(True)
+    try:
+        _selftest(8, 1, 2, 10_000)  # one chunk: not a split region, nothing recorded
+        assert intra_op.region_trace() == []
+        for _ in range(3):
+            _selftest(16, 4, 2, 100_000)  # four pieces of 0.4 ms of spinning each
+        trace = intra_op.region_trace()
+    finally:
+        intra_op.trace_regions(False)
+    regions = sorted({part.region for part in trace})
+    assert len(regions) == 3 and regions == list(range(regions[0], regions[0] + 3))
+    for region in regions:
+        parts = [part for part in trace if part.region == region]
+        assert parts[-1].slot == -1 and parts[-1].pieces == 4
+        participants = parts[:-1]
+        assert {part.slot for part in participants} <= {0, 1} and 0 in {part.slot for part in participants}
+        assert sum(part.pieces for part in participants) == 4
+        whole = parts[-1]
+        for part in participants:
+            assert whole.start <= part.start <= part.end <= whole.end
+            assert part.cpu <= (part.end - part.start) + 1e-4
+        busiest = max(participants, key=lambda part: part.pieces)
+        assert busiest.end - busiest.start >= 0.0004 * busiest.pieces  # its pieces' spinning, at least
+    assert intra_op.region_trace() == trace  # kept after the stop
+    intra_op.trace_regions(True)
+    intra_op.trace_regions(False)
+    assert intra_op.region_trace() == []  # starting again forgets them
+
+
 def test_a_run_with_threads_holds_the_pool():
     native.library("threadpool")
     assert intra_op.holding_pool() == 0
@@ -326,7 +364,7 @@ def _rand(*shape, seed=0):
 
 
 @needs_native
-@pytest.mark.parametrize(("t", "k", "n"), [(37, 129, 203), (8, 64, 64), (255, 77, 65)])
+@pytest.mark.parametrize(("t", "k", "n"), [(37, 129, 203), (8, 64, 64), (255, 77, 65), (37, 2100, 200), (9, 2048, 64)])
 def test_matmul(split_small, t, k, n):
     a, b = _rand(t, k), _rand(k, n, seed=1)
 
@@ -337,6 +375,26 @@ def test_matmul(split_small, t, k, n):
 
     _assert_same_at_every_count(compute)
     np.testing.assert_allclose(compute(), a @ b, rtol=1e-4, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize(("t", "k", "n"), [(37, 2100, 200), (64, 3072, 768)])
+def test_a_deep_narrow_product_sums_its_two_depth_halves(split_small, t, k, n):
+    """K >= 2048 and >= 4 N: the sums of the two halves of the depth (whole blocks of matmul.DEPTH_BLOCK), added
+    once, at every thread count (each thread of two runs one half)."""
+    a, b = _rand(t, k), _rand(k, n, seed=1)
+    split = -(-k // native_matmul.DEPTH_BLOCK) // 2 * native_matmul.DEPTH_BLOCK
+    halves = []
+    for part in (slice(0, split), slice(split, k)):  # each half alone is one sum (not deep)
+        y = np.empty((t, n), np.float32)
+        assert native_matmul.matmul_into(np.ascontiguousarray(a[:, part]), np.ascontiguousarray(b[part]), y)
+        halves.append(y)
+    for count in THREAD_COUNTS:
+        y = np.empty((t, n), np.float32)
+        with intra_op.intra_op_threads(count):
+            assert native_matmul.matmul_into(a, b, y)
+        np.testing.assert_array_equal(y, halves[0] + halves[1])
+    np.testing.assert_allclose(y, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
 
 
 @needs_native
