@@ -129,6 +129,36 @@ static void tap_reads(const geom_t *G, const __m512i *row, const __m512i *col, c
     }
 }
 
+/* The lanes l of a vector whose input column iw0 + l * s is inside [0, w), for strides s of 1 or 2 (shifts: a
+ * division here took a sixth of a stem layer's packing) */
+static inline __mmask16 lanes_inside(int64_t iw0, int64_t s, int64_t w) {
+    const int shift = s == 2;
+    const int64_t lo = iw0 >= 0 ? 0 : (-iw0 + s - 1) >> shift, hi = iw0 >= w ? 0 : ((w - 1 - iw0) >> shift) + 1;
+    return (__mmask16)(tail_mask(hi) & ~tail_mask(lo));
+}
+
+/* tap_reads for a panel whose vectors each stay within one output row (row0[v], columns col0[v] + l) and strides of
+ * 1 or 2, in scalar code: descriptors that read what tap_reads' read (a one-lane stride-2 read is V_EVEN here, a
+ * run there: the same float), for a fraction of the cost. A 7x7 stem on 3 channels asks for them every 3 depth
+ * steps. */
+static void tap_reads_one_row(const geom_t *G, const int32_t *row0, const int32_t *col0, const __mmask16 *valid,
+                              int64_t i, int64_t j, vread_t *reads) {
+    for (int v = 0; v < 4; v++) {
+        const int64_t ih = row0[v] * G->sh + i * G->dh - G->pt, iw0 = col0[v] * G->sw + j * G->dw - G->pl;
+        const __mmask16 m = ih >= 0 && ih < G->h ? valid[v] & lanes_inside(iw0, G->sw, G->w) : 0;
+        vread_t *r = reads + v;
+        r->lanes = m, r->lo = r->hi = 0, r->base = 0;
+        if (!m) {
+            r->kind = V_ZERO;
+        } else if (G->sw == 1) {
+            r->kind = V_RUN, r->base = (int32_t)(ih * G->w + iw0);
+        } else {
+            r->kind = V_EVEN, r->base = (int32_t)(ih * G->w + iw0);
+            r->lo = (__mmask16)_pdep_u32(m & 0xFFu, 0x5555u), r->hi = (__mmask16)_pdep_u32(m >> 8, 0x5555u);
+        }
+    }
+}
+
 static inline __m512 read_vector(const float *plane, const vread_t *r) {
     switch (r->kind) {
     case V_RUN: return _mm512_maskz_loadu_ps(r->lanes, plane + r->base);
@@ -148,22 +178,32 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
     const int64_t pixels = G->oh * G->ow, plane = G->h * G->w;
     __m512i row[4], col[4];
     __mmask16 valid[4];
+    int32_t row0[4], col0[4];
+    int one_row = G->sw <= 2; /* every vector's outputs in one row: tap_reads_one_row */
     for (int v = 0; v < 4; v++) {
-        int32_t r[16], c[16];
         const int64_t p = p0 + 16 * v;
-        int32_t ri = (int32_t)(p / G->ow), ci = (int32_t)(p % G->ow);
+        row0[v] = (int32_t)(p / G->ow), col0[v] = (int32_t)(p % G->ow);
+        one_row &= col0[v] + (pixels - p < 16 ? pixels - p : 16) <= G->ow;
+        valid[v] = tail_mask(pixels - p);
+    }
+    for (int v = 0; v < 4 && !one_row; v++) { /* each lane's output row and column, for tap_reads */
+        int32_t r[16], c[16], ri = row0[v], ci = col0[v];
         for (int l = 0; l < 16; l++) {
             r[l] = ri, c[l] = ci;
             if (++ci == G->ow) ci = 0, ri++;
         }
         row[v] = _mm512_loadu_si512(r), col[v] = _mm512_loadu_si512(c);
-        valid[v] = tail_mask(pixels - p);
     }
     vread_t reads[4];
-    for (int64_t kk = 0; kk < kc;) { /* tap by tap: the depth steps [kk, end) read one tap of channels c.. */
-        const int64_t k = k0 + kk, t = k / G->cg, c = k % G->cg;
+    /* tap by tap: the depth steps [kk, end) read tap (i, j) of channels c.. (counted on, not divided: four
+     * divisions a tap were a third of a stem's packing, whose taps are 3 channels deep) */
+    int64_t c = k0 % G->cg, i = k0 / G->cg / G->kw, j = k0 / G->cg % G->kw;
+    for (int64_t kk = 0; kk < kc; c = 0, j = j + 1 == G->kw ? 0 : j + 1, i += j == 0) {
         const int64_t end = kc < kk + G->cg - c ? kc : kk + G->cg - c;
-        tap_reads(G, row, col, valid, t / G->kw, t % G->kw, reads);
+        if (one_row)
+            tap_reads_one_row(G, row0, col0, valid, i, j, reads);
+        else
+            tap_reads(G, row, col, valid, i, j, reads);
         const float *src = img + c * plane;
         float *dst = buf + kk * PW;
         if (reads[0].kind == V_RUN && reads[1].kind == V_RUN && reads[2].kind == V_RUN && reads[3].kind == V_RUN) {
@@ -176,6 +216,18 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
                 _mm512_store_ps(dst + 32, _mm512_maskz_loadu_ps(m2, src + b2));
                 _mm512_store_ps(dst + 48, _mm512_maskz_loadu_ps(m3, src + b3));
             }
+            continue;
+        }
+        if (reads[0].kind == V_EVEN && reads[1].kind == V_EVEN && reads[2].kind == V_EVEN && reads[3].kind == V_EVEN) {
+            /* stride 2 (a stem's): two masked loads and a permute a vector, without the per-vector dispatch */
+            const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            for (; kk < end; kk++, src += plane, dst += PW)
+                for (int v = 0; v < 4; v++) {
+                    const float *at = src + reads[v].base;
+                    _mm512_store_ps(dst + 16 * v,
+                                    _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(reads[v].lo, at), even,
+                                                           _mm512_maskz_loadu_ps(reads[v].hi, at + 16)));
+                }
             continue;
         }
         for (; kk < end; kk++, src += plane, dst += PW)

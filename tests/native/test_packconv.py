@@ -28,6 +28,11 @@ GEOMETRIES = [
     ((1, 33, 12, 9), (17, 33, 3, 2), (3, 1), (0, 2, 1, 0), (1, 3), 1),
     ((2, 12, 6, 40), (9, 4, 1, 3), (1, 3), (0, 0, 0, 2), (1, 2), 3),
     ((1, 40, 5, 5), (13, 40, 3, 3), (1, 1), (2, 2, 2, 2), (2, 2), 1),
+    # output rows a multiple of 16 wide: each vector's outputs in one row (pack_columns' scalar read descriptors),
+    # a stem-like 7x7 stride 2 on 3 channels, stride 1 dilated, stride 2 with asymmetric pads
+    ((1, 3, 64, 64), (8, 3, 7, 7), (2, 2), (3, 3, 3, 3), (1, 1), 1),
+    ((1, 4, 16, 16), (6, 4, 3, 3), (1, 1), (2, 2, 2, 2), (2, 2), 1),
+    ((1, 5, 33, 33), (7, 5, 3, 3), (2, 2), (0, 1, 1, 0), (1, 1), 1),
 ]
 
 ACTIVATIONS = {"none": (0, 0.0, 0.0), "relu": (1, 0.0, 0.0), "clip": (2, -0.5, 0.75), "leaky": (3, 0.1, 0.0),
@@ -121,7 +126,9 @@ def test_packed_convolution_splits_rows_when_pixels_are_few(monkeypatch):
 
 #: 1-D: (x shape, w shape, stride, pads [left, right], dilation, group)
 GEOMETRIES_1D = [((2, 6, 50), (10, 3, 5), 1, (2, 2), 1, 2), ((1, 17, 129), (8, 17, 3), 2, (0, 1), 3, 1),
-                 ((1, 4, 33), (70, 4, 1), 1, (0, 0), 1, 1)]
+                 ((1, 4, 33), (70, 4, 1), 1, (0, 0), 1, 1),
+                 # pads wider than a vector: stride-2 vectors whose only input inside is their last lane
+                 ((1, 2, 8), (3, 2, 3), 2, (30, 29), 1, 1)]
 
 
 @pytest.mark.parametrize("index", range(len(GEOMETRIES_1D)))
