@@ -262,6 +262,7 @@ typedef struct {
     const float *bias, *z; /* at the tile's first row; NULL for none */
     int first, last, rows;
     act_t f;
+    const float *z_next; /* the next tile's residual (same pixels, the next 6 rows), prefetched in the last block */
 } finish_t;
 
 #define ACC_INIT(i)                                                                                                \
@@ -318,13 +319,33 @@ static inline __attribute__((always_inline)) __m512 load_lanes(const float *p, _
 /* full: every lane of the nv vectors is an output (plain loads). next: NULL, or the next row panel's weights for
  * the same depth steps, fetched into the L2 cache while this tile runs: 3 lines (8 depth steps of a panel) every 8
  * steps. A burst of those prefetches before the tile (a model's weights come from memory) stalled on the line fill
- * buffers: 9-15 % of a 1x1 layer on 14x14 and 7x7 maps, whose weights are large and pixels few. */
+ * buffers: 9-15 % of a 1x1 layer on 14x14 and 7x7 maps, whose weights are large and pixels few. In the last depth
+ * block, the next tile's residual lines (F->z_next) come into L1 the same way, one every depth / (6 nv) steps: a
+ * residual read in the finish waited for memory (a 64->256 1x1 layer on 56x56 took a third longer with it). Maps
+ * of 4 pixel panels or fewer (14x14, 7x7) do not: their residual stays in L2 and the prefetches cost 3-5 %. */
 static inline __attribute__((always_inline)) void tile_next(const float *wp, const float *b, int64_t ldb,
                                                             int64_t depth, float *y, int64_t ldy, const __mmask16 *m,
                                                             const int nv, const int full, const finish_t *F,
                                                             const float *next) {
     ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5)
-    if (next) {
+    const float *z_next = F->last ? F->z_next : NULL;
+    if (z_next) {
+        const int64_t z_lines = PR * nv, every = depth > z_lines ? depth / z_lines : 1;
+        int64_t z_line = 0, z_row = 0, z_vector = 0, wait = 0;
+        for (int64_t k = 0; k < depth; k++) {
+            if (next && (k & 7) == 0) {
+                const char *line = (const char *)(next + k * PR);
+                _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);
+                _mm_prefetch(line + 128, _MM_HINT_T1);
+            }
+            if (wait-- == 0 && z_line < z_lines) {
+                _mm_prefetch((const char *)(z_next + z_row * ldy + 16 * z_vector), _MM_HINT_T0);
+                z_line++, wait = every - 1;
+                if (++z_vector == nv) z_vector = 0, z_row++;
+            }
+            TILE_STEP(k)
+        }
+    } else if (next) {
         for (int64_t k = 0; k < depth; k++) {
             if ((k & 7) == 0) {
                 const char *line = (const char *)(next + k * PR);
@@ -465,7 +486,8 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                  * from memory; the chunk's later pixel panels find them in L2) */
                 const float *next = pn == pa && t + 1 < tb ? wp + ((g * row_panels + t + 1) * depth + k0) * PR : NULL;
                 const finish_t F = {bias ? bias + g * G->mg + row : NULL, z ? z + at : NULL, k0 == 0,
-                                    k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f};
+                                    k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f,
+                                    z && t + 1 < tb && pixels > 4 * PW ? z + at + PR * pixels : NULL};
                 const float *panel = wp + ((g * row_panels + t) * depth + k0) * PR;
                 if (nv)
                     tile_nv_next(panel, cols, ldb, kc, y + at, pixels, m, nv, &F, next);
