@@ -16,6 +16,8 @@
  *   from the partial sums stored by the previous block, finished with the residual and the activation in the
  *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer);
  * - a panel's one pixel past its whole vectors (7x7 maps: 49 = 3 x 16 + 1) is a dot product instead (tail_dot);
+ * - while a chunk's first pixel panel runs a row panel, the next row panel's weights are prefetched into the L2
+ *   cache a few lines at a time (tile_next);
  * - pixel panels go in chunks whose output rows stay in the L2 cache across the depth blocks; with fewer pixel
  *   panels than 4 per thread (7x7 and 14x14 maps) the threads split the output rows too.
  *
@@ -127,6 +129,36 @@ static void tap_reads(const geom_t *G, const __m512i *row, const __m512i *col, c
     }
 }
 
+/* The lanes l of a vector whose input column iw0 + l * s is inside [0, w), for strides s of 1 or 2 (shifts: a
+ * division here took a sixth of a stem layer's packing) */
+static inline __mmask16 lanes_inside(int64_t iw0, int64_t s, int64_t w) {
+    const int shift = s == 2;
+    const int64_t lo = iw0 >= 0 ? 0 : (-iw0 + s - 1) >> shift, hi = iw0 >= w ? 0 : ((w - 1 - iw0) >> shift) + 1;
+    return (__mmask16)(tail_mask(hi) & ~tail_mask(lo));
+}
+
+/* tap_reads for a panel whose vectors each stay within one output row (row0[v], columns col0[v] + l) and strides of
+ * 1 or 2, in scalar code: descriptors that read what tap_reads' read (a one-lane stride-2 read is V_EVEN here, a
+ * run there: the same float), for a fraction of the cost. A 7x7 stem on 3 channels asks for them every 3 depth
+ * steps. */
+static void tap_reads_one_row(const geom_t *G, const int32_t *row0, const int32_t *col0, const __mmask16 *valid,
+                              int64_t i, int64_t j, vread_t *reads) {
+    for (int v = 0; v < 4; v++) {
+        const int64_t ih = row0[v] * G->sh + i * G->dh - G->pt, iw0 = col0[v] * G->sw + j * G->dw - G->pl;
+        const __mmask16 m = ih >= 0 && ih < G->h ? valid[v] & lanes_inside(iw0, G->sw, G->w) : 0;
+        vread_t *r = reads + v;
+        r->lanes = m, r->lo = r->hi = 0, r->base = 0;
+        if (!m) {
+            r->kind = V_ZERO;
+        } else if (G->sw == 1) {
+            r->kind = V_RUN, r->base = (int32_t)(ih * G->w + iw0);
+        } else {
+            r->kind = V_EVEN, r->base = (int32_t)(ih * G->w + iw0);
+            r->lo = (__mmask16)_pdep_u32(m & 0xFFu, 0x5555u), r->hi = (__mmask16)_pdep_u32(m >> 8, 0x5555u);
+        }
+    }
+}
+
 static inline __m512 read_vector(const float *plane, const vread_t *r) {
     switch (r->kind) {
     case V_RUN: return _mm512_maskz_loadu_ps(r->lanes, plane + r->base);
@@ -146,22 +178,32 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
     const int64_t pixels = G->oh * G->ow, plane = G->h * G->w;
     __m512i row[4], col[4];
     __mmask16 valid[4];
+    int32_t row0[4], col0[4];
+    int one_row = G->sw <= 2; /* every vector's outputs in one row: tap_reads_one_row */
     for (int v = 0; v < 4; v++) {
-        int32_t r[16], c[16];
         const int64_t p = p0 + 16 * v;
-        int32_t ri = (int32_t)(p / G->ow), ci = (int32_t)(p % G->ow);
+        row0[v] = (int32_t)(p / G->ow), col0[v] = (int32_t)(p % G->ow);
+        one_row &= col0[v] + (pixels - p < 16 ? pixels - p : 16) <= G->ow;
+        valid[v] = tail_mask(pixels - p);
+    }
+    for (int v = 0; v < 4 && !one_row; v++) { /* each lane's output row and column, for tap_reads */
+        int32_t r[16], c[16], ri = row0[v], ci = col0[v];
         for (int l = 0; l < 16; l++) {
             r[l] = ri, c[l] = ci;
             if (++ci == G->ow) ci = 0, ri++;
         }
         row[v] = _mm512_loadu_si512(r), col[v] = _mm512_loadu_si512(c);
-        valid[v] = tail_mask(pixels - p);
     }
     vread_t reads[4];
-    for (int64_t kk = 0; kk < kc;) { /* tap by tap: the depth steps [kk, end) read one tap of channels c.. */
-        const int64_t k = k0 + kk, t = k / G->cg, c = k % G->cg;
+    /* tap by tap: the depth steps [kk, end) read tap (i, j) of channels c.. (counted on, not divided: four
+     * divisions a tap were a third of a stem's packing, whose taps are 3 channels deep) */
+    int64_t c = k0 % G->cg, i = k0 / G->cg / G->kw, j = k0 / G->cg % G->kw;
+    for (int64_t kk = 0; kk < kc; c = 0, j = j + 1 == G->kw ? 0 : j + 1, i += j == 0) {
         const int64_t end = kc < kk + G->cg - c ? kc : kk + G->cg - c;
-        tap_reads(G, row, col, valid, t / G->kw, t % G->kw, reads);
+        if (one_row)
+            tap_reads_one_row(G, row0, col0, valid, i, j, reads);
+        else
+            tap_reads(G, row, col, valid, i, j, reads);
         const float *src = img + c * plane;
         float *dst = buf + kk * PW;
         if (reads[0].kind == V_RUN && reads[1].kind == V_RUN && reads[2].kind == V_RUN && reads[3].kind == V_RUN) {
@@ -174,6 +216,18 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
                 _mm512_store_ps(dst + 32, _mm512_maskz_loadu_ps(m2, src + b2));
                 _mm512_store_ps(dst + 48, _mm512_maskz_loadu_ps(m3, src + b3));
             }
+            continue;
+        }
+        if (reads[0].kind == V_EVEN && reads[1].kind == V_EVEN && reads[2].kind == V_EVEN && reads[3].kind == V_EVEN) {
+            /* stride 2 (a stem's): two masked loads and a permute a vector, without the per-vector dispatch */
+            const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            for (; kk < end; kk++, src += plane, dst += PW)
+                for (int v = 0; v < 4; v++) {
+                    const float *at = src + reads[v].base;
+                    _mm512_store_ps(dst + 16 * v,
+                                    _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(reads[v].lo, at), even,
+                                                           _mm512_maskz_loadu_ps(reads[v].hi, at + 16)));
+                }
             continue;
         }
         for (; kk < end; kk++, src += plane, dst += PW)
@@ -208,6 +262,7 @@ typedef struct {
     const float *bias, *z; /* at the tile's first row; NULL for none */
     int first, last, rows;
     act_t f;
+    const float *z_next; /* the next tile's residual (same pixels, the next 6 rows), prefetched in the last block */
 } finish_t;
 
 #define ACC_INIT(i)                                                                                                \
@@ -251,18 +306,56 @@ static inline __attribute__((always_inline)) __m512 load_lanes(const float *p, _
     return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); /* a masked load costs an ALU slot too */
 }
 
-/* full: every lane of the nv vectors is an output (plain loads) */
-static inline __attribute__((always_inline)) void tile(const float *wp, const float *b, int64_t ldb, int64_t depth,
-                                                       float *y, int64_t ldy, const __mmask16 *m, const int nv,
-                                                       const int full, const finish_t *F) {
+#define TILE_STEP(k)                                                                                               \
+    {                                                                                                              \
+        const float *xr = b + (k) * ldb, *wk = wp + (k) * PR;                                                      \
+        const __m512 x0 = load_lanes(xr, m[0], full);                                                              \
+        const __m512 x1 = nv > 1 ? load_lanes(xr + 16, m[1], full) : x0;                                           \
+        const __m512 x2 = nv > 2 ? load_lanes(xr + 32, m[2], full) : x0;                                           \
+        const __m512 x3 = nv > 3 ? load_lanes(xr + 48, m[3], full) : x0;                                           \
+        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5)                                          \
+    }
+
+/* full: every lane of the nv vectors is an output (plain loads). next: NULL, or the next row panel's weights for
+ * the same depth steps, fetched into the L2 cache while this tile runs: 3 lines (8 depth steps of a panel) every 8
+ * steps. A burst of those prefetches before the tile (a model's weights come from memory) stalled on the line fill
+ * buffers: 9-15 % of a 1x1 layer on 14x14 and 7x7 maps, whose weights are large and pixels few. In the last depth
+ * block, the next tile's residual lines (F->z_next) come into L1 the same way, one every depth / (6 nv) steps: a
+ * residual read in the finish waited for memory (a 64->256 1x1 layer on 56x56 took a third longer with it). Maps
+ * of 4 pixel panels or fewer (14x14, 7x7) do not: their residual stays in L2 and the prefetches cost 3-5 %. */
+static inline __attribute__((always_inline)) void tile_next(const float *wp, const float *b, int64_t ldb,
+                                                            int64_t depth, float *y, int64_t ldy, const __mmask16 *m,
+                                                            const int nv, const int full, const finish_t *F,
+                                                            const float *next) {
     ACC_INIT(0) ACC_INIT(1) ACC_INIT(2) ACC_INIT(3) ACC_INIT(4) ACC_INIT(5)
-    for (int64_t k = 0; k < depth; k++) {
-        const float *xr = b + k * ldb, *wk = wp + k * PR;
-        const __m512 x0 = load_lanes(xr, m[0], full);
-        const __m512 x1 = nv > 1 ? load_lanes(xr + 16, m[1], full) : x0;
-        const __m512 x2 = nv > 2 ? load_lanes(xr + 32, m[2], full) : x0;
-        const __m512 x3 = nv > 3 ? load_lanes(xr + 48, m[3], full) : x0;
-        ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5)
+    const float *z_next = F->last ? F->z_next : NULL;
+    if (z_next) {
+        const int64_t z_lines = PR * nv, every = depth > z_lines ? depth / z_lines : 1;
+        int64_t z_line = 0, z_row = 0, z_vector = 0, wait = 0;
+        for (int64_t k = 0; k < depth; k++) {
+            if (next && (k & 7) == 0) {
+                const char *line = (const char *)(next + k * PR);
+                _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);
+                _mm_prefetch(line + 128, _MM_HINT_T1);
+            }
+            if (wait-- == 0 && z_line < z_lines) {
+                _mm_prefetch((const char *)(z_next + z_row * ldy + 16 * z_vector), _MM_HINT_T0);
+                z_line++, wait = every - 1;
+                if (++z_vector == nv) z_vector = 0, z_row++;
+            }
+            TILE_STEP(k)
+        }
+    } else if (next) {
+        for (int64_t k = 0; k < depth; k++) {
+            if ((k & 7) == 0) {
+                const char *line = (const char *)(next + k * PR);
+                _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);
+                _mm_prefetch(line + 128, _MM_HINT_T1);
+            }
+            TILE_STEP(k)
+        }
+    } else {
+        for (int64_t k = 0; k < depth; k++) TILE_STEP(k)
     }
     /* none, Relu and Clip as a clamp to [lo, hi]: -inf/inf, 0/inf, a/b */
     const __m512 lo = _mm512_set1_ps(F->f.act == ACT_NONE ? -INFINITY : F->f.act == ACT_RELU ? 0.0f : F->f.a);
@@ -270,23 +363,35 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5)
 }
 
-static void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth, float *y, int64_t ldy,
-                    const __mmask16 *m, int nv, const finish_t *F) {
+static inline __attribute__((always_inline)) void tile(const float *wp, const float *b, int64_t ldb, int64_t depth,
+                                                       float *y, int64_t ldy, const __mmask16 *m, const int nv,
+                                                       const int full, const finish_t *F) {
+    tile_next(wp, b, ldb, depth, y, ldy, m, nv, full, F, NULL);
+}
+
+/* tile_nv with the next row panel's weights prefetched (see tile_next; next may be NULL) */
+static void tile_nv_next(const float *wp, const float *b, int64_t ldb, int64_t depth, float *y, int64_t ldy,
+                         const __mmask16 *m, int nv, const finish_t *F, const float *next) {
     if (m[nv - 1] == 0xFFFF) {
         switch (nv) {
-        case 1: tile(wp, b, ldb, depth, y, ldy, m, 1, 1, F); break;
-        case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, 1, F); break;
-        case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, 1, F); break;
-        default: tile(wp, b, ldb, depth, y, ldy, m, 4, 1, F); break;
+        case 1: tile_next(wp, b, ldb, depth, y, ldy, m, 1, 1, F, next); break;
+        case 2: tile_next(wp, b, ldb, depth, y, ldy, m, 2, 1, F, next); break;
+        case 3: tile_next(wp, b, ldb, depth, y, ldy, m, 3, 1, F, next); break;
+        default: tile_next(wp, b, ldb, depth, y, ldy, m, 4, 1, F, next); break;
         }
         return;
     }
     switch (nv) {
-    case 1: tile(wp, b, ldb, depth, y, ldy, m, 1, 0, F); break;
-    case 2: tile(wp, b, ldb, depth, y, ldy, m, 2, 0, F); break;
-    case 3: tile(wp, b, ldb, depth, y, ldy, m, 3, 0, F); break;
-    default: tile(wp, b, ldb, depth, y, ldy, m, 4, 0, F); break;
+    case 1: tile_next(wp, b, ldb, depth, y, ldy, m, 1, 0, F, next); break;
+    case 2: tile_next(wp, b, ldb, depth, y, ldy, m, 2, 0, F, next); break;
+    case 3: tile_next(wp, b, ldb, depth, y, ldy, m, 3, 0, F, next); break;
+    default: tile_next(wp, b, ldb, depth, y, ldy, m, 4, 0, F, next); break;
     }
+}
+
+static __attribute__((unused)) void tile_nv(const float *wp, const float *b, int64_t ldb, int64_t depth, float *y,
+                                            int64_t ldy, const __mmask16 *m, int nv, const finish_t *F) {
+    tile_nv_next(wp, b, ldb, depth, y, ldy, m, nv, F, NULL);
 }
 
 /* A panel's last pixel past its whole vectors (the 49th of a 7x7 map) is a dot product along the depth instead of a
@@ -377,13 +482,17 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                 for (int64_t kk = 0; kk < kc; kk++) tail_columns[j * KC + kk] = cols[kk * ldb + count + j];
             for (int64_t t = ta; t < tb; t++) {
                 const int64_t row = t * PR, at = out0 + row * pixels + p0;
-                if (pn == pa && t + 1 < tb) /* the next panel's weights of this block (a model's weights come
-                                               * from memory); the chunk's later pixel panels find them in L2 */
-                    prefetch_l2(wp + ((g * row_panels + t + 1) * depth + k0) * PR, kc * PR);
+                /* the next panel's weights of this block, on the chunk's first pixel panel (a model's weights come
+                 * from memory; the chunk's later pixel panels find them in L2) */
+                const float *next = pn == pa && t + 1 < tb ? wp + ((g * row_panels + t + 1) * depth + k0) * PR : NULL;
                 const finish_t F = {bias ? bias + g * G->mg + row : NULL, z ? z + at : NULL, k0 == 0,
-                                    k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f};
+                                    k0 + kc == depth, (int)(G->mg - row < PR ? G->mg - row : PR), f,
+                                    z && t + 1 < tb && pixels > 4 * PW ? z + at + PR * pixels : NULL};
                 const float *panel = wp + ((g * row_panels + t) * depth + k0) * PR;
-                if (nv) tile_nv(panel, cols, ldb, kc, y + at, pixels, m, nv, &F);
+                if (nv)
+                    tile_nv_next(panel, cols, ldb, kc, y + at, pixels, m, nv, &F, next);
+                else if (next)
+                    prefetch_l2(next, kc * PR);
                 if (tails)
                     tail_pixels(panel, tail_columns, kc, tails, y + at + count, F.z ? F.z + count : NULL, pixels, &F);
             }

@@ -28,6 +28,11 @@ GEOMETRIES = [
     ((1, 33, 12, 9), (17, 33, 3, 2), (3, 1), (0, 2, 1, 0), (1, 3), 1),
     ((2, 12, 6, 40), (9, 4, 1, 3), (1, 3), (0, 0, 0, 2), (1, 2), 3),
     ((1, 40, 5, 5), (13, 40, 3, 3), (1, 1), (2, 2, 2, 2), (2, 2), 1),
+    # output rows a multiple of 16 wide: each vector's outputs in one row (pack_columns' scalar read descriptors),
+    # a stem-like 7x7 stride 2 on 3 channels, stride 1 dilated, stride 2 with asymmetric pads
+    ((1, 3, 64, 64), (8, 3, 7, 7), (2, 2), (3, 3, 3, 3), (1, 1), 1),
+    ((1, 4, 16, 16), (6, 4, 3, 3), (1, 1), (2, 2, 2, 2), (2, 2), 1),
+    ((1, 5, 33, 33), (7, 5, 3, 3), (2, 2), (0, 1, 1, 0), (1, 1), 1),
 ]
 
 ACTIVATIONS = {"none": (0, 0.0, 0.0), "relu": (1, 0.0, 0.0), "clip": (2, -0.5, 0.75), "leaky": (3, 0.1, 0.0),
@@ -121,7 +126,9 @@ def test_packed_convolution_splits_rows_when_pixels_are_few(monkeypatch):
 
 #: 1-D: (x shape, w shape, stride, pads [left, right], dilation, group)
 GEOMETRIES_1D = [((2, 6, 50), (10, 3, 5), 1, (2, 2), 1, 2), ((1, 17, 129), (8, 17, 3), 2, (0, 1), 3, 1),
-                 ((1, 4, 33), (70, 4, 1), 1, (0, 0), 1, 1)]
+                 ((1, 4, 33), (70, 4, 1), 1, (0, 0), 1, 1),
+                 # pads wider than a vector: stride-2 vectors whose only input inside is their last lane
+                 ((1, 2, 8), (3, 2, 3), 2, (30, 29), 1, 1)]
 
 
 @pytest.mark.parametrize("index", range(len(GEOMETRIES_1D)))
@@ -233,3 +240,65 @@ def test_an_unpickled_input_gets_the_same_bits():
                             kernels=KERNELS)
     bound = KERNELS.bind("packed", x.shape, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1, ACTIVATIONS["none"])
     assert np.array_equal(got, expected) and np.array_equal(bound(x, None, None), expected)
+
+
+def _bottleneck_network(torch):
+    """A ResNet-50-like network, small: a 7x7/2 stem on 3 channels, max pool, bottleneck blocks (1x1, 3x3, 1x1 with
+    BatchNorm, the residual added before the last ReLU) with stride-2 downsampling, on maps whose rows are a multiple
+    of 16 wide (the stem's 32), 8x8, 4x4 and 7x7 (a pixel past the vectors), depth past one 128-step block."""
+    nn = torch.nn
+
+    def conv_bn(cin, cout, k, stride=1, relu=True):
+        layers = [nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout)]
+        return nn.Sequential(*layers, nn.ReLU()) if relu else nn.Sequential(*layers)
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, mid, stride):
+            super().__init__()
+            self.body = nn.Sequential(conv_bn(cin, mid, 1), conv_bn(mid, mid, 3, stride),
+                                      conv_bn(mid, 4 * mid, 1, relu=False))
+            self.shortcut = (conv_bn(cin, 4 * mid, 1, stride, relu=False) if stride != 1 or cin != 4 * mid
+                             else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.shortcut(x))
+
+    net = nn.Sequential(conv_bn(3, 16, 7, 2), nn.MaxPool2d(3, 2, 1), Bottleneck(16, 16, 1), Bottleneck(64, 16, 1),
+                        Bottleneck(64, 40, 2), Bottleneck(160, 40, 1), Bottleneck(160, 48, 2))
+    for module in net.modules():  # BatchNorm statistics as a trained network has them, not the identity
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5), module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5), module.bias.data.uniform_(-0.2, 0.2)
+    return net.eval()
+
+
+@pytest.mark.parametrize("size", [64, 56])
+def test_torch_bottleneck_blocks_match_onnxruntime_at_every_thread_count(tmp_path, monkeypatch, size):
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+
+    from carrack.runtime.session import InferenceSession, SessionOptions
+
+    torch.manual_seed(1)
+    x = torch.randn(1, 3, size, size)
+    path = tmp_path / "resnet_blocks.onnx"
+    torch.onnx.export(_bottleneck_network(torch), (x,), str(path), input_names=["x"], output_names=["y"],
+                      dynamo=False)
+    feed = {"x": x.numpy()}
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)  # every layer split, rows too on the small maps
+    results = []
+    for threads in (1, 2, 4):
+        options = SessionOptions()
+        options.intra_op_num_threads = threads
+        options.optimized_model_filepath = str(tmp_path / f"optimized{threads}.onnx")
+        session = InferenceSession(str(path), options)
+        results.append([session.run(None, feed)[0] for _ in range(2)])  # the second run: steps bound to the arena
+    optimized = onnx.load(str(tmp_path / "optimized1.onnx")).graph.node
+    residual_convs = [n for n in optimized if n.op_type == "FusedConv" and len(n.input) == 4]
+    assert len(residual_convs) == 5 and not [n for n in optimized if n.op_type == "Add"]
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(results[0][0], expected, rtol=0, atol=2e-5 * scale)
+    for first, second in results:
+        assert np.array_equal(first, results[0][0]) and np.array_equal(second, results[0][0])
