@@ -144,6 +144,11 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
     grid = _BIAS_GRIDS.get(key) if plain else None
     if grid is not None:  # the broadcast view reads the bias in place, from its first element
         return bias, grid[0], grid[1]
+    strides = _broadcast_strides(bias, shape) if plain else None
+    grid = None if strides is None or (shape[-1] > 1 and strides[-1] != 1) else _merge_dims(lead, strides[:-1])
+    if grid is not None:  # read in place as above (a growing cache's scores change shape every call)
+        _remember_grid(key, grid)
+        return bias, grid[0], grid[1]
     b = np.broadcast_to(np.require(bias, _F32, ("ALIGNED",)), shape)
     grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
     if (shape[-1] > 1 and b.strides[-1] != _F32.itemsize) or grid is None:
@@ -153,6 +158,23 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
         _remember_grid(key, grid)
     dims, strides = grid
     return b, dims, strides
+
+
+def _broadcast_strides(bias: np.ndarray, shape: tuple[int, ...]) -> list[int] | None:
+    """The element strides of `bias` (float32, aligned) broadcast to `shape` (0 along broadcast axes), as
+    np.broadcast_to's view has them, without making the view; None where it does not broadcast."""
+    extra = len(shape) - bias.ndim
+    if extra < 0:
+        return None
+    strides = [0] * extra
+    for size, have, stride in zip(shape[extra:], bias.shape, bias.strides):
+        if have == size:
+            strides.append(stride // _F32.itemsize)
+        elif have == 1:
+            strides.append(0)
+        else:
+            return None
+    return strides
 
 
 #: (scores shape, bias shape, bias strides) -> the grid `_bias_layout` found for a float32 aligned bias read in

@@ -473,15 +473,15 @@ class Range(Kernel):
         self.stash = self.version >= 27 and self.attr("stash_type", 1) == 1
 
     def run(self, start, limit, delta):
+        if (type(start) is type(limit) is type(delta) is np.ndarray and start.dtype.kind in "iu"
+                and start.size == limit.size == delta.size == 1):
+            return self._integers(start.dtype, int(start.item()), int(limit.item()), int(delta.item()))
         dtype = np.asarray(start).dtype
         start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))
         if delta == 0:
             raise ValueError("Range delta cannot be 0")
         if dtype.kind in "iu":
-            start, limit, delta = int(start), int(limit), int(delta)
-            count = max(-(-(limit - start) // delta), 0)
-            self.check_output([count], dtype)
-            return (start + np.arange(count, dtype=np.int64) * delta).astype(dtype)
+            return self._integers(dtype, int(start), int(limit), int(delta))
         span = (float(limit) - float(start)) / float(delta)
         if not np.isfinite(span):
             raise ValueError(f"Range from {start} to {limit} by {delta} has no finite length")
@@ -490,6 +490,19 @@ class Range(Kernel):
         compute = np.dtype(np.float32) if self.stash and dtype.itemsize == 2 else dtype
         steps = np.arange(count, dtype=compute) * compute.type(delta)
         return (compute.type(start) + steps).astype(dtype)
+
+    def _integers(self, dtype: np.dtype, start: int, limit: int, delta: int) -> np.ndarray:
+        """start + k * delta in int64 (wrapping as numpy does), as `dtype` (a position range per decoded token)."""
+        if delta == 0:
+            raise ValueError("Range delta cannot be 0")
+        count = max(-(-(limit - start) // delta), 0)
+        self.check_output([count], dtype)
+        values = np.arange(count, dtype=np.int64)
+        if delta != 1:
+            values *= delta
+        if start:
+            values += start
+        return values if dtype == np.int64 else values.astype(dtype)
 
 
 @register("EyeLike", since=9)
