@@ -14,6 +14,7 @@ one set of symbol sizes in microseconds, and executors are built from it (`carra
 
 from __future__ import annotations
 
+import ast
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -124,13 +125,14 @@ class Plan:
         #: (sizes, derived arrays) of the last evaluation: a new one remakes only the arrays of changed symbols
         self._last_derived: tuple[tuple[int, ...], list[np.ndarray]] | None = None
         self._derived_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> derived to remake
+        self._placed_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> placed reshaped
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
         state["_dtypes"], state["_places_function"], state["_last_derived"] = None, None, None
-        state["_derived_reading"] = {}
+        state["_derived_reading"], state["_placed_reading"] = {}, {}
         return state
 
     def on_bind(self, prepare: Callable[[Bound], None]) -> None:
@@ -219,6 +221,18 @@ class Plan:
         self._derived_reading[changed] = found
         return found
 
+    def placed_reading(self, changed: tuple[int, ...]) -> tuple[int, ...]:
+        """The placed values whose shape reads a symbol at one of the `changed` positions (of `symbols`): the
+        others have the same shape at any sizes differing only there."""
+        found = self._placed_reading.get(changed)
+        if found is None:
+            names = {f"s{k}" for k in changed}
+            dims = _dim_names(self.dims_source)
+            found = self._placed_reading[changed] = tuple(
+                k for k, p in enumerate(self.placed)
+                if any(names.intersection(dims[i]) for i in range(p.first, p.first + p.rank)))
+        return found
+
     def _compile_places(self) -> Callable[..., tuple[list, int]]:
         """`ArenaOrder.offsets` and each placed value's (offset, bytes, shape, dtype) as one function of the dims
         and the placed dtypes, compiled from straight-line source (evaluated for every new set of sizes)."""
@@ -255,6 +269,15 @@ class Plan:
         if missing:
             raise KeyError(f"no size given for dim(s) {missing}")
         return tuple(int(dims[s]) for s in self.symbols)
+
+
+def _dim_names(source: str) -> list[set[str]]:
+    """Per dim of a dims function's source (`lambda s0, s1: (d0, d1, ...)`), the symbol variables it reads."""
+    body = ast.parse(source, mode="eval").body
+    dims = body.body.elts if isinstance(body, ast.Lambda) and isinstance(body.body, ast.Tuple) else None
+    if dims is None:
+        raise ValueError(f"not a dims function: {source[:60]!r}")
+    return [{n.id for n in ast.walk(d) if isinstance(n, ast.Name)} for d in dims]
 
 
 def prepare_kernels(plan: Plan, kernels: Iterable[Any]) -> None:

@@ -326,7 +326,8 @@ class Program:
             if spare_bound is bound:
                 return arena, views, steps_bound or _NOT_BOUND, staged, resizable
             if resizable is not None and resizable.fits(bound):
-                return arena, resizable.views_for(bound, arena, views), steps_bound or _NOT_BOUND, staged, resizable
+                views = resizable.views_for(bound, arena, views, spare_bound.sizes, self._layout_plan)
+                return arena, views, steps_bound or _NOT_BOUND, staged, resizable
             previous = spare_bound.sizes
         except IndexError:
             pass
@@ -660,22 +661,31 @@ class _Resizable:
         return (len(bound.block_sizes) == len(self.layout.block_sizes) and bool(bound.block_sizes)
                 and all(map(operator.le, bound.block_sizes, self.layout.block_sizes)))
 
-    def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None]) -> list[np.ndarray | None]:
-        """The views of `bound`'s placed values: the binding run's or the last run's object where the shape is the
-        same, else a new view at the layout's offset."""
-        first = self.binding_views or views
-        result, changed = [], []
-        for k, (place, at, old, kept) in enumerate(zip(bound.places, self.layout.places, views, first)):
-            shape = place[2]
+    def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None],
+                  views_sizes: tuple[int, ...], plan: Plan) -> list[np.ndarray | None]:
+        """The views of `bound`'s placed values: the binding run's or the last run's object (`views`, of
+        `views_sizes`) where the shape is the same, else a new view at the layout's offset. Only the values whose
+        shape reads a symbol that changed are looked at (`Plan.placed_reading`)."""
+        first, sizes = (self.binding_views, self.binding_bound.sizes) if self.binding_views else (views, views_sizes)
+        result = list(first)
+        if len(sizes) == len(bound.sizes):
+            looked_at: Sequence[int] = plan.placed_reading(
+                tuple(k for k, (a, b) in enumerate(zip(bound.sizes, sizes)) if a != b))
+        else:
+            looked_at = range(len(result))
+        changed = []
+        places, layout = bound.places, self.layout.places
+        for k in looked_at:
+            shape, kept, old = places[k][2], first[k], views[k]
             if kept is not None and kept.shape == shape:
-                view = kept
-            elif old is not None and old.shape == shape:
+                continue
+            if old is not None and old.shape == shape:
                 view = old
             else:
-                view = arena[at[0]:at[0] + place[1]].view(place[3]).reshape(shape)
-            if view is not kept:
-                changed.append(k)
-            result.append(view)
+                at = layout[k][0]
+                view = arena[at:at + places[k][1]].view(places[k][3]).reshape(shape)
+            changed.append(k)
+            result[k] = view
         self.changed_views = tuple(changed)
         return result
 

@@ -77,3 +77,20 @@ def test_only_the_derived_values_of_changed_symbols_are_made_again(plan):
     assert any(a is not b for a, b, changed in zip(second.derived, third.derived, depends) if not changed)
     for got, want in zip(third.derived, _reference(fresh, third.sizes)[0]):
         assert np.array_equal(got, want)
+
+
+def test_placed_values_outside_those_reading_a_changed_symbol_keep_their_shapes(plan):
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        batch, seq, past = (int(v) for v in rng.integers(1, 6, 3))
+        a = _sizes(plan, batch=batch, seq=seq, past_seq=past, total_seq=past + seq)
+        grown = int(rng.integers(0, 3))  # past, or the prompt, or the batch changes
+        b = _sizes(plan, batch=batch + (grown == 2), seq=seq + (grown == 1), past_seq=past + (grown == 0),
+                   total_seq=past + seq + (grown < 2))
+        changed = tuple(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+        reading = set(plan.placed_reading(changed))
+        first, second = plan.bind(a), plan.bind(b)
+        assert any(p[2] != q[2] for p, q in zip(first.places, second.places))
+        for k, (p, q) in enumerate(zip(first.places, second.places)):
+            assert k in reading or p[2] == q[2], (plan.placed[k].name, changed)
+    assert plan.placed_reading(()) == ()
