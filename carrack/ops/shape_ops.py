@@ -271,8 +271,17 @@ class Unsqueeze(Kernel):
     def setup(self):
         if self.version < 13:
             self.axes_attr = self.required_attr("axes")
+        const = constant_input(self, 1) if self.version >= 13 and len(self.node.inputs) > 1 else None
+        axes = int_list(const) if const is not None else []
+        #: constant non-negative axes, parsed once: positions at which a run inserts its dims in ascending order
+        self.positions = sorted(axes) if axes and min(axes) >= 0 and len(set(axes)) == len(axes) else None
 
     def run(self, data, axes=None):
+        if self.positions is not None and self.positions[-1] < data.ndim + len(self.positions):
+            shape = list(data.shape)
+            for position in self.positions:
+                shape.insert(position, 1)
+            return data.reshape(shape)
         axes = self.axes_attr if self.version < 13 else int_list(axes)
         rank = data.ndim + len(axes)
         inserted = set(normalize_axes(axes, rank))
