@@ -126,13 +126,14 @@ class Plan:
         self._last_derived: tuple[tuple[int, ...], list[np.ndarray]] | None = None
         self._derived_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> derived to remake
         self._placed_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> placed reshaped
+        self._dim_names: list[set[str]] | None = None  # per dim of the dims function, the symbols it reads
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
         state["_dtypes"], state["_places_function"], state["_last_derived"] = None, None, None
-        state["_derived_reading"], state["_placed_reading"] = {}, {}
+        state["_derived_reading"], state["_placed_reading"], state["_dim_names"] = {}, {}, None
         return state
 
     def on_bind(self, prepare: Callable[[Bound], None]) -> None:
@@ -201,12 +202,16 @@ class Plan:
             changed = tuple(k for k, (a, b) in enumerate(zip(sizes, last[0])) if a != b)
             values = list(last[1])
             remake = self._derived_reading.get(changed) or self._derived_depending(changed)
+        numbers = None
         for k in remake:
+            if numbers is None:  # one array of every derived number: the values are read-only views of it
+                numbers = np.array(flat[:self.n_derived_dims], dtype=np.int64)
+                numbers.flags.writeable = False
             d = self.derived[k]
-            value = np.array(flat[d.first:d.first + math.prod(d.shape)], dtype=np.int64).reshape(d.shape)
+            value = numbers[d.first:d.first + math.prod(d.shape)].reshape(d.shape)
             if value.dtype != d.dtype:
                 value = value.astype(d.dtype)
-            value.flags.writeable = False
+                value.flags.writeable = False
             values[k] = value
         self._last_derived = (sizes, values)
         return values
@@ -227,7 +232,9 @@ class Plan:
         found = self._placed_reading.get(changed)
         if found is None:
             names = {f"s{k}" for k in changed}
-            dims = _dim_names(self.dims_source)
+            if self._dim_names is None:
+                self._dim_names = _dim_names(self.dims_source)
+            dims = self._dim_names
             found = self._placed_reading[changed] = tuple(
                 k for k, p in enumerate(self.placed)
                 if any(names.intersection(dims[i]) for i in range(p.first, p.first + p.rank)))
