@@ -517,14 +517,15 @@ class MultiHeadAttention(_AttentionBase):
         q = query.reshape(batch, seq, heads, head).transpose(0, 2, 1, 3)
         keys = key.swapaxes(-1, -2)
         scores = np.empty((batch, heads, seq, length), _F32)
-        if not native_matmul.batched_into(q, keys, scores):
+        # (batched_into asks `chosen` last, after its checks: asked first here, where a decoder's row goes to numpy)
+        if not (native_matmul.chosen(seq, head, length) and native_matmul.batched_into(q, keys, scores)):
             np.matmul(q, keys, out=scores)
         try:  # scale, bias and softmax in one pass over the scores, in place
-            rowops.softmax(scores, self._scale(head), attention_bias, zero_masked=True, out=scores)
+            rowops.softmax_fresh(scores, self._scale(head), attention_bias, zero_masked=True)
         except ValueError:  # a bias that broadcasts the scores to a larger shape: the general path
             return None
         context = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
-        if not native_matmul.batched_into(scores, value, context):
+        if not (native_matmul.chosen(seq, length, hv) and native_matmul.batched_into(scores, value, context)):
             np.matmul(scores, value, out=context)
         return out
 

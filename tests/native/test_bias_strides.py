@@ -1,5 +1,6 @@
 """The softmax bias's grid found without broadcasting (a growing cache's scores change shape every call): the same
-element strides as numpy's broadcast view, for broadcast, transposed and sliced biases."""
+element strides as numpy's broadcast view, for broadcast, transposed and sliced biases; and the softmax of a buffer
+the caller just made (no checks) gives softmax's bits."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def test_a_bias_that_does_not_broadcast_has_no_strides(shape):
     with pytest.raises(ValueError):
         np.broadcast_to(bias, SHAPE)
     assert rowops._broadcast_strides(bias, SHAPE) is None
+
+
+@pytest.mark.skipif(rowops.library() is None, reason="native row kernels unavailable")
+@pytest.mark.parametrize("index", range(10))
+def test_softmax_of_a_fresh_buffer_is_softmax_s(index):
+    bias = _biases()[index]
+    scores = np.random.default_rng(index).standard_normal(SHAPE).astype(np.float32)
+    fresh = np.empty(SHAPE, np.float32)
+    fresh[...] = scores
+    got = rowops.softmax_fresh(fresh, 0.3, bias, True)
+    assert got is fresh
+    np.testing.assert_array_equal(got, rowops.softmax(scores, 0.3, bias, True))
