@@ -236,6 +236,10 @@ class Program:
                 if steps_bound[0] is plan or (steps_bound[0] is self._plan and plan is self._plan_after_memo):
                     plan = steps_bound[1]
                     fast = plan.fast if trusted and should_stop is None and profiler is None else None
+                    if fast is None and should_stop is None:  # some steps unbound: the bound ones as segments
+                        if plan.segmented is None:
+                            plan.segmented = _segments(plan, views)
+                        plan = plan.segmented
         step = None
         try:
             if fast is not None:
@@ -650,13 +654,15 @@ class _Binding:
 
 
 class _BoundPlan(list):
-    """A bound plan's entries, and its `fast` form (None unless every step is bound: `_Binding.bound_plan`)."""
+    """A bound plan's entries, its `fast` form (None unless every step is bound: `_Binding.bound_plan`) and its
+    `segmented` form (`_segments`, made by the first run that takes it: the views its bound steps write into)."""
 
-    __slots__ = ("fast",)
+    __slots__ = ("fast", "segmented")
 
     def __init__(self, entries):
         super().__init__(entries)
         self.fast = None
+        self.segmented: list[tuple] | None = None
 
 
 class _Resizable:

@@ -110,3 +110,21 @@ def test_a_run_that_may_be_terminated_checks_before_every_step(tiny_gpt2):
             **{name: np.zeros((1, HEADS, 29, HIDDEN // HEADS), np.float32) for name in PAST_NAMES}}
     with pytest.raises(carrack.RunTerminated):
         session.run(None, feed, options)
+
+
+def test_runs_of_one_size_with_an_unbound_step_run_segments_with_the_unbound_bits(tiny_gpt2):
+    """A decode step at one past length, repeated with new ids and caches: the arena's bound plan is not all bound
+    (a cast that returns its input stays unbound), so its runs take the segmented form, with the unbound bits."""
+    session, unbound = one_thread_session(tiny_gpt2), _unbound(tiny_gpt2)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        feed = {"input_ids": rng.integers(0, VOCAB, (1, 1), dtype=np.int64),
+                "attention_mask": np.ones((1, 8), np.int64),
+                **{name: rng.standard_normal((1, HEADS, 7, HIDDEN // HEADS)).astype(np.float32)
+                   for name in PAST_NAMES}}
+        for got, want in zip(session.run(None, feed), unbound.run(None, feed)):
+            np.testing.assert_array_equal(got, want)
+    (spare,) = session._program._spare_arenas
+    bound_plan = spare[3][1]
+    assert bound_plan.fast is None and bound_plan.segmented is not None
+    assert sum(entry[3] == program_module._SEGMENT for entry in bound_plan.segmented) >= 2
