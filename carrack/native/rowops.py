@@ -10,6 +10,7 @@ the result's shape, and either the first input itself or not overlapping any inp
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -153,6 +154,9 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
     if bias is None:
         return None, (1, 1, max(1, int(np.prod(lead)))), (0, 0, 0)
     plain = type(bias) is np.ndarray and bias.dtype == _F32 and bias.flags.aligned
+    if plain and bias.size == bias.shape[-1] == shape[-1] > 1 and bias.strides[-1] == 4 and bias.ndim <= len(shape):
+        # one row of biases for every row (a decoder's mask over its keys): every lead dim broadcast
+        return bias, (1, 1, math.prod(lead)), (0, 0, 0)
     key = (shape, bias.shape, bias.strides) if plain else None
     grid = _BIAS_GRIDS.get(key) if plain else None
     if grid is not None:  # the broadcast view reads the bias in place, from its first element

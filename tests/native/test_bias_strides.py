@@ -4,6 +4,8 @@ the caller just made (no checks) gives softmax's bits."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -46,3 +48,13 @@ def test_softmax_of_a_fresh_buffer_is_softmax_s(index):
     got = rowops.softmax_fresh(fresh, 0.3, bias, True)
     assert got is fresh
     np.testing.assert_array_equal(got, rowops.softmax(scores, 0.3, bias, True))
+
+
+@pytest.mark.parametrize("shape,bias_shape", [((1, 4, 1, 33), (1, 1, 1, 33)), ((2, 3, 5, 6), (6,)),
+                                              ((2, 3, 5, 6), (1, 6)), ((1, 1, 1, 7), (1, 1, 1, 7)), ((9,), (9,))])
+def test_one_row_of_biases_has_numpy_s_grid(shape, bias_shape):
+    bias = np.arange(math.prod(bias_shape), dtype=np.float32).reshape(bias_shape)
+    view = np.broadcast_to(bias, shape)
+    want = rowops._merge_dims(shape[:-1], [s // 4 for s in view.strides[:-1]])
+    b, dims, strides = rowops._bias_layout(bias, shape)
+    assert b is bias and (dims, strides) == want
