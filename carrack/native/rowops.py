@@ -10,6 +10,7 @@ the result's shape, and either the first input itself or not overlapping any inp
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -108,6 +109,19 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     return y
 
 
+def softmax_fresh(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool) -> np.ndarray:
+    """`softmax(x, scale, bias, zero_masked, out=x)` for a buffer the caller just made (np.empty: C-contiguous,
+    aligned, writable float32, sharing memory with nothing), without the checks such a buffer needs none of."""
+    if x.size == 0:
+        return x
+    n = x.shape[-1]
+    rows = x.size // n
+    b, dims, strides = _bias_layout(bias, x.shape)
+    library().carrack_packed_softmax(_ptr(x), _ptr(x), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
+                                     int(zero_masked), _threads(rows, n))
+    return x
+
+
 def softmax_bound(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool,
                   ) -> Callable[[], None] | None:
     """`softmax(x, scale, bias, zero_masked, out=x)` of these very arrays as a call without arguments (a step bound
@@ -140,9 +154,17 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
     if bias is None:
         return None, (1, 1, max(1, int(np.prod(lead)))), (0, 0, 0)
     plain = type(bias) is np.ndarray and bias.dtype == _F32 and bias.flags.aligned
+    if plain and bias.size == bias.shape[-1] == shape[-1] > 1 and bias.strides[-1] == 4 and bias.ndim <= len(shape):
+        # one row of biases for every row (a decoder's mask over its keys): every lead dim broadcast
+        return bias, (1, 1, math.prod(lead)), (0, 0, 0)
     key = (shape, bias.shape, bias.strides) if plain else None
     grid = _BIAS_GRIDS.get(key) if plain else None
     if grid is not None:  # the broadcast view reads the bias in place, from its first element
+        return bias, grid[0], grid[1]
+    strides = _broadcast_strides(bias, shape) if plain else None
+    grid = None if strides is None or (shape[-1] > 1 and strides[-1] != 1) else _merge_dims(lead, strides[:-1])
+    if grid is not None:  # read in place as above (a growing cache's scores change shape every call)
+        _remember_grid(key, grid)
         return bias, grid[0], grid[1]
     b = np.broadcast_to(np.require(bias, _F32, ("ALIGNED",)), shape)
     grid = _merge_dims(lead, [s // _F32.itemsize for s in b.strides[:-1]])
@@ -153,6 +175,23 @@ def _bias_layout(bias: np.ndarray | None, shape: tuple[int, ...],
         _remember_grid(key, grid)
     dims, strides = grid
     return b, dims, strides
+
+
+def _broadcast_strides(bias: np.ndarray, shape: tuple[int, ...]) -> list[int] | None:
+    """The element strides of `bias` (float32, aligned) broadcast to `shape` (0 along broadcast axes), as
+    np.broadcast_to's view has them, without making the view; None where it does not broadcast."""
+    extra = len(shape) - bias.ndim
+    if extra < 0:
+        return None
+    strides = [0] * extra
+    for size, have, stride in zip(shape[extra:], bias.shape, bias.strides):
+        if have == size:
+            strides.append(stride // _F32.itemsize)
+        elif have == 1:
+            strides.append(0)
+        else:
+            return None
+    return strides
 
 
 #: (scores shape, bias shape, bias strides) -> the grid `_bias_layout` found for a float32 aligned bias read in

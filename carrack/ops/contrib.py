@@ -451,11 +451,21 @@ class MultiHeadAttention(_AttentionBase):
     """Query (B, S, D) or packed QKV (B, S, N, 3, H); key/value (B, L, D), per head (B, N, L, H), or packed KV
     (B, L, N, 2, H); optional projection bias, key padding mask, additive attention bias and past key/value."""
 
+    def setup(self) -> None:
+        super().setup()
+        #: whether `_per_head_into` may take a call (no causal mask, the native softmax, the one output read)
+        self.per_head = not self.causal and self.rows is not None and not any(self.node.outputs[1:])
+
     def run(self, *inputs):
         return self._into(None, *inputs)
 
     def _into(self, out, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
               past_key=None, past_value=None, *unused):
+        if (self.per_head and out is not None and bias is None and key_padding_mask is None and past_key is None
+                and past_value is None):
+            done = self._per_head_into(out, query, key, value, attention_bias)
+            if done is not None:
+                return done
         dtype = _work(query).dtype.type
         n = self.heads
         if query.ndim == 5:  # packed (B, S, N, 3, H)
@@ -487,6 +497,37 @@ class MultiHeadAttention(_AttentionBase):
         present = [t.astype(query.dtype) if i < len(outs) and outs[i] else None for i, t in ((1, k), (2, v))]
         return _outputs(outs, [out.astype(query.dtype, copy=False), *present])
 
+
+    def _per_head_into(self, out, query, key, value, attention_bias) -> np.ndarray | None:
+        """`_into`'s computation for a float32 query (B, S, D), per-head key and value (B, N, L, H) and an optional
+        float32 additive bias, into `out` (a plain float32 (B, S, N * Hv) buffer apart from the value): the same
+        calls as its general path, with the checks of this case only (a decoder's cache changes length every
+        token, so this step runs unbound). None: not this case."""
+        if not (type(query) is type(key) is type(value) is np.ndarray and query.ndim == 3 and key.ndim == 4
+                and value.ndim == 4 and query.dtype == key.dtype == value.dtype == _F32):
+            return None
+        if attention_bias is not None and (type(attention_bias) is not np.ndarray or attention_bias.dtype != _F32):
+            return None
+        batch, seq, hidden = query.shape
+        heads, length, head = key.shape[1:]
+        hv = value.shape[-1]
+        if (key.shape[0] != batch or heads != self.heads or hidden != heads * head or value.shape[:3] != key.shape[:3]
+                or not _writable_apart(out, (batch, seq, heads * hv), value)):
+            return None
+        q = query.reshape(batch, seq, heads, head).transpose(0, 2, 1, 3)
+        keys = key.swapaxes(-1, -2)
+        scores = np.empty((batch, heads, seq, length), _F32)
+        # (batched_into asks `chosen` last, after its checks: asked first here, where a decoder's row goes to numpy)
+        if not (native_matmul.chosen(seq, head, length) and native_matmul.batched_into(q, keys, scores)):
+            np.matmul(q, keys, out=scores)
+        try:  # scale, bias and softmax in one pass over the scores, in place
+            rowops.softmax_fresh(scores, self._scale(head), attention_bias, zero_masked=True)
+        except ValueError:  # a bias that broadcasts the scores to a larger shape: the general path
+            return None
+        context = out.reshape(batch, seq, heads, hv).transpose(0, 2, 1, 3)
+        if not (native_matmul.chosen(seq, length, hv) and native_matmul.batched_into(scores, value, context)):
+            np.matmul(scores, value, out=context)
+        return out
 
     def bind_into(self, out, query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
                   past_key=None, past_value=None, *unused):

@@ -140,6 +140,10 @@ class Concat(Kernel):
 
     def run_into(self, out, *inputs):
         """Into the planned buffer when the planned shape and dtype match (else a fresh array)."""
+        if len(inputs) == 1 and type(inputs[0]) is np.ndarray and type(out) is np.ndarray and (
+                inputs[0].shape == out.shape and inputs[0].dtype == out.dtype):
+            np.copyto(out, inputs[0])  # one input: a copy (an exporter's Concat of a decoder's past alone)
+            return out
         arrays = [x for x in inputs if x is not None]
         if not arrays or out is None or any(x.dtype != out.dtype or x.ndim != out.ndim for x in arrays):
             return self.run(*inputs)
@@ -271,8 +275,17 @@ class Unsqueeze(Kernel):
     def setup(self):
         if self.version < 13:
             self.axes_attr = self.required_attr("axes")
+        const = constant_input(self, 1) if self.version >= 13 and len(self.node.inputs) > 1 else None
+        axes = int_list(const) if const is not None else []
+        #: constant non-negative axes, parsed once: positions at which a run inserts its dims in ascending order
+        self.positions = sorted(axes) if axes and min(axes) >= 0 and len(set(axes)) == len(axes) else None
 
     def run(self, data, axes=None):
+        if self.positions is not None and self.positions[-1] < data.ndim + len(self.positions):
+            shape = list(data.shape)
+            for position in self.positions:
+                shape.insert(position, 1)
+            return data.reshape(shape)
         axes = self.axes_attr if self.version < 13 else int_list(axes)
         rank = data.ndim + len(axes)
         inserted = set(normalize_axes(axes, rank))
@@ -473,15 +486,15 @@ class Range(Kernel):
         self.stash = self.version >= 27 and self.attr("stash_type", 1) == 1
 
     def run(self, start, limit, delta):
+        if (type(start) is type(limit) is type(delta) is np.ndarray and start.dtype.kind in "iu"
+                and start.size == limit.size == delta.size == 1):
+            return self._integers(start.dtype, int(start.item()), int(limit.item()), int(delta.item()))
         dtype = np.asarray(start).dtype
         start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))
         if delta == 0:
             raise ValueError("Range delta cannot be 0")
         if dtype.kind in "iu":
-            start, limit, delta = int(start), int(limit), int(delta)
-            count = max(-(-(limit - start) // delta), 0)
-            self.check_output([count], dtype)
-            return (start + np.arange(count, dtype=np.int64) * delta).astype(dtype)
+            return self._integers(dtype, int(start), int(limit), int(delta))
         span = (float(limit) - float(start)) / float(delta)
         if not np.isfinite(span):
             raise ValueError(f"Range from {start} to {limit} by {delta} has no finite length")
@@ -490,6 +503,19 @@ class Range(Kernel):
         compute = np.dtype(np.float32) if self.stash and dtype.itemsize == 2 else dtype
         steps = np.arange(count, dtype=compute) * compute.type(delta)
         return (compute.type(start) + steps).astype(dtype)
+
+    def _integers(self, dtype: np.dtype, start: int, limit: int, delta: int) -> np.ndarray:
+        """start + k * delta in int64 (wrapping as numpy does), as `dtype` (a position range per decoded token)."""
+        if delta == 0:
+            raise ValueError("Range delta cannot be 0")
+        count = max(-(-(limit - start) // delta), 0)
+        self.check_output([count], dtype)
+        values = np.arange(count, dtype=np.int64)
+        if delta != 1:
+            values *= delta
+        if start:
+            values += start
+        return values if dtype == np.int64 else values.astype(dtype)
 
 
 @register("EyeLike", since=9)

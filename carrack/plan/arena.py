@@ -50,6 +50,19 @@ class ArenaOrder:
             ends.append(offset + ((size + ALIGNMENT - 1) & -ALIGNMENT))  # align(size): ALIGNMENT is a power of 2
         return offsets, max(ends, default=0)
 
+    def offsets_lines(self, first: int) -> list[str]:
+        """`offsets` as straight-line Python over the dims `f` (block k's size is f[first + k]): assigns o<k>, the
+        offset of block k, and `arena_bytes`; for a function compiled once per plan (a decoder evaluates its plan
+        every token)."""
+        lines = []
+        for k, under in enumerate(self.below):
+            offset = "0" if not under else f"e{under[0]}" if len(under) == 1 else \
+                f"max({', '.join(f'e{j}' for j in under)})"
+            lines += [f"o{k} = {offset}", f"e{k} = o{k} + ((f[{first + k}] + {ALIGNMENT - 1}) & {-ALIGNMENT})"]
+        ends = [f"e{k}" for k in range(len(self.below))]
+        lines.append(f"arena_bytes = {'max(' + ', '.join(ends) + ')' if len(ends) > 1 else ends[0] if ends else '0'}")
+        return lines
+
 
 def order_blocks(blocks: list[Block], symbols: Sequence) -> ArenaOrder:
     """Place blocks greedily (largest first, lowest offset that fits) at reference sizes and keep the order."""

@@ -14,6 +14,7 @@ one set of symbol sizes in microseconds, and executors are built from it (`carra
 
 from __future__ import annotations
 
+import ast
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -120,12 +121,19 @@ class Plan:
         self._facts: dict[str, Fact] | None = None
         self._on_bind: list[Callable[[Bound], None]] = []
         self._dtypes: list[np.dtype] | None = None  # of the placed values
+        self._places_function: Callable[..., tuple[list, int]] | None = None  # see _compile_places
+        #: (sizes, derived arrays) of the last evaluation: a new one remakes only the arrays of changed symbols
+        self._last_derived: tuple[tuple[int, ...], list[np.ndarray]] | None = None
+        self._derived_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> derived to remake
+        self._placed_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> placed reshaped
+        self._dim_names: list[set[str]] | None = None  # per dim of the dims function, the symbols it reads
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
-        state["_dtypes"] = None
+        state["_dtypes"], state["_places_function"], state["_last_derived"] = None, None, None
+        state["_derived_reading"], state["_placed_reading"], state["_dim_names"] = {}, {}, None
         return state
 
     def on_bind(self, prepare: Callable[[Bound], None]) -> None:
@@ -168,16 +176,7 @@ class Plan:
         if self._function is None:
             self._function = compile_function(self.dims_source)  # racing threads compile the same function
         flat = self._function(*sizes)
-        numbers = np.array(flat[:self.n_derived_dims], dtype=np.int64)
-        numbers.flags.writeable = False  # shared by every run with these sizes
-        derived = []
-        for d in self.derived:
-            count = math.prod(d.shape)
-            value = numbers[d.first:d.first + count].reshape(d.shape)
-            if value.dtype != d.dtype:
-                value = value.astype(d.dtype)
-                value.flags.writeable = False
-            derived.append(value)
+        derived = self._derived_values(sizes, flat)
         shapes = {s.node: tuple(flat[s.first:s.first + s.rank]) for s in self.shaped}
         if self.arena is None:
             return Bound(derived, 0, [None] * len(self.placed), shapes, sizes=sizes)
@@ -185,15 +184,76 @@ class Plan:
         block_sizes = flat[self.n_derived_dims:self.n_derived_dims + n_blocks]
         if min(block_sizes, default=0) < 0:
             return Bound(derived, 0, [None] * len(self.placed), shapes, sizes=sizes)
-        offsets, arena_bytes = self.arena.offsets(block_sizes)
-        places = []
-        if self._dtypes is None:
+        if self._places_function is None:
             self._dtypes = [np.dtype(p.dtype) for p in self.placed]
-        for p, dtype in zip(self.placed, self._dtypes):
-            shape = flat[p.first:p.first + p.rank]  # the dims function gives a tuple
-            places.append((offsets[p.block], math.prod(shape) * dtype.itemsize, shape, dtype))
+            self._places_function = self._compile_places()
+        places, arena_bytes = self._places_function(flat, self._dtypes)
         check_placed(self.placed, places, arena_bytes)
         return Bound(derived, arena_bytes, places, shapes, sizes=sizes, block_sizes=block_sizes)
+
+    def _derived_values(self, sizes: tuple[int, ...], flat: tuple[int, ...]) -> list[np.ndarray]:
+        """The derived arrays for these sizes (read-only, shared by every run): the last evaluation's arrays where
+        no symbol they depend on changed, new ones for the rest."""
+        last = self._last_derived
+        if last is None or len(last[0]) != len(sizes):
+            values: list[Any] = [None] * len(self.derived)
+            remake: Iterable[int] = range(len(self.derived))
+        else:
+            changed = tuple(k for k, (a, b) in enumerate(zip(sizes, last[0])) if a != b)
+            values = list(last[1])
+            remake = self._derived_reading.get(changed) or self._derived_depending(changed)
+        numbers = None
+        for k in remake:
+            if numbers is None:  # one array of every derived number: the values are read-only views of it
+                numbers = np.array(flat[:self.n_derived_dims], dtype=np.int64)
+                numbers.flags.writeable = False
+            d = self.derived[k]
+            value = numbers[d.first:d.first + math.prod(d.shape)].reshape(d.shape)
+            if value.dtype != d.dtype:
+                value = value.astype(d.dtype)
+                value.flags.writeable = False
+            values[k] = value
+        self._last_derived = (sizes, values)
+        return values
+
+    def _derived_depending(self, changed: tuple[int, ...]) -> tuple[int, ...]:
+        """The derived values whose expressions read a symbol at one of the `changed` positions (all of a value
+        whose expressions the plan does not hold)."""
+        names = {self.symbols[k] for k in changed}
+        found = tuple(k for k, d in enumerate(self.derived)
+                      if len(d.values) != math.prod(d.shape) or any(
+                          sym.name in names for x in d.values for sym in symbols(x)))
+        self._derived_reading[changed] = found
+        return found
+
+    def placed_reading(self, changed: tuple[int, ...]) -> tuple[int, ...]:
+        """The placed values whose shape reads a symbol at one of the `changed` positions (of `symbols`): the
+        others have the same shape at any sizes differing only there."""
+        found = self._placed_reading.get(changed)
+        if found is None:
+            names = {f"s{k}" for k in changed}
+            if self._dim_names is None:
+                self._dim_names = _dim_names(self.dims_source)
+            dims = self._dim_names
+            found = self._placed_reading[changed] = tuple(
+                k for k, p in enumerate(self.placed)
+                if any(names.intersection(dims[i]) for i in range(p.first, p.first + p.rank)))
+        return found
+
+    def _compile_places(self) -> Callable[..., tuple[list, int]]:
+        """`ArenaOrder.offsets` and each placed value's (offset, bytes, shape, dtype) as one function of the dims
+        and the placed dtypes, compiled from straight-line source (evaluated for every new set of sizes)."""
+        lines = self.arena.offsets_lines(self.n_derived_dims)
+        entries = []
+        for k, p in enumerate(self.placed):
+            dims = [f"f[{p.first + i}]" for i in range(p.rank)]
+            nbytes = "*".join(dims + [str(np.dtype(p.dtype).itemsize)])
+            entries.append(f"(o{p.block}, {nbytes}, ({''.join(d + ', ' for d in dims)}), D[{k}])")
+        lines.append(f"return [{', '.join(entries)}], arena_bytes")
+        source = "def places(f, D):\n" + "".join(f"    {line}\n" for line in lines)
+        namespace: dict[str, Any] = {"__builtins__": {"max": max}}
+        exec(compile(source, "<carrack plan places>", "exec"), namespace)  # noqa: S102 - our own generated arithmetic
+        return namespace["places"]
 
     def facts(self, dims: Mapping[str, int] | None = None) -> dict[str, Fact]:
         """What shape inference knows about every value of the plan's graph, with the symbols named in `dims`
@@ -216,6 +276,15 @@ class Plan:
         if missing:
             raise KeyError(f"no size given for dim(s) {missing}")
         return tuple(int(dims[s]) for s in self.symbols)
+
+
+def _dim_names(source: str) -> list[set[str]]:
+    """Per dim of a dims function's source (`lambda s0, s1: (d0, d1, ...)`), the symbol variables it reads."""
+    body = ast.parse(source, mode="eval").body
+    dims = body.body.elts if isinstance(body, ast.Lambda) and isinstance(body.body, ast.Tuple) else None
+    if dims is None:
+        raise ValueError(f"not a dims function: {source[:60]!r}")
+    return [{n.id for n in ast.walk(d) if isinstance(n, ast.Name)} for d in dims]
 
 
 def prepare_kernels(plan: Plan, kernels: Iterable[Any]) -> None:

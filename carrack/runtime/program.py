@@ -227,7 +227,8 @@ class Program:
                     steps_bound[0] is plan or steps_bound[0] is self._plan):
                 # the arena was bound at other sizes: the steps untouched by the sizes that changed stay bound (the
                 # size-only values of these sizes are computed, as at the binding run, when it computed them)
-                plan = self._resized_plan(resizable, bound, steps_bound[0], steps_bound, staged, env)
+                plan = self._resized_plan(resizable, bound, steps_bound[0], steps_bound, staged, env,
+                                          segmented=should_stop is None)
             else:
                 trusted = staged is None or staged.stage(env)  # the bound steps read the staged buffers
                 # bound by the first run of these sizes, before they had size-only values kept: its plan computes
@@ -235,6 +236,10 @@ class Program:
                 if steps_bound[0] is plan or (steps_bound[0] is self._plan and plan is self._plan_after_memo):
                     plan = steps_bound[1]
                     fast = plan.fast if trusted and should_stop is None and profiler is None else None
+                    if fast is None and should_stop is None:  # some steps unbound: the bound ones as segments
+                        if plan.segmented is None:
+                            plan.segmented = _segments(plan, views)
+                        plan = plan.segmented
         step = None
         try:
             if fast is not None:
@@ -242,6 +247,17 @@ class Program:
                     call()
             elif profiler is None:
                 for step, call, gather, arity, single, release, placed, guard, run_into in plan:
+                    if arity == _SEGMENT:  # consecutive bound, fixed and kept steps (never with should_stop)
+                        if trusted:
+                            for step, bound_call in call:  # noqa: B007, B020 - the handlers below name `step`
+                                bound_call()
+                            for s, value in gather:
+                                env[s] = value
+                        else:
+                            for entry in run_into:
+                                step = entry[0]
+                                _run_untrusted(entry, env, views, arena)
+                        continue
                     if should_stop is not None and should_stop():
                         raise RunTerminated(f"before {step.node.label()}")
                     if arity == _BOUND and trusted:
@@ -326,7 +342,8 @@ class Program:
             if spare_bound is bound:
                 return arena, views, steps_bound or _NOT_BOUND, staged, resizable
             if resizable is not None and resizable.fits(bound):
-                return arena, resizable.views_for(bound, arena, views), steps_bound or _NOT_BOUND, staged, resizable
+                views = resizable.views_for(bound, arena, views, spare_bound.sizes, self._layout_plan)
+                return arena, views, steps_bound or _NOT_BOUND, staged, resizable
             previous = spare_bound.sizes
         except IndexError:
             pass
@@ -363,11 +380,12 @@ class Program:
         return layout if fits else bound
 
     def _resized_plan(self, resizable: _Resizable, bound: Bound, plan: list[tuple], steps_bound: tuple,
-                      staged: Any, env: list[Any]) -> list[tuple]:
+                      staged: Any, env: list[Any], segmented: bool = False) -> list[tuple]:
         """The run loop's plan for a run on an arena bound at other sizes: the inputs that fit their staged buffers
         are staged, the derived values of unchanged symbols are the binding run's objects, and every bound, fixed
         or kept step reading a value whose object changed (a view of a new shape, an input fed as is, a derived
-        value of a changed symbol, a size-only value of other sizes) runs unbound (one plan per such pattern)."""
+        value of a changed symbol, a size-only value of other sizes) runs unbound (one plan per such pattern).
+        `segmented`: the plan with its runs of bound, fixed and kept steps as segments (`_segments`)."""
         unstaged = staged.stage_fitting(env) if staged is not None else ()
         binding_sizes = resizable.binding_bound.sizes
         changed = tuple(k for k, (a, b) in enumerate(zip(bound.sizes, binding_sizes)) if a != b) \
@@ -382,11 +400,13 @@ class Program:
             if memo_changed:
                 seeds.update(self._memo_slots)
             substitutes = [(s, v) for s, v in resizable.binding_derived if s not in seeds]
-            found = resizable.plans[key] = (_unbind_changed(steps_bound, seeds), substitutes)
-        resized_plan, substitutes = found
+            resized_plan = _unbind_changed(steps_bound, seeds)
+            found = resizable.plans[key] = (resized_plan, substitutes,
+                                            _segments(resized_plan, resizable.binding_views))
+        resized_plan, substitutes, segments = found
         for s, v in substitutes:
             env[s] = v
-        return resized_plan
+        return segments if segmented else resized_plan
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
@@ -634,13 +654,15 @@ class _Binding:
 
 
 class _BoundPlan(list):
-    """A bound plan's entries, and its `fast` form (None unless every step is bound: `_Binding.bound_plan`)."""
+    """A bound plan's entries, its `fast` form (None unless every step is bound: `_Binding.bound_plan`) and its
+    `segmented` form (`_segments`, made by the first run that takes it: the views its bound steps write into)."""
 
-    __slots__ = ("fast",)
+    __slots__ = ("fast", "segmented")
 
     def __init__(self, entries):
         super().__init__(entries)
         self.fast = None
+        self.segmented: list[tuple] | None = None
 
 
 class _Resizable:
@@ -660,22 +682,30 @@ class _Resizable:
         return (len(bound.block_sizes) == len(self.layout.block_sizes) and bool(bound.block_sizes)
                 and all(map(operator.le, bound.block_sizes, self.layout.block_sizes)))
 
-    def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None]) -> list[np.ndarray | None]:
-        """The views of `bound`'s placed values: the binding run's or the last run's object where the shape is the
-        same, else a new view at the layout's offset."""
-        first = self.binding_views or views
-        result, changed = [], []
-        for k, (place, at, old, kept) in enumerate(zip(bound.places, self.layout.places, views, first)):
-            shape = place[2]
+    def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None],
+                  views_sizes: tuple[int, ...], plan: Plan) -> list[np.ndarray | None]:
+        """The views of `bound`'s placed values: the binding run's or the last run's object (`views`, of
+        `views_sizes`) where the shape is the same, else a new view at the layout's offset. Only the values whose
+        shape reads a symbol that changed are looked at (`Plan.placed_reading`)."""
+        first, sizes = (self.binding_views, self.binding_bound.sizes) if self.binding_views else (views, views_sizes)
+        result = list(first)
+        if len(sizes) == len(bound.sizes):
+            looked_at: Sequence[int] = plan.placed_reading(
+                tuple(k for k, (a, b) in enumerate(zip(bound.sizes, sizes)) if a != b))
+        else:
+            looked_at = range(len(result))
+        changed = []
+        places, layout = bound.places, self.layout.places
+        for k in looked_at:
+            shape, kept, old = places[k][2], first[k], views[k]
             if kept is not None and kept.shape == shape:
-                view = kept
-            elif old is not None and old.shape == shape:
+                continue
+            if old is not None and old.shape == shape:
                 view = old
-            else:
-                view = arena[at[0]:at[0] + place[1]].view(place[3]).reshape(shape)
-            if view is not kept:
-                changed.append(k)
-            result.append(view)
+            else:  # (one constructor call: a third of slicing, viewing and reshaping)
+                view = np.ndarray(shape, places[k][3], arena, layout[k][0])
+            changed.append(k)
+            result[k] = view
         self.changed_views = tuple(changed)
         return result
 
@@ -769,7 +799,60 @@ def _returning(call, result: np.ndarray):
     def kept() -> np.ndarray:
         call()
         return result
+    kept.result = result  # what a segment stores for it (`_segments`)
     return kept
+
+
+def _segments(plan: list[tuple], views: list[np.ndarray | None]) -> list[tuple]:
+    """`plan` (a bound plan, `views` the objects its bound steps write into) with each run of two or more
+    consecutive bound, fixed and kept steps as one entry of arity _SEGMENT: their calls as (step, call) pairs, and
+    the slot values those steps leave behind (their results, None for what they release), stored after the calls
+    (the calls themselves read no slots); the original entries, for a run that cannot trust its bound steps."""
+    result: list[tuple] = []
+    run: list[tuple] = []
+    for entry in [*plan, None]:
+        if entry is not None and entry[3] in (_BOUND, _FIXED, _KEPT):
+            run.append(entry)
+            continue
+        if len(run) > 1:
+            calls = tuple((e[0], e[1]) for e in run if e[3] != _FIXED)
+            left: dict[int, Any] = {}
+            for e in run:
+                step, arity = e[0], e[3]
+                value = views[e[6]] if arity == _BOUND else e[1] if arity == _FIXED else e[1].result
+                if e[4] >= 0 and type(value) is np.ndarray:  # as the run loop stores a result (or `_store`)
+                    left[e[4]] = value
+                else:
+                    for s, part in zip(step.outs, value if type(value) is tuple else (value,)):
+                        if s >= 0:
+                            left[s] = part
+                for s in e[5]:
+                    left[s] = None
+            result.append((run[0][0], calls, tuple(left.items()), _SEGMENT, -1, (), -1, False, tuple(run)))
+        else:
+            result.extend(run)
+        run = []
+        if entry is not None:
+            result.append(entry)
+    return result
+
+
+def _run_untrusted(entry: tuple, env: list[Any], views: list[np.ndarray | None], arena: np.ndarray) -> None:
+    """A bound, fixed or kept step of a segment in a run that cannot trust them (an earlier placed step wrote
+    elsewhere): computed from its inputs, as the run loop does for such steps."""
+    step, call, gather, arity, single, release, placed, guard, run_into = entry
+    if arity == _BOUND:
+        result = run_into(views[placed], *gather(env))
+    else:
+        result = run_into(*gather(env))
+        if guard and (type(result) is not np.ndarray or result.base is not None):
+            result = _off_arena(result, arena)
+    if single >= 0 and type(result) is np.ndarray:
+        env[single] = result
+    else:
+        _store(step.outs, result, env)
+    for s in release:
+        env[s] = None
 
 
 #: an arena laid out for growing sizes takes at most this many times the bytes its first sizes need (plus the slack)
@@ -780,6 +863,7 @@ KEPT_MAX_BYTES = 65536
 _BOUND = -2  # a plan entry's arity for a step bound to its arena's views
 _FIXED = -3  # a plan entry's arity for a view kernel's step whose result is the same objects every run
 _KEPT = -4  # a plan entry's arity for a step outside the arena bound to a result kept with the arena
+_SEGMENT = -5  # a plan entry's arity for consecutive bound, fixed and kept steps run as one (`_segments`)
 _NOT_BOUND = ("not bound",)  # a reused arena whose steps are not bound yet
 _NOT_BINDABLE = ((), None)  # a reused arena whose binding run saw a step write elsewhere: never bound
 

@@ -189,7 +189,7 @@ class InferenceSession(OrtSessionApi):
                 t0 = time.perf_counter_ns()
                 results = program.run(inputs, profiler=self._profiler, should_stop=should_stop)
                 self._profiler.record("model_run", "run", t0, time.perf_counter_ns(), category="Session")
-        return [_owned(results[i], feed) for i in wanted]
+        return _owned_outputs(results, wanted, feed)
 
     def end_profiling(self) -> str:
         """Write the Chrome trace collected since the session started; returns its path ('' when not profiling)."""
@@ -287,7 +287,8 @@ class InferenceSession(OrtSessionApi):
         seen: dict[Sym, int] = {}
         for name, dtype, rank, fixed, symbolic in checks:
             value = feed.get(name)
-            if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != rank:
+            if type(value) is not np.ndarray or (value.dtype is not dtype and value.dtype != dtype) \
+                    or value.ndim != rank:
                 return None
             flags = value.flags
             if not (flags.c_contiguous and flags.aligned):
@@ -313,6 +314,23 @@ class InferenceSession(OrtSessionApi):
             raise InvalidArgument(f"missing input(s) {missing}: every model input needs a value")
         symbols: dict[Sym, tuple[int, str]] = {}
         return {name: check_feed(self._input_info[name], value, symbols) for name, value in feed.items()}
+
+
+def _owned_outputs(results: list[Any], wanted: Sequence[int], feed: Mapping[str, Any]) -> list[Any]:
+    """`_owned` of each wanted result; the common case (a fresh array of the run, not a feed) with the feeds'
+    identities gathered once."""
+    fed = None
+    owned = []
+    for i in wanted:
+        value = results[i]
+        if type(value) is np.ndarray and value.base is None and value.flags.writeable:
+            if fed is None:
+                fed = {id(f) for f in feed.values()}
+            if id(value) not in fed:
+                owned.append(value)
+                continue
+        owned.append(_owned(value, feed))
+    return owned
 
 
 def _owned(value: Any, feed: Mapping[str, Any]) -> Any:

@@ -70,7 +70,7 @@ def test_greedy_decoding_reuses_an_arena_per_capacity_with_the_unchanged_steps_b
     assert len({id(a) for a in arenas}) <= 6
     resizable = _spare(session)[5]
     assert resizable.binding_bound is not None and resizable.plans
-    for plan, _ in resizable.plans.values():
+    for plan, *_ in resizable.plans.values():
         kinds = [entry[3] for entry in plan]
         assert kinds.count(program_module._BOUND) >= 15  # the projections, MLPs and layer norms
         bound_ops = {entry[0].node.op_type for entry in plan if entry[3] == program_module._BOUND}
