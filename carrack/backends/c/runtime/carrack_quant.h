@@ -11,7 +11,8 @@
  *
  * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes, one lane
  * per output channel: one instruction per pair on every target with vectors (WebAssembly SIMD128
- * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd) and a plain C loop elsewhere; integer sums are
+ * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd; vpdpwssd where the target has AVX-512 VNNI or
+ * AVX-VNNI, the same wrapping int32 sum fused with the add) and a plain C loop elsewhere; integer sums are
  * exact, so every target gives the same bytes. Weights are stored as int8 (int16 when a shifted weight needs it)
  * in blocks of CR_QCB output channels, [block][k / 2][channel][2], widened as they are loaded. Activations are
  * packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for convolutions, a transpose for
@@ -117,7 +118,12 @@ static inline cr_qv cr_qv_splat(const int16_t *a) {
 }
 static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
 static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm512_loadu_si512((const void *)w); }
+#if defined(__AVX512VNNI__)
+/* vpdpwssd: the same two int16 products added into the int32 lane, wrapping as vpmaddwd + vpaddd, in one step */
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_dpwssd_epi32(acc, w, a); }
+#else
 static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a)); }
+#endif
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm512_storeu_si512((void *)p, v); }
 #elif defined(__AVX2__)
 #define CR_QL 8
@@ -133,7 +139,13 @@ static inline cr_qv cr_qv_splat(const int16_t *a) {
 }
 static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
 static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm256_loadu_si256((const __m256i *)w); }
+#if defined(__AVXVNNI__)
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_dpwssd_avx_epi32(acc, w, a); }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_dpwssd_epi32(acc, w, a); }
+#else
 static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
+#endif
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm256_storeu_si256((__m256i *)p, v); }
 #elif defined(__SSE2__)
 #define CR_QL 4
