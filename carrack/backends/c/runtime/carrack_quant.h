@@ -6,6 +6,8 @@
  *                            requantized: saturate(rint(float32(acc) * multiplier) + y_zero_point).
  *   cr_quantize              QuantizeLinear per tensor: saturate(rint(x / scale) + zero_point) in float32.
  *   cr_dequantize            DequantizeLinear per tensor: (float32(x) - zero_point) * scale.
+ *   cr_quantize_axis,        the same per axis (a 1-D scale and zero point along one axis, as per_channel
+ *   cr_dequantize_axis       quantization writes them).
  *   cr_qlinear_add           QLinearAdd: rint(a * ka + b * kb + offset) in float32 in exactly this order.
  *   cr_qmaxpool2d            MaxPool over 8-bit planes (padding never wins).
  *
@@ -412,6 +414,37 @@ static CR_EXACT_FN CR_UNUSED void cr_dequantize(const void *x, int x_signed, flo
                                                 int64_t count) {
     CR_EXACT_FLOAT
     for (int64_t i = 0; i < count; i++) y[i] = ((float)cr_qload(x, x_signed, i) - zero_point) * scale;
+}
+
+/* Per-axis (per-channel) forms: x seen as [outer][channels][inner], one scale and zero point per channel, each
+ * element rounded as the per-tensor forms do */
+static CR_EXACT_FN CR_UNUSED void cr_quantize_axis(const float *x, const float *scale, const float *zero_point,
+                                                   void *y, int y_signed, int64_t outer, int64_t channels,
+                                                   int64_t inner) {
+    CR_EXACT_FLOAT
+    const float lo = y_signed ? -128.0f : 0.0f, hi = y_signed ? 127.0f : 255.0f;
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t c = 0; c < channels; c++) {
+            const int64_t base = (o * channels + c) * inner;
+            for (int64_t i = base; i < base + inner; i++) {
+                float v = rintf(x[i] / scale[c]) + zero_point[c];
+                v = v > lo ? v : lo;
+                v = v < hi ? v : hi;
+                cr_qstore(y, y_signed, i, (int32_t)v);
+            }
+        }
+}
+
+static CR_EXACT_FN CR_UNUSED void cr_dequantize_axis(const void *x, int x_signed, const float *zero_point,
+                                                     const float *scale, float *y, int64_t outer, int64_t channels,
+                                                     int64_t inner) {
+    CR_EXACT_FLOAT
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t c = 0; c < channels; c++) {
+            const int64_t base = (o * channels + c) * inner;
+            for (int64_t i = base; i < base + inner; i++)
+                y[i] = ((float)cr_qload(x, x_signed, i) - zero_point[c]) * scale[c];
+        }
 }
 
 /* y = saturate(rint(a * ka + b * kb + offset)) with a and b broadcast over a 6-D shape (element strides) */
