@@ -155,26 +155,30 @@ def _disassembly(library) -> str:
     return subprocess.run([tool, "-d", str(library)], capture_output=True, text=True, check=True).stdout
 
 
-#: -march -> the pair product instruction its library must contain (and the one it must not)
-PAIR_PRODUCTS = {"x86-64-v4": ("vpmaddwd", "vpdpwssd"), "icelake-server": ("vpdpwssd", "vpmaddwd"),
-                 "alderlake": ("vpdpwssd", "vpmaddwd")}
+#: (-march, weight type) -> the product instruction its library must contain on which registers, and the ones it
+#: must not: AVX-512 VNNI multiplies int8 weights four bytes a lane (vpdpbusd) and int16 (shifted uint8) weights
+#: in pairs (vpdpwssd); AVX-VNNI (256-bit) pairs with vpdpwssd; plain AVX-512BW keeps vpmaddwd
+PRODUCT_INSTRUCTIONS = {
+    ("x86-64-v4", "int8"): ("vpmaddwd", "%zmm", ("vpdpwssd", "vpdpbusd")),
+    ("icelake-server", "int8"): ("vpdpbusd", "%zmm", ("vpmaddwd",)),
+    ("icelake-server", "uint8"): ("vpdpwssd", "%zmm", ("vpmaddwd",)),
+    ("alderlake", "int8"): ("vpdpwssd", "%ymm", ("vpmaddwd",)),
+}
 
 
 @needs_compiler
-@pytest.mark.parametrize("arch", list(PAIR_PRODUCTS))
-def test_vnni_targets_use_the_fused_pair_product(tmp_path, arch):
-    """AVX-512 VNNI and AVX-VNNI builds multiply-accumulate the int16 pairs with vpdpwssd (zmm on AVX-512, ymm with
-    AVX-VNNI's VEX encoding); plain AVX-512BW keeps vpmaddwd + vpaddd; all give the session's bits (above)."""
+@pytest.mark.parametrize(("arch", "weight"), list(PRODUCT_INSTRUCTIONS))
+def test_vnni_targets_use_their_product_instructions(tmp_path, arch, weight):
+    """The built library really holds each target's product instruction; its results are the session's bits."""
     _skip_unless_cpu_runs(arch)
     from carrack.backends.c.build import library_name
 
-    path = _quantized_cnn(tmp_path, "uint8")
+    path = _quantized_cnn(tmp_path, "uint8", weight)
     compile_model(path, tmp_path / "out", "native", max_dims={"batch": 3}, native_arch=arch)
     code = _disassembly(tmp_path / "out" / library_name())
-    wanted, unwanted = PAIR_PRODUCTS[arch]
-    register = "%zmm" if arch != "alderlake" else "%ymm"
+    wanted, register, unwanted = PRODUCT_INSTRUCTIONS[arch, weight]
     assert any(wanted in line and register in line for line in code.splitlines()), f"no {wanted} on {register}"
-    assert unwanted not in code
+    assert not [name for name in unwanted if name in code]
     model = carrack.CompiledModel(tmp_path / "out")
     _assert_bit_exact(path, lambda feed: model.run(None, feed)[0])
 
