@@ -356,11 +356,43 @@ static inline uint8_t cr_quad_byte(const void *x, int x_signed, int64_t i) {
     return x_signed ? (uint8_t)(((const uint8_t *)x)[i] ^ 0x80) : ((const uint8_t *)x)[i];
 }
 
+/* the same for a 1x1 convolution at stride 1 without padding: pixels p0.. of channels 4 kq .. 4 kq + 3 are four
+ * contiguous runs of the planes, interleaved bytewise 16 pixels a step */
+static void cr_qpack_pointwise_quads(const uint8_t *x, int x_signed, uint8_t u_zero_point, int64_t channels,
+                                     int64_t plane, int64_t quads, int64_t p0, int64_t count, uint8_t *panel) {
+    const __m128i flip = _mm_set1_epi8(x_signed ? (char)0x80 : 0), fill = _mm_set1_epi8((char)u_zero_point);
+    for (int64_t kq = 0; kq < quads; kq++) {
+        const uint8_t *rows[4];
+        for (int i = 0; i < 4; i++) rows[i] = 4 * kq + i < channels ? x + (4 * kq + i) * plane + p0 : NULL;
+        uint8_t *dst = panel + kq * CR_QNB * 4;
+        int64_t t = 0;
+        for (; t + 16 <= count; t += 16) {
+            __m128i v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = rows[i] ? _mm_xor_si128(_mm_loadu_si128((const __m128i *)(rows[i] + t)), flip) : fill;
+            const __m128i ab_lo = _mm_unpacklo_epi8(v[0], v[1]), ab_hi = _mm_unpackhi_epi8(v[0], v[1]);
+            const __m128i cd_lo = _mm_unpacklo_epi8(v[2], v[3]), cd_hi = _mm_unpackhi_epi8(v[2], v[3]);
+            _mm_storeu_si128((__m128i *)(dst + 4 * t), _mm_unpacklo_epi16(ab_lo, cd_lo));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 16), _mm_unpackhi_epi16(ab_lo, cd_lo));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 32), _mm_unpacklo_epi16(ab_hi, cd_hi));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 48), _mm_unpackhi_epi16(ab_hi, cd_hi));
+        }
+        for (; t < count; t++)
+            for (int i = 0; i < 4; i++) dst[4 * t + i] = rows[i] ? (uint8_t)(rows[i][t] ^ (x_signed ? 0x80 : 0))
+                                                                : u_zero_point;
+    }
+}
+
 /* panel[k / 4][p][k % 4] = u of x[c][ih][iw] for the k = (c, i, j) of one group (u_zp outside the image and past k) */
 static void cr_qpack_conv_quads(const void *x, int x_signed, uint8_t u_zero_point, int64_t channels, int64_t h,
                                 int64_t wd, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
                                 int64_t dw, int64_t pt, int64_t pl, int64_t quads, int64_t p0, int64_t count,
                                 uint8_t *panel) {
+    if (kh == 1 && kw == 1 && sh == 1 && sw == 1 && pt == 0 && pl == 0 && ow == wd) {
+        cr_qpack_pointwise_quads((const uint8_t *)x, x_signed, u_zero_point, channels, h * wd, quads, p0, count,
+                                 panel);
+        return;
+    }
     memset(panel, u_zero_point, (size_t)(quads * CR_QNB * 4));
     for (int64_t p = 0; p < count;) {
         const int64_t q = p0 + p, out_row = q / ow, out_col = q % ow;
