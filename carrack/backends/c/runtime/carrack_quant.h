@@ -294,16 +294,20 @@ static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *pane
  * panel is [k / 4][pixel][4] uint8 in the same scratch (half the bytes of the int16 pairs, rounded up). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(CR_QUANT_PORTABLE)
 #define CR_QUADS 1
-static inline __attribute__((always_inline)) __m512i cr_quad_weights(const int8_t *wblock, int64_t kq,
-                                                                   int64_t pairs) {
+static inline __attribute__((always_inline)) __m512i cr_quad_weights(__m256i low, __m256i high) {
     /* word c of the first pair block and word c of the second become lane c's four bytes */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
                                                 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const int8_t *first = wblock + 2 * kq * CR_QCB * 2;
-    __m256i low = _mm256_loadu_si256((const __m256i *)first);
-    __m256i high = 2 * kq + 1 < pairs ? _mm256_loadu_si256((const __m256i *)(first + CR_QCB * 2))
-                                      : _mm256_setzero_si256();
     return _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+}
+
+static inline __attribute__((always_inline)) void cr_quad_products(__m512i *acc, const uint8_t *const *a,
+                                                                   int64_t kq, __m512i wq) {
+    for (int r = 0; r < CR_QPR; r++) {
+        int32_t bytes;
+        memcpy(&bytes, a[r] + kq * CR_QNB * 4, sizeof bytes);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(bytes), wq);
+    }
 }
 
 static void cr_qgemm_quads(const int8_t *w, int64_t pairs, const uint8_t *panel, int64_t p0, int64_t count,
@@ -319,14 +323,14 @@ static void cr_qgemm_quads(const int8_t *w, int64_t pairs, const uint8_t *panel,
                 a[r] = panel + (t + r < count ? t + r : t) * 4;
                 acc[r] = _mm512_setzero_si512();
             }
-            for (int64_t kq = 0; kq < quads; kq++) {
-                const __m512i wq = cr_quad_weights(wblock, kq, pairs);
-                for (int r = 0; r < CR_QPR; r++) {
-                    int32_t bytes;
-                    memcpy(&bytes, a[r] + kq * CR_QNB * 4, sizeof bytes);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(bytes), wq);
-                }
+            int64_t kq = 0;
+            for (; 2 * kq + 1 < pairs; kq++) {
+                const __m256i *pair = (const __m256i *)(wblock + 2 * kq * CR_QCB * 2);
+                cr_quad_products(acc, a, kq, cr_quad_weights(_mm256_loadu_si256(pair), _mm256_loadu_si256(pair + 1)));
             }
+            if (kq < quads) /* an odd last pair: the quad's second half is zero weights */
+                cr_quad_products(acc, a, kq, cr_quad_weights(_mm256_loadu_si256((const __m256i *)(wblock + 2 * kq *
+                                                                                CR_QCB * 2)), _mm256_setzero_si256()));
             for (int r = 0; r < CR_QPR && t + r < count; r++) {
                 int32_t raw[CR_QL];
                 cr_qi lanes;
