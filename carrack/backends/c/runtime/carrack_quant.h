@@ -14,7 +14,8 @@
  * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes, one lane
  * per output channel: one instruction per pair on every target with vectors (WebAssembly SIMD128
  * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd; vpdpwssd where the target has AVX-512 VNNI or
- * AVX-VNNI, the same wrapping int32 sum fused with the add) and a plain C loop elsewhere; integer sums are
+ * AVX-VNNI, the same wrapping int32 sum fused with the add; with int8 weights AVX-512 VNNI multiplies four bytes a
+ * lane instead, vpdpbusd, see CR_QUADS) and a plain C loop elsewhere; integer sums are
  * exact, so every target gives the same bytes. Weights are stored as int8 (int16 when a shifted weight needs it)
  * in blocks of CR_QCB output channels, [block][k / 2][channel][2], widened as they are loaded. Activations are
  * packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for convolutions, a transpose for
