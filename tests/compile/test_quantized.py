@@ -7,6 +7,8 @@ AVX2, AVX-512 and WebAssembly SIMD128 in Node, at several batch sizes of a run-t
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import warnings
 
@@ -110,9 +112,23 @@ def _assert_bit_exact(path, model_run) -> None:
         np.testing.assert_array_equal(got, want)
 
 
-#: native builds: the machine's own, each x86-64 level the CPU runs, and the portable loop forced by a define
-BUILDS = {"native": ("native", ""), **{arch: (arch, "") for arch in ARCHES},
+#: -march -> the CPU flags it needs, for the targets whose int16 pair products are vpdpwssd: AVX-512 VNNI on
+#: 16 lanes (icelake-server), AVX-VNNI on 8 lanes without AVX-512 (alderlake)
+VNNI_ARCHES = {"icelake-server": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+               "alderlake": {"avx2", "fma", "avx_vnni"}}
+ALL_ARCHES = {**ARCHES, **VNNI_ARCHES}
+
+#: native builds: the machine's own, each x86-64 level and VNNI target the CPU runs, and the portable loop forced by
+#: a define
+BUILDS = {"native": ("native", ""), **{arch: (arch, "") for arch in ALL_ARCHES},
           "portable": ("native", "-DCR_QUANT_PORTABLE")}
+
+
+def _skip_unless_cpu_runs(arch: str) -> None:
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 Linux only")
+    if not ALL_ARCHES[arch] <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(ALL_ARCHES[arch] - _cpu_flags())} for -march={arch}")
 
 
 @needs_compiler
@@ -120,10 +136,7 @@ BUILDS = {"native": ("native", ""), **{arch: (arch, "") for arch in ARCHES},
 def test_quantized_cnn_native_is_bit_exact(quantized, tmp_path, monkeypatch, build):
     arch, define = BUILDS[build]
     if arch != "native":
-        if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
-            pytest.skip("x86-64 Linux only")
-        if not ARCHES[arch] <= _cpu_flags():
-            pytest.skip(f"this CPU lacks {sorted(ARCHES[arch] - _cpu_flags())} for -march={arch}")
+        _skip_unless_cpu_runs(arch)
     if define:
         from carrack.backends.c.build import native_compiler
 
@@ -133,6 +146,41 @@ def test_quantized_cnn_native_is_bit_exact(quantized, tmp_path, monkeypatch, bui
     assert all(kernel in source for kernel in QUANT_KERNELS)
     model = carrack.CompiledModel(tmp_path)
     _assert_bit_exact(quantized, lambda feed: model.run(None, feed)[0])
+
+
+def _disassembly(library) -> str:
+    tool = shutil.which("objdump") or shutil.which("llvm-objdump")
+    if tool is None:
+        pytest.skip("neither objdump nor llvm-objdump is installed (binutils) to read the library's instructions")
+    return subprocess.run([tool, "-d", str(library)], capture_output=True, text=True, check=True).stdout
+
+
+#: (-march, weight type) -> the product instruction its library must contain on which registers, and the ones it
+#: must not: AVX-512 VNNI multiplies int8 weights four bytes a lane (vpdpbusd) and int16 (shifted uint8) weights
+#: in pairs (vpdpwssd); AVX-VNNI (256-bit) pairs with vpdpwssd; plain AVX-512BW keeps vpmaddwd
+PRODUCT_INSTRUCTIONS = {
+    ("x86-64-v4", "int8"): ("vpmaddwd", "%zmm", ("vpdpwssd", "vpdpbusd")),
+    ("icelake-server", "int8"): ("vpdpbusd", "%zmm", ("vpmaddwd",)),
+    ("icelake-server", "uint8"): ("vpdpwssd", "%zmm", ("vpmaddwd",)),
+    ("alderlake", "int8"): ("vpdpwssd", "%ymm", ("vpmaddwd",)),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize(("arch", "weight"), list(PRODUCT_INSTRUCTIONS))
+def test_vnni_targets_use_their_product_instructions(tmp_path, arch, weight):
+    """The built library really holds each target's product instruction; its results are the session's bits."""
+    _skip_unless_cpu_runs(arch)
+    from carrack.backends.c.build import library_name
+
+    path = _quantized_cnn(tmp_path, "uint8", weight)
+    compile_model(path, tmp_path / "out", "native", max_dims={"batch": 3}, native_arch=arch)
+    code = _disassembly(tmp_path / "out" / library_name())
+    wanted, register, unwanted = PRODUCT_INSTRUCTIONS[arch, weight]
+    assert any(wanted in line and register in line for line in code.splitlines()), f"no {wanted} on {register}"
+    assert not [name for name in unwanted if name in code]
+    model = carrack.CompiledModel(tmp_path / "out")
+    _assert_bit_exact(path, lambda feed: model.run(None, feed)[0])
 
 
 @needs_wasm

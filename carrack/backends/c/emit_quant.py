@@ -177,6 +177,8 @@ def _emit_quantize(em, step, node, shapes, out_shape):
     _require_known(em, [x])
     if em.values[x].dtype != "float32":
         raise _Unsupported(f"input '{x}' is {em.values[x].dtype}, not float32")
+    if _per_axis(em, node):
+        return _emit_quantize_axis(em, step, node, shapes, out_shape)
     scale = _scalar_param(em, node.inputs[1], "scale")
     zero_point, y_dtype = _output_zero_point(em, node, 2)
     if scale.dtype != np.float32:
@@ -189,6 +191,8 @@ def _emit_quantize(em, step, node, shapes, out_shape):
 def _emit_dequantize(em, step, node, shapes, out_shape):
     x = node.inputs[0]
     x_signed = _require_8bit(em, x)
+    if _per_axis(em, node):
+        return _emit_dequantize_axis(em, step, node, shapes, out_shape)
     scale = _scalar_param(em, node.inputs[1], "scale")
     zero_point = _scalar_param(em, node.inputs[2], "zero point") if len(node.inputs) > 2 and node.inputs[2] else 0
     if scale.dtype != np.float32 or int(node.attrs.get("output_dtype", 0)) not in (0, 1):
@@ -196,6 +200,66 @@ def _emit_dequantize(em, step, node, shapes, out_shape):
     y = _output_value(em, step, node.outputs[0], out_shape, "float32")
     return [f"cr_dequantize({_pointer(em, x)}, {x_signed}, {_f(float(zero_point))}, {_f(float(scale))}, {y.pointer}, "
             f"{em.c_dim(_elements(out_shape))});"]
+
+
+def _per_axis(em: _Emitter, node: Node) -> bool:
+    """Whether a QuantizeLinear/DequantizeLinear has a scale or zero point of more than one value."""
+    return any(value is not None and value.size > 1
+               for value in (_const(em, name) if name else None for name in node.inputs[1:3]))
+
+
+def _axis_params(em: _Emitter, node: Node, x_shape) -> tuple[list[str], np.ndarray, str]:
+    """A per-axis node's scale and zero point (float32 constants of one value per channel), the C dims
+    outer, channels, inner around its axis, and the zero point's type (uint8 without one)."""
+    if int(node.attrs.get("block_size", 0)):
+        raise _Unsupported("blocked quantization (block_size)")
+    rank = len(x_shape)
+    axis = int(node.attrs.get("axis", 1))
+    if not -rank <= axis < rank:
+        raise _Unsupported(f"axis {axis} for an input of rank {rank}")
+    axis %= rank
+    channels = x_shape[axis]
+    scale = _const(em, node.inputs[1])
+    zp_name = node.inputs[2] if len(node.inputs) > 2 else ""
+    zero_point = _const(em, zp_name) if zp_name else np.zeros(1, np.uint8)
+    if scale is None or zero_point is None:
+        raise _Unsupported("a scale or zero point that is not a constant")
+    for what, value in (("scale", scale), ("zero point", zero_point)):
+        per_channel = value.ndim == 1 and isinstance(channels, (int, np.integer)) and value.size == channels
+        if value.size != 1 and not per_channel:
+            raise _Unsupported(f"a {what} of shape {value.shape} along axis {axis} of length {channels} "
+                               "(per-tensor or 1-D per-axis quantization is compiled)")
+    if scale.dtype != np.float32:
+        raise _Unsupported(f"a {scale.dtype} scale")
+    zp_dtype = _dtype_of_array(zero_point)
+    if zp_dtype not in ("uint8", "int8"):
+        raise _Unsupported(f"zero point of type {zero_point.dtype}")
+    key = node.outputs[0]
+    scales = em.typed_constant(f"{key}::scales", np.broadcast_to(scale.reshape(-1), (channels,)), "float32")
+    zero_points = em.typed_constant(f"{key}::zero_points",
+                                    np.broadcast_to(zero_point.reshape(-1).astype(np.float32), (channels,)), "float32")
+    dims = [em.c_dim(_elements(x_shape[:axis])), str(int(channels)), em.c_dim(_elements(x_shape[axis + 1:]))]
+    return [scales, zero_points, *dims], zero_point, zp_dtype
+
+
+def _emit_quantize_axis(em, step, node, shapes, out_shape):
+    """QuantizeLinear with a 1-D scale and zero point along `axis` (per-channel)."""
+    (scales, zero_points, *dims), _, y_dtype = _axis_params(em, node, shapes[node.inputs[0]])
+    y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
+    return [f"cr_quantize_axis({_pointer(em, node.inputs[0])}, {scales}, {zero_points}, {y.pointer}, "
+            f"{int(y_dtype == 'int8')}, {', '.join(dims)});"]
+
+
+def _emit_dequantize_axis(em, step, node, shapes, out_shape):
+    """DequantizeLinear with a 1-D scale and zero point along `axis` (per-channel)."""
+    x = node.inputs[0]
+    x_signed = _require_8bit(em, x)
+    if int(node.attrs.get("output_dtype", 0)) not in (0, 1):
+        raise _Unsupported("a dequantization to another type than float32")
+    (scales, zero_points, *dims), _, _ = _axis_params(em, node, shapes[x])
+    y = _output_value(em, step, node.outputs[0], out_shape, "float32")
+    return [f"cr_dequantize_axis({_pointer(em, x)}, {x_signed}, {zero_points}, {scales}, {y.pointer}, "
+            f"{', '.join(dims)});"]
 
 
 def _emit_qlinear_add(em, step, node, shapes, out_shape):

@@ -6,12 +6,16 @@
  *                            requantized: saturate(rint(float32(acc) * multiplier) + y_zero_point).
  *   cr_quantize              QuantizeLinear per tensor: saturate(rint(x / scale) + zero_point) in float32.
  *   cr_dequantize            DequantizeLinear per tensor: (float32(x) - zero_point) * scale.
+ *   cr_quantize_axis,        the same per axis (a 1-D scale and zero point along one axis, as per_channel
+ *   cr_dequantize_axis       quantization writes them).
  *   cr_qlinear_add           QLinearAdd: rint(a * ka + b * kb + offset) in float32 in exactly this order.
  *   cr_qmaxpool2d            MaxPool over 8-bit planes (padding never wins).
  *
  * The products run as pairs of int16 (activation - zero point, shifted weight) summed into int32 lanes, one lane
  * per output channel: one instruction per pair on every target with vectors (WebAssembly SIMD128
- * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd) and a plain C loop elsewhere; integer sums are
+ * i32x4.dot_i16x8_s, AVX-512BW and AVX2 vpmaddwd, SSE2 pmaddwd; vpdpwssd where the target has AVX-512 VNNI or
+ * AVX-VNNI, the same wrapping int32 sum fused with the add; with int8 weights AVX-512 VNNI multiplies four bytes a
+ * lane instead, vpdpbusd, see CR_QUADS) and a plain C loop elsewhere; integer sums are
  * exact, so every target gives the same bytes. Weights are stored as int8 (int16 when a shifted weight needs it)
  * in blocks of CR_QCB output channels, [block][k / 2][channel][2], widened as they are loaded. Activations are
  * packed per block of CR_QNB output pixels as [k / 2][pixel][2] int16 (im2col for convolutions, a transpose for
@@ -117,7 +121,12 @@ static inline cr_qv cr_qv_splat(const int16_t *a) {
 }
 static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
 static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm512_loadu_si512((const void *)w); }
+#if defined(__AVX512VNNI__)
+/* vpdpwssd: the same two int16 products added into the int32 lane, wrapping as vpmaddwd + vpaddd, in one step */
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_dpwssd_epi32(acc, w, a); }
+#else
 static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a)); }
+#endif
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm512_storeu_si512((void *)p, v); }
 #elif defined(__AVX2__)
 #define CR_QL 8
@@ -133,7 +142,13 @@ static inline cr_qv cr_qv_splat(const int16_t *a) {
 }
 static inline cr_qw cr_qw_load8(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
 static inline cr_qw cr_qw_load16(const int16_t *w) { return _mm256_loadu_si256((const __m256i *)w); }
+#if defined(__AVXVNNI__)
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_dpwssd_avx_epi32(acc, w, a); }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_dpwssd_epi32(acc, w, a); }
+#else
 static inline cr_qv cr_qv_dot(cr_qv acc, cr_qw w, cr_qv a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
+#endif
 static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm256_storeu_si256((__m256i *)p, v); }
 #elif defined(__SSE2__)
 #define CR_QL 4
@@ -158,6 +173,7 @@ static inline void cr_qv_store(int32_t *p, cr_qv v) { _mm_storeu_si128((__m128i 
 
 /* the same lanes as plain vectors (GCC/Clang vector extensions) for the requantization */
 typedef int32_t cr_qi __attribute__((vector_size(CR_QL * 4)));
+typedef uint32_t cr_qu __attribute__((vector_size(CR_QL * 4)));
 typedef float cr_qf __attribute__((vector_size(CR_QL * 4)));
 /* 1.5 * 2**23: (v + it) - it is v rounded half to even for |v| <= 2**22 (v is clamped well inside) */
 #define CR_ROUNDER 12582912.0f
@@ -186,7 +202,8 @@ static inline cr_qi cr_requantize(cr_qi acc, const int32_t *bias, const float *m
     cr_qf m;
     memcpy(&b, bias, sizeof b);
     memcpy(&m, multiplier, sizeof m);
-    cr_qf v = __builtin_convertvector(acc + b, cr_qf) * m;
+    /* added as unsigned: the four-byte products' partial sums may wrap on the way to an in-range total */
+    cr_qf v = __builtin_convertvector((cr_qi)((cr_qu)acc + (cr_qu)b), cr_qf) * m;
     v = cr_qf_clamp(v, lo - zero_point, hi - zero_point);
     v = (v + CR_ROUNDER) - CR_ROUNDER;
     return __builtin_convertvector(v + zero_point, cr_qi);
@@ -267,6 +284,148 @@ static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *pane
     }
 }
 
+/* -- AVX-512 VNNI: four byte products per lane (vpdpbusd) -------------------------------------------------------
+ * With int8 weights, AVX-512 VNNI builds multiply 8-bit activations by the weights four k at a time: vpdpbusd adds
+ * u[k..k+3] (uint8) times w[k..k+3] (int8) to each int32 lane. The activations stay unshifted bytes u (x, or x ^ 0x80
+ * = x + 128 for int8), so sum (x - x_zp) w = sum u w - u_zp sum w, with u_zp the zero point in the same offset; the
+ * padding holds u_zp (its u - u_zp is 0). Each group's bias gets -u_zp * sum w per channel before the products, and
+ * every sum wraps in int32 (vpdpbusd does not saturate; one step's four products are at most 4 * 255 * 128), so
+ * the total is the exact sum whenever that fits int32, which the emitter has checked: the same bits as the pairs.
+ * The weights keep their pair layout: two pairs' blocks (32 bytes each) are interleaved into quads as loaded. The
+ * panel is [k / 4][pixel][4] uint8 in the same scratch (half the bytes of the int16 pairs, rounded up). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(CR_QUANT_PORTABLE)
+#define CR_QUADS 1
+static inline __attribute__((always_inline)) __m512i cr_quad_weights(__m256i low, __m256i high) {
+    /* word c of the first pair block and word c of the second become lane c's four bytes */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+}
+
+static inline __attribute__((always_inline)) void cr_quad_products(__m512i *acc, const uint8_t *const *a,
+                                                                   int64_t kq, __m512i wq) {
+    for (int r = 0; r < CR_QPR; r++) {
+        int32_t bytes;
+        memcpy(&bytes, a[r] + kq * CR_QNB * 4, sizeof bytes);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(bytes), wq);
+    }
+}
+
+static void cr_qgemm_quads(const int8_t *w, int64_t pairs, const uint8_t *panel, int64_t p0, int64_t count,
+                           const cr_qout *out) {
+    const int64_t quads = (pairs + 1) / 2, block_elements = pairs * CR_QCB * 2;
+    for (int64_t b = 0; b * CR_QCB < out->channels; b++) {
+        const int8_t *wblock = w + b * block_elements;
+        const int64_t m = b * CR_QCB, valid = out->channels - m < CR_QCB ? out->channels - m : CR_QCB;
+        for (int64_t t = 0; t < count; t += CR_QPR) {
+            __m512i acc[CR_QPR];
+            const uint8_t *a[CR_QPR];
+            for (int r = 0; r < CR_QPR; r++) {
+                a[r] = panel + (t + r < count ? t + r : t) * 4;
+                acc[r] = _mm512_setzero_si512();
+            }
+            int64_t kq = 0;
+            for (; 2 * kq + 1 < pairs; kq++) {
+                const __m256i *pair = (const __m256i *)(wblock + 2 * kq * CR_QCB * 2);
+                cr_quad_products(acc, a, kq, cr_quad_weights(_mm256_loadu_si256(pair), _mm256_loadu_si256(pair + 1)));
+            }
+            if (kq < quads) /* an odd last pair: the quad's second half is zero weights */
+                cr_quad_products(acc, a, kq, cr_quad_weights(_mm256_loadu_si256((const __m256i *)(wblock + 2 * kq *
+                                                                                CR_QCB * 2)), _mm256_setzero_si256()));
+            for (int r = 0; r < CR_QPR && t + r < count; r++) {
+                int32_t raw[CR_QL];
+                cr_qi lanes;
+                _mm512_storeu_si512((void *)raw, acc[r]);
+                memcpy(&lanes, raw, sizeof lanes);
+                lanes = cr_requantize(lanes, out->bias + m, out->multiplier + m, out->y_zero_point, out->lo, out->hi);
+                memcpy(raw, &lanes, sizeof lanes);
+                for (int64_t l = 0; l < valid; l++)
+                    cr_qstore(out->y, out->y_signed, (m + l) * out->m_stride + (p0 + t + r) * out->p_stride, raw[l]);
+            }
+        }
+    }
+}
+
+/* fixed[c] = bias[c] - u_zp * (sum of channel c's weights), wrapping in int32, for the `padded` channels of a group */
+static void cr_quad_bias(const int8_t *w, int64_t pairs, const int32_t *bias, int32_t u_zero_point, int64_t padded,
+                         int32_t *fixed) {
+    for (int64_t c = 0; c < padded; c++) {
+        const int8_t *lane = w + (c / CR_QCB) * pairs * CR_QCB * 2 + (c % CR_QCB) * 2;
+        int64_t sum = 0;
+        for (int64_t kp = 0; kp < pairs; kp++) sum += lane[kp * CR_QCB * 2] + lane[kp * CR_QCB * 2 + 1];
+        fixed[c] = (int32_t)((uint32_t)bias[c] - (uint32_t)u_zero_point * (uint32_t)sum);
+    }
+}
+
+static inline uint8_t cr_quad_byte(const void *x, int x_signed, int64_t i) {
+    return x_signed ? (uint8_t)(((const uint8_t *)x)[i] ^ 0x80) : ((const uint8_t *)x)[i];
+}
+
+/* the same for a 1x1 convolution at stride 1 without padding: pixels p0.. of channels 4 kq .. 4 kq + 3 are four
+ * contiguous runs of the planes, interleaved bytewise 16 pixels a step */
+static void cr_qpack_pointwise_quads(const uint8_t *x, int x_signed, uint8_t u_zero_point, int64_t channels,
+                                     int64_t plane, int64_t quads, int64_t p0, int64_t count, uint8_t *panel) {
+    const __m128i flip = _mm_set1_epi8(x_signed ? (char)0x80 : 0), fill = _mm_set1_epi8((char)u_zero_point);
+    for (int64_t kq = 0; kq < quads; kq++) {
+        const uint8_t *rows[4];
+        for (int i = 0; i < 4; i++) rows[i] = 4 * kq + i < channels ? x + (4 * kq + i) * plane + p0 : NULL;
+        uint8_t *dst = panel + kq * CR_QNB * 4;
+        int64_t t = 0;
+        for (; t + 16 <= count; t += 16) {
+            __m128i v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = rows[i] ? _mm_xor_si128(_mm_loadu_si128((const __m128i *)(rows[i] + t)), flip) : fill;
+            const __m128i ab_lo = _mm_unpacklo_epi8(v[0], v[1]), ab_hi = _mm_unpackhi_epi8(v[0], v[1]);
+            const __m128i cd_lo = _mm_unpacklo_epi8(v[2], v[3]), cd_hi = _mm_unpackhi_epi8(v[2], v[3]);
+            _mm_storeu_si128((__m128i *)(dst + 4 * t), _mm_unpacklo_epi16(ab_lo, cd_lo));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 16), _mm_unpackhi_epi16(ab_lo, cd_lo));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 32), _mm_unpacklo_epi16(ab_hi, cd_hi));
+            _mm_storeu_si128((__m128i *)(dst + 4 * t + 48), _mm_unpackhi_epi16(ab_hi, cd_hi));
+        }
+        for (; t < count; t++)
+            for (int i = 0; i < 4; i++) dst[4 * t + i] = rows[i] ? (uint8_t)(rows[i][t] ^ (x_signed ? 0x80 : 0))
+                                                                : u_zero_point;
+    }
+}
+
+/* panel[k / 4][p][k % 4] = u of x[c][ih][iw] for the k = (c, i, j) of one group (u_zp outside the image and past k) */
+static void cr_qpack_conv_quads(const void *x, int x_signed, uint8_t u_zero_point, int64_t channels, int64_t h,
+                                int64_t wd, int64_t ow, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t dh,
+                                int64_t dw, int64_t pt, int64_t pl, int64_t quads, int64_t p0, int64_t count,
+                                uint8_t *panel) {
+    if (kh == 1 && kw == 1 && sh == 1 && sw == 1 && pt == 0 && pl == 0 && ow == wd) {
+        cr_qpack_pointwise_quads((const uint8_t *)x, x_signed, u_zero_point, channels, h * wd, quads, p0, count,
+                                 panel);
+        return;
+    }
+    memset(panel, u_zero_point, (size_t)(quads * CR_QNB * 4));
+    for (int64_t p = 0; p < count;) {
+        const int64_t q = p0 + p, out_row = q / ow, out_col = q % ow;
+        const int64_t run = count - p < ow - out_col ? count - p : ow - out_col;
+        int64_t k = 0;
+        for (int64_t c = 0; c < channels; c++) {
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t row = out_row * sh - pt + i * dh;
+                if (row < 0 || row >= h) {
+                    k += kw;
+                    continue;
+                }
+                const int64_t line = (c * h + row) * wd;
+                for (int64_t j = 0; j < kw; j++, k++) {
+                    uint8_t *dst = panel + (k / 4) * CR_QNB * 4 + (k & 3) + p * 4;
+                    const int64_t first = out_col * sw - pl + j * dw;
+                    int64_t begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
+                    int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
+                    end = end < run ? end : run;
+                    for (int64_t t = begin; t < end; t++) dst[t * 4] = cr_quad_byte(x, x_signed, line + first + t * sw);
+                }
+            }
+        }
+        p += run;
+    }
+}
+#endif
+
 /* -- QLinearConvExact ------------------------------------------------------------------------------------------- */
 /* panel[k / 2][p][k % 2] = x[c][ih][iw] - x_zero_point (0 outside the image: the shifted padding) for the k = (c, i,
  * j) of one group and the pixels p0..p0+count-1; pixels past count and the odd k's pair are zeros */
@@ -335,6 +494,35 @@ static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int
     }
 }
 
+#ifdef CR_QUADS
+static void cr_qconv2d_quads(const void *x, int x_signed, int32_t x_zero_point, const int8_t *w, const int32_t *bias,
+                             const float *multiplier, void *y, int y_signed, int32_t y_zero_point, int64_t n,
+                             int64_t c, int64_t h, int64_t wd, int64_t m, int64_t oh, int64_t ow, int64_t kh,
+                             int64_t kw, int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl,
+                             int64_t groups, int64_t pairs, uint8_t *panel) {
+    const int64_t cg = c / groups, mg = m / groups, pixels = oh * ow, padded = (mg + CR_QCB - 1) / CR_QCB * CR_QCB;
+    const int64_t group_elements = padded * pairs * 2, quads = (pairs + 1) / 2;
+    const int32_t u_zero_point = x_zero_point + (x_signed ? 128 : 0);
+    int32_t fixed[padded];
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *wg = w + g * group_elements;
+        cr_quad_bias(wg, pairs, bias + g * padded, u_zero_point, padded, fixed);
+        for (int64_t b = 0; b < n; b++) {
+            const void *xg = (const unsigned char *)x + (b * c + g * cg) * h * wd;
+            cr_qout out = {(unsigned char *)y + (b * m + g * mg) * pixels, y_signed, (float)y_zero_point,
+                           y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, pixels, 1, mg, fixed,
+                           multiplier + g * padded};
+            for (int64_t p0 = 0; p0 < pixels; p0 += CR_QNB) {
+                int64_t count = pixels - p0 < CR_QNB ? pixels - p0 : CR_QNB;
+                cr_qpack_conv_quads(xg, x_signed, (uint8_t)u_zero_point, cg, h, wd, ow, kh, kw, sh, sw, dh, dw, pt,
+                                    pl, quads, p0, count, panel);
+                cr_qgemm_quads(wg, pairs, panel, p0, count, &out);
+            }
+        }
+    }
+}
+#endif
+
 /* y[n][m][oh][ow] for x [n][c][h][w] (uint8 or int8). w: per group, its (m / groups) channels' shifted weights
  * in blocks of CR_QCB channels, [block][k / 2][CR_QCB][2] over the group's k = (c / groups) * kh * kw padded to
  * 2 * pairs, int8 (wide 0) or int16 (wide 1); bias int32 and multiplier per channel, each group's padded to whole
@@ -346,6 +534,13 @@ static CR_UNUSED void cr_qconv2d(const void *x, int x_signed, int32_t x_zero_poi
                                  int64_t dw, int64_t pt, int64_t pl, int64_t groups, int64_t pairs, int16_t *panel) {
     const int64_t cg = c / groups, mg = m / groups, pixels = oh * ow, padded = (mg + CR_QCB - 1) / CR_QCB * CR_QCB;
     const int64_t group_elements = padded * pairs * 2;
+#ifdef CR_QUADS
+    if (!wide) {
+        cr_qconv2d_quads(x, x_signed, x_zero_point, (const int8_t *)w, bias, multiplier, y, y_signed, y_zero_point, n,
+                         c, h, wd, m, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl, groups, pairs, (uint8_t *)panel);
+        return;
+    }
+#endif
     for (int64_t b = 0; b < n; b++) {
         for (int64_t g = 0; g < groups; g++) {
             const void *xg = (const unsigned char *)x + (b * c + g * cg) * h * wd;
@@ -372,6 +567,25 @@ static CR_UNUSED void cr_qmatmul(const void *x, int x_signed, int32_t x_zero_poi
                                  int16_t *panel) {
     cr_qout out = {y, y_signed, (float)y_zero_point, y_signed ? -128.0f : 0.0f, y_signed ? 127.0f : 255.0f, 1, n, n,
                    bias, multiplier};
+#ifdef CR_QUADS
+    if (!wide) {
+        const int64_t padded = (n + CR_QCB - 1) / CR_QCB * CR_QCB, quads = (pairs + 1) / 2;
+        const int32_t u_zero_point = x_zero_point + (x_signed ? 128 : 0);
+        int32_t fixed[padded];
+        uint8_t *bytes = (uint8_t *)panel;
+        cr_quad_bias((const int8_t *)w, pairs, bias, u_zero_point, padded, fixed);
+        out.bias = fixed;
+        for (int64_t p0 = 0; p0 < rows; p0 += CR_QNB) {
+            int64_t count = rows - p0 < CR_QNB ? rows - p0 : CR_QNB;
+            memset(bytes, u_zero_point, (size_t)(quads * CR_QNB * 4));
+            for (int64_t p = 0; p < count; p++)
+                for (int64_t j = 0; j < k; j++)
+                    bytes[(j / 4) * CR_QNB * 4 + p * 4 + (j & 3)] = cr_quad_byte(x, x_signed, (p0 + p) * k + j);
+            cr_qgemm_quads((const int8_t *)w, pairs, bytes, p0, count, &out);
+        }
+        return;
+    }
+#endif
     for (int64_t p0 = 0; p0 < rows; p0 += CR_QNB) {
         int64_t count = rows - p0 < CR_QNB ? rows - p0 : CR_QNB;
         memset(panel, 0, (size_t)(2 * pairs * CR_QNB) * sizeof(int16_t));
@@ -400,6 +614,37 @@ static CR_EXACT_FN CR_UNUSED void cr_dequantize(const void *x, int x_signed, flo
                                                 int64_t count) {
     CR_EXACT_FLOAT
     for (int64_t i = 0; i < count; i++) y[i] = ((float)cr_qload(x, x_signed, i) - zero_point) * scale;
+}
+
+/* Per-axis (per-channel) forms: x seen as [outer][channels][inner], one scale and zero point per channel, each
+ * element rounded as the per-tensor forms do */
+static CR_EXACT_FN CR_UNUSED void cr_quantize_axis(const float *x, const float *scale, const float *zero_point,
+                                                   void *y, int y_signed, int64_t outer, int64_t channels,
+                                                   int64_t inner) {
+    CR_EXACT_FLOAT
+    const float lo = y_signed ? -128.0f : 0.0f, hi = y_signed ? 127.0f : 255.0f;
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t c = 0; c < channels; c++) {
+            const int64_t base = (o * channels + c) * inner;
+            for (int64_t i = base; i < base + inner; i++) {
+                float v = rintf(x[i] / scale[c]) + zero_point[c];
+                v = v > lo ? v : lo;
+                v = v < hi ? v : hi;
+                cr_qstore(y, y_signed, i, (int32_t)v);
+            }
+        }
+}
+
+static CR_EXACT_FN CR_UNUSED void cr_dequantize_axis(const void *x, int x_signed, const float *zero_point,
+                                                     const float *scale, float *y, int64_t outer, int64_t channels,
+                                                     int64_t inner) {
+    CR_EXACT_FLOAT
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t c = 0; c < channels; c++) {
+            const int64_t base = (o * channels + c) * inner;
+            for (int64_t i = base; i < base + inner; i++)
+                y[i] = ((float)cr_qload(x, x_signed, i) - zero_point[c]) * scale[c];
+        }
 }
 
 /* y = saturate(rint(a * ka + b * kb + offset)) with a and b broadcast over a 6-D shape (element strides) */
