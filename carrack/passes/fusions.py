@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import numpy as np
 
 from carrack.ir.graph import Node
@@ -425,3 +429,129 @@ def sink_transpose(node: Node, view: GraphView, ctx: Context) -> bool:
     second = Node("Transpose", [moved], [node.outputs[0]], dict(t.attrs), name=t.name)
     view.replace([t, node], [first, second])
     return True
+
+
+#: activations the inverted-residual kernel applies (invres.c, by carrack.native.convolution.ACTIVATIONS' codes)
+_BLOCK_ACTIVATIONS = frozenset(("", "Relu", "Clip", "LeakyRelu", "HardSigmoid", "HardSwish", "Sigmoid"))
+#: the three convolutions of an inverted-residual block, as the fused node's attribute prefixes
+BLOCK_PARTS = ("expand", "depthwise", "project")
+#: whether `inverted_residual_fusion` may fire: `carrack compile` plans with it off (its C emitter runs the three
+#: convolutions the rule would merge)
+_BLOCK_FUSION = contextvars.ContextVar("carrack_block_fusion", default=True)
+
+
+@contextlib.contextmanager
+def without_block_fusion() -> Iterator[None]:
+    """Plans made inside keep MobileNetV2's inverted-residual blocks as their three convolutions."""
+    token = _BLOCK_FUSION.set(False)
+    try:
+        yield
+    finally:
+        _BLOCK_FUSION.reset(token)
+
+
+def _plain_conv(node: Node | None, view: GraphView, kernel: int, stride: int, pads: int) -> np.ndarray | None:
+    """The float32 constant weight of a 2-D Conv/FusedConv with a `kernel` x `kernel` window, strides `stride`, pads
+    `pads` on every side, dilation 1, no residual input and a constant (or no) bias, whose activation invres.c
+    knows; None for anything else."""
+    if node is None or node.op_type not in ("Conv", "FusedConv") or node.domain not in ("", MS, "carrack"):
+        return None
+    if (node.op_type == "Conv") != (node.domain == "") or len(node.inputs) > 3 and node.inputs[3]:
+        return None
+    w = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    if w is None or w.dtype != np.float32 or w.ndim != 4 or w.shape[2:] != (kernel, kernel):
+        return None
+    if len(node.inputs) > 2 and node.inputs[2] and view.const(node.inputs[2]) is None:
+        return None
+    attrs = node.attrs
+    if (attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET") or list(attrs.get("strides", [1, 1])) !=
+            [stride, stride] or list(attrs.get("pads", [0] * 4)) != [pads] * 4
+            or list(attrs.get("dilations", [1, 1])) != [1, 1]
+            or list(attrs.get("kernel_shape", [kernel, kernel])) != [kernel, kernel]):
+        return None
+    return w if attrs.get("activation", "") in _BLOCK_ACTIVATIONS else None
+
+
+def _block_bias(view: GraphView, conv: Node, channels: int) -> str:
+    """The conv's bias input, or a new zero bias when it has none."""
+    if len(conv.inputs) > 2 and conv.inputs[2]:
+        return conv.inputs[2]
+    return view.add_initializer(conv.outputs[0] + "_zero_bias", np.zeros(channels, np.float32))
+
+
+@RULES.rewrite("inverted_residual_fusion", "Conv", "FusedConv", level=EXTENDED)
+def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool:
+    """MobileNetV2's inverted-residual block, 1x1 expansion -> depthwise 3x3 (stride 1 or 2, pads 1) -> 1x1
+    projection (+ the block's input, for stride 1), each with its activation and constant weights, each
+    intermediate read by the next node only, becomes one carrack.InvertedResidual node: invres.c computes it band
+    by band of output rows with the intermediates in a per-thread scratch (carrack/ops/fused.py)."""
+    if not _BLOCK_FUSION.get():
+        return False
+    reader = view.single_consumer(project.outputs[0])
+    if project.op_type == "Conv" and reader is not None and reader.op_type in ("Add", "Sum", *_CARRACK_FUSABLE,
+                                                                               "Clip"):
+        return False  # the residual or activation fusion goes first
+    residual = project.inputs[3] if len(project.inputs) > 3 else ""
+    depthwise = view.producer.get(project.inputs[0])
+    expand = view.producer.get(depthwise.inputs[0]) if depthwise is not None else None
+    if expand is None or view.single_consumer(project.inputs[0]) is not project:
+        return False
+    if view.single_consumer(depthwise.inputs[0]) is not depthwise:
+        return False
+    stride = list(depthwise.attrs.get("strides", [1, 1]))[0]
+    w_expand = _plain_conv(expand, view, 1, 1, 0)
+    w_depthwise = _plain_conv(depthwise, view, 3, stride, 1) if stride in (1, 2) else None
+    project_plain = project if not residual else Node(project.op_type, project.inputs[:3], project.outputs,
+                                                      project.attrs, domain=project.domain)
+    w_project = _plain_conv(project_plain, view, 1, 1, 0)
+    if w_expand is None or w_depthwise is None or w_project is None:
+        return False
+    channels, expanded, out_channels = w_expand.shape[1], w_expand.shape[0], w_project.shape[0]
+    if (w_depthwise.shape[:2] != (expanded, 1) or depthwise.attrs.get("group", 1) != expanded
+            or w_project.shape[1] != expanded or expand.attrs.get("group", 1) != 1
+            or project.attrs.get("group", 1) != 1):
+        return False
+    if residual and (residual != expand.inputs[0] or stride != 1 or out_channels != channels):
+        return False
+    attrs: dict = {"stride": int(stride), "residual": int(bool(residual)), "expanded_channels": int(expanded)}
+    inputs = [expand.inputs[0]]
+    for part, conv, channels_out in zip(BLOCK_PARTS, (expand, depthwise, project), (expanded, expanded,
+                                                                                     out_channels)):
+        inputs += [conv.inputs[1], _block_bias(view, conv, channels_out)]
+        attrs[f"{part}_activation"] = conv.attrs.get("activation", "")
+        attrs[f"{part}_activation_params"] = [float(v) for v in conv.attrs.get("activation_params", [])]
+    fused = Node("InvertedResidual", inputs, list(project.outputs), attrs, domain="carrack", name=expand.name)
+    view.replace([expand, depthwise, project], [fused])
+    return True
+
+
+def inverted_residual_parts(node: Node) -> list[Node]:
+    """A carrack.InvertedResidual node as the three convolutions it was (for an engine without it: the exporter
+    writes these)."""
+    x, *params = node.inputs
+    stride, residual = node.attrs["stride"], node.attrs.get("residual", 0)
+    names = [f"{node.outputs[0]}__{part}" for part in BLOCK_PARTS[:2]] + [node.outputs[0]]
+    sources = [x, names[0], names[1]]
+    geometry = [(1, 1, 0, False), (3, stride, 1, True), (1, 1, 0, False)]
+    parts = []
+    for k, (part, (kernel, step, pad, grouped)) in enumerate(zip(BLOCK_PARTS, geometry)):
+        act = node.attrs.get(f"{part}_activation", "")
+        act_params = list(node.attrs.get(f"{part}_activation_params", []))
+        attrs = {"kernel_shape": [kernel, kernel], "strides": [step, step], "pads": [pad] * 4,
+                 "dilations": [1, 1]}
+        if grouped:
+            attrs["group"] = node.attrs["expanded_channels"]
+        inputs = [sources[k], params[2 * k], params[2 * k + 1]]
+        if part == "project" and residual:
+            inputs.append(x)
+        if act:
+            attrs["activation"] = act
+            if act_params:
+                attrs["activation_params"] = act_params
+        ort_knows = act in (*_ORT_FUSABLE, "Clip") or not act
+        if not act and len(inputs) == 3:
+            op, domain = "Conv", ""
+        else:
+            op, domain = "FusedConv", MS if ort_knows else "carrack"
+        parts.append(Node(op, inputs, [names[k]], attrs, domain=domain, name=f"{node.name}_{part}"))
+    return parts

@@ -1,0 +1,188 @@
+/* MobileNetV2's inverted-residual block as one call, float32:
+ *
+ *     e = act_e(expand_1x1(x) + be)           [N, CE, H, W]
+ *     d = act_d(depthwise_3x3_s(e) + bd)      [N, CE, OH, OW]   (pads 1, stride s = 1 or 2)
+ *     y = act_p(project_1x1(d) + bp [+ x])    [N, CO, OH, OW]   (the residual only for s = 1, CO = C)
+ *
+ * without e and d ever existing whole: the output rows go in bands, and a band's expanded input rows (e) and
+ * depthwise rows (d) live in a per-thread scratch that stays in the L2 cache, instead of the two intermediate
+ * maps (4.8 MB and 1.2 MB for the first 112x112 block) going out to memory and back.
+ *
+ * - the two 1x1 products run packconv.c's 6 x 64 tile (this file includes packconv.c for it) over weights packed
+ *   once in its panels (packconv_pack_weights): the expansion reads the band's input rows in place, the projection
+ *   reads d from the scratch and adds the residual and the activation as it stores;
+ * - the depthwise 3x3 reads e with masked loads (columns outside the image read as 0), rows outside the image are
+ *   skipped;
+ * - a thread takes consecutive bands of an image; the expanded rows the next band shares with the last one (the
+ *   3x3 window's halo) are moved to the front of the scratch instead of computed again.
+ *
+ * Each output element is computed whole by one thread, every sum in one fixed order (a product's depth in
+ * packconv's fixed blocks, the depthwise taps row by row, left to right): the results are the same bits whatever
+ * the band size or the thread count. AVX-512 only (invres_vectorized); elsewhere carrack runs the three
+ * convolutions.
+ */
+#include "packconv.c"
+
+#if defined(__AVX512F__)
+
+int64_t invres_vectorized(void) { return 1; }
+
+typedef struct {
+    const float *x, *we, *be, *wd, *bd, *wp, *bp;
+    float *y, *scratch;
+    int64_t c, ce, co, h, w, oh, ow, s, residual, band, bands, ecap, dcap, slot_floats;
+    act_t fe, fd, fp;
+} invres_t;
+
+/* y[r, p] (rows ldy apart, r < rows, p < pixels) = finish(bias[r] + sum_k wp-panels[r, k] * cols[k * ldb + p]):
+ * packconv's tile over pixel panels of PW and row panels of PR, the depth in packconv's blocks of at most KC steps
+ * (the partial sums wait in y between blocks: same order of sums as one pass); z (rows ldy apart) is added before
+ * the activation. */
+static void product(const float *wp, const float *bias, const float *cols, int64_t ldb, int64_t depth, float *y,
+                    int64_t ldy, int64_t rows, int64_t pixels, const float *z, act_t f) {
+    const int64_t row_panels = (rows + PR - 1) / PR;
+    const int64_t blocks = (depth + KC - 1) / KC, step = (depth + blocks - 1) / blocks;
+    for (int64_t k0 = 0; k0 < depth; k0 += step) {
+        const int64_t kc = depth - k0 < step ? depth - k0 : step;
+        for (int64_t p0 = 0; p0 < pixels; p0 += PW) {
+            const int64_t count = pixels - p0 < PW ? pixels - p0 : PW;
+            const int nv = (int)((count + 15) / 16);
+            const __mmask16 m[4] = {tail_mask(count), tail_mask(count - 16), tail_mask(count - 32),
+                                    tail_mask(count - 48)};
+            for (int64_t t = 0; t < row_panels; t++) {
+                const int64_t row = t * PR;
+                const finish_t F = {bias + row, z ? z + row * ldy + p0 : NULL, k0 == 0, k0 + kc == depth,
+                                    (int)(rows - row < PR ? rows - row : PR), f};
+                tile_nv(wp + (t * depth + k0) * PR, cols + k0 * ldb + p0, ldb, kc, y + row * ldy + p0, ldy, m, nv,
+                        &F);
+            }
+        }
+    }
+}
+
+static inline __m512 act16(__m512 v, act_t f) {
+    if (f.act > ACT_CLIP) return act512_any(v, f);
+    const __m512 lo = _mm512_set1_ps(f.act == ACT_NONE ? -INFINITY : f.act == ACT_RELU ? 0.0f : f.a);
+    const __m512 hi = _mm512_set1_ps(f.act == ACT_CLIP ? f.b : INFINITY);
+    return _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+}
+
+/* lanes l < 16 with lo <= l < hi */
+static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+/* Output rows [o0, o1) of one depthwise plane: e holds input rows [i0, ...) of the plane (w floats each), out gets
+ * the rows (ow floats each). Output (o, c) sums bias, then kernel rows 0..2 (those inside the image), each left to
+ * right. */
+static void depthwise_rows(const invres_t *c, const float *e, int64_t i0, const float *wt, float bias, float *out,
+                           int64_t o0, int64_t o1) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const int64_t s = c->s, w = c->w, ow = c->ow;
+    for (int64_t o = o0; o < o1; o++, out += ow) {
+        for (int64_t c0 = 0; c0 < ow; c0 += 16) {
+            __m512 acc = _mm512_set1_ps(bias);
+            for (int64_t kr = 0; kr < 3; kr++) {
+                const int64_t r = o * s - 1 + kr;
+                if (r < 0 || r >= c->h) continue;
+                const float *row = e + (r - i0) * w;
+                const __m512 wl = _mm512_set1_ps(wt[3 * kr]), wm = _mm512_set1_ps(wt[3 * kr + 1]),
+                             wr = _mm512_set1_ps(wt[3 * kr + 2]);
+                __m512 left, mid, right;
+                if (s == 1) { /* lane l reads columns c0 + l - 1, c0 + l, c0 + l + 1 */
+                    left = _mm512_maskz_loadu_ps(lanes_between(1 - c0, w + 1 - c0), row + c0 - 1);
+                    mid = _mm512_maskz_loadu_ps(lanes_between(-c0, w - c0), row + c0);
+                    right = _mm512_maskz_loadu_ps(lanes_between(-c0 - 1, w - c0 - 1), row + c0 + 1);
+                } else { /* lane l reads columns 2 (c0 + l) - 1, 2 (c0 + l), 2 (c0 + l) + 1 */
+                    const int64_t a = 2 * c0 - 1, b = 2 * c0; /* first column of the shifted / plain loads */
+                    const __m512 a0 = _mm512_maskz_loadu_ps(lanes_between(-a, w - a), row + a);
+                    const __m512 a1 = _mm512_maskz_loadu_ps(lanes_between(-a - 16, w - a - 16), row + a + 16);
+                    const __m512 b0 = _mm512_maskz_loadu_ps(lanes_between(-b, w - b), row + b);
+                    const __m512 b1 = _mm512_maskz_loadu_ps(lanes_between(-b - 16, w - b - 16), row + b + 16);
+                    left = _mm512_permutex2var_ps(a0, even, a1);
+                    mid = _mm512_permutex2var_ps(b0, even, b1);
+                    right = _mm512_permutex2var_ps(b0, odd, b1);
+                }
+                acc = _mm512_fmadd_ps(wr, right, _mm512_fmadd_ps(wm, mid, _mm512_fmadd_ps(wl, left, acc)));
+            }
+            _mm512_mask_storeu_ps(out + c0, tail_mask(ow - c0), act16(acc, c->fd));
+        }
+    }
+}
+
+/* Items [begin, end) of n * bands, in order: each band expands the input rows it lacks, runs the depthwise rows
+ * and projects them into y. `slot` picks the thread's scratch. */
+static void invres_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const invres_t *c = p;
+    float *e = c->scratch + slot * c->slot_floats, *d = e + c->ce * c->ecap;
+    const int64_t plane = c->h * c->w, opix = c->oh * c->ow;
+    int64_t have_n = -1, have0 = 0, have1 = 0; /* the image and input rows [have0, have1) now in e */
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t n = item / c->bands, b = item % c->bands;
+        const int64_t o0 = b * c->band, o1 = o0 + c->band < c->oh ? o0 + c->band : c->oh;
+        const int64_t i0 = o0 * c->s - 1 < 0 ? 0 : o0 * c->s - 1;
+        const int64_t i1 = (o1 - 1) * c->s + 2 < c->h ? (o1 - 1) * c->s + 2 : c->h;
+        const float *img = c->x + n * c->c * plane;
+        int64_t kept = 0; /* rows of [i0, i1) already expanded (moved to the front of e) */
+        if (have_n == n && have0 <= i0 && i0 < have1) {
+            kept = (have1 < i1 ? have1 : i1) - i0;
+            if (i0 > have0)
+                for (int64_t ch = 0; ch < c->ce; ch++)
+                    memmove(e + ch * c->ecap, e + ch * c->ecap + (i0 - have0) * c->w, kept * c->w * sizeof(float));
+        }
+        if (i0 + kept < i1)
+            product(c->we, c->be, img + (i0 + kept) * c->w, plane, c->c, e + kept * c->w, c->ecap, c->ce,
+                    (i1 - i0 - kept) * c->w, NULL, c->fe);
+        have_n = n, have0 = i0, have1 = i1;
+        const int64_t rows = o1 - o0;
+        for (int64_t ch = 0; ch < c->ce; ch++)
+            depthwise_rows(c, e + ch * c->ecap, i0, c->wd + 9 * ch, c->bd[ch], d + ch * c->dcap, o0, o1);
+        const int64_t at = n * c->co * opix + o0 * c->ow;
+        product(c->wp, c->bp, d, c->dcap, c->ce, c->y + at, opix, c->co, rows * c->ow,
+                c->residual ? img + o0 * c->ow : NULL, c->fp);
+    }
+}
+
+#else
+
+int64_t invres_vectorized(void) { return 0; }
+
+#endif
+
+static int64_t round16(int64_t v) { return (v + 15) / 16 * 16; }
+
+/* the floats of one thread's scratch for bands of `band` output rows: the expanded rows, then the depthwise rows */
+int64_t invres_slot_floats(int64_t ce, int64_t w, int64_t ow, int64_t stride, int64_t band) {
+    return ce * (round16(((band - 1) * stride + 3) * w) + round16(band * ow));
+}
+
+/* The block over images [0, n), in bands of `band` output rows split over `threads`; scratch: threads slots of
+ * invres_slot_floats. we, wp: the expansion's and projection's weights packed by packconv_pack_weights; wd the
+ * depthwise weights [CE, 9]; biases all given. Returns 0, or -1 without vector code (nothing written). */
+int64_t invres_f32_threads(const float *x, const float *we, const float *be, const float *wd, const float *bd,
+                           const float *wp, const float *bp, float *y, float *scratch, int64_t n, int64_t c,
+                           int64_t ce, int64_t co, int64_t h, int64_t w, int64_t stride, int64_t residual,
+                           int64_t band, int64_t act_e, float ae, float be_, int64_t act_d, float ad, float bd_,
+                           int64_t act_p, float ap, float bp_, int64_t threads) {
+#if defined(__AVX512F__)
+    const int64_t oh = (h - 1) / stride + 1, ow = (w - 1) / stride + 1;
+    const int64_t bands = (oh + band - 1) / band;
+    invres_t call = {x, we, be, wd, bd, wp, bp, y, scratch, c, ce, co, h, w, oh, ow, stride, residual, band,
+                     bands, round16(((band - 1) * stride + 3) * w), round16(band * ow),
+                     invres_slot_floats(ce, w, ow, stride, band), {ae, be_, (int)act_e}, {ad, bd_, (int)act_d},
+                     {ap, bp_, (int)act_p}};
+    const int64_t items = n * bands;
+    parallel_for(invres_piece, &call, 0, items, threads < items ? threads : items, threads);
+    return 0;
+#else
+    (void)x, (void)we, (void)be, (void)wd, (void)bd, (void)wp, (void)bp, (void)y, (void)scratch, (void)n, (void)c;
+    (void)ce, (void)co, (void)h, (void)w, (void)stride, (void)residual, (void)band, (void)act_e, (void)ae;
+    (void)be_, (void)act_d, (void)ad, (void)bd_, (void)act_p, (void)ap, (void)bp_, (void)threads;
+    return -1;
+#endif
+}
+
+CARRACK_POOL_CLIENT(invres)
