@@ -37,7 +37,7 @@ def library() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.invres_vectorized.argtypes, lib.invres_vectorized.restype = [], i64
-    lib.invres_slot_floats.argtypes, lib.invres_slot_floats.restype = [i64] * 5, i64
+    lib.invres_scratch_floats.argtypes, lib.invres_scratch_floats.restype = [i64] * 7, i64
     lib.packconv_pack_weights.argtypes = [p, p, i64, i64, i64, i64]
     lib.packconv_pack_weights.restype = None
     lib.invres_f32_threads.argtypes = [p] * 9 + [i64] * 9 + [i64, f32, f32] * 3 + [i64]
@@ -103,7 +103,6 @@ class PackedBlock:
         self.depthwise = np.ascontiguousarray(w_depthwise, _F32).reshape(self.expanded, 9)
         self.biases = tuple(np.ascontiguousarray(b, _F32) for b in (b_expand, b_depthwise, b_project))
         self.activation_args = tuple(v for act in activations for v in act)
-        self._local = threading.local()  # a Python thread's scratch (sessions may run in several threads at once)
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +118,8 @@ class PackedBlock:
         """out = the block of x (C-contiguous aligned float32 arrays of the geometry's shapes, not overlapping);
         False when the kernel did not run."""
         band, threads = plan_bands(g, native.threads())
-        slot = self.lib.invres_slot_floats(g.expanded, g.width, g.out_width, g.stride, band)
-        scratch = self._scratch(slot * threads)
+        scratch = _scratch(self.lib.invres_scratch_floats(g.n, g.expanded, g.height, g.width, g.stride, band,
+                                                               threads))
         (be, bd, bp), (wd, we, wp) = self.biases, (self.depthwise, self.expand, self.project)
         return self.lib.invres_f32_threads(
             data_address(x), data_address(we), data_address(be), data_address(wd), data_address(bd),
@@ -128,11 +127,17 @@ class PackedBlock:
             g.expanded, g.out_channels, g.height, g.width, g.stride, int(self.residual), band,
             *self.activation_args, threads) == 0
 
-    def _scratch(self, floats: int) -> np.ndarray:
-        buf = getattr(self._local, "scratch", None)
-        if buf is None or buf.size < floats:
-            buf = self._local.scratch = aligned_empty((floats,), _F32)
-        return buf
+
+#: each Python thread's scratch, shared by every block it runs (sessions may run in several threads at once): one
+#: buffer that stays in the caches from block to block
+_LOCAL = threading.local()
+
+
+def _scratch(floats: int) -> np.ndarray:
+    buf = getattr(_LOCAL, "scratch", None)
+    if buf is None or buf.size < floats:
+        buf = _LOCAL.scratch = aligned_empty((floats,), _F32)
+    return buf
 
 
 def _packed(lib: ctypes.CDLL, w: np.ndarray) -> np.ndarray:
@@ -160,4 +165,4 @@ def scratch_bytes(g: Geometry, threads: int) -> int:
     band, used = plan_bands(g, threads)
     if lib is None:
         return 0
-    return 4 * used * lib.invres_slot_floats(g.expanded, g.width, g.out_width, g.stride, band)
+    return 4 * lib.invres_scratch_floats(g.n, g.expanded, g.height, g.width, g.stride, band, used)
