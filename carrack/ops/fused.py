@@ -327,6 +327,26 @@ class InvertedResidual(Kernel):
                 return y
         return self._three_convolutions(x, *params)
 
+    def bind_into(self, out, x, *params):
+        """invres.c's call for these very arrays, its arguments converted once (a call that fails takes
+        `run_into`)."""
+        block = self.block
+        g = block.geometry(x.shape) if block is not None and type(x) is np.ndarray else None
+        if (g is None or x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.aligned
+                or out.shape != (g.n, g.out_channels, g.out_height, g.out_width) or out.dtype != np.float32
+                or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable)
+                or np.may_share_memory(out, x)):
+            return None
+        call = block.bind(x, out, g)
+        run_into = self.run_into
+
+        def bound() -> None:
+            if not call():
+                y = run_into(out, x, *params)
+                if y is not out:
+                    np.copyto(out, y)
+        return bound
+
     def _three_convolutions(self, x, w_expand, b_expand, w_depthwise, b_depthwise, w_project, b_project):
         expand, depthwise, project = self.parts
         e = expand.run(x, w_expand, b_expand)
