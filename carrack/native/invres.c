@@ -29,7 +29,8 @@
  * would give the products a few pixels per weight load. Threads there take chunks of CHUNK expanded channels
  * (expansion and depthwise over the whole map), then the projection's row panels, the depthwise maps shared. */
 #define SMALL_MAP_PIXELS 256
-#define CHUNK (4 * PR)
+#define CHUNK (8 * PR)
+#define PROJECT_ROWS (4 * PR)
 
 
 #if defined(__AVX512F__)
@@ -38,6 +39,7 @@ int64_t invres_vectorized(void) { return 1; }
 
 typedef struct {
     const float *x, *we, *be, *wd, *bd, *wp, *bp;
+    const float *we_end, *wp_end; /* the ends of the packed weights */
     float *y, *scratch;
     int64_t c, ce, co, h, w, oh, ow, s, residual, band, bands, ecap, dcap, slot_floats;
     int64_t shared_at; /* small maps: where the depthwise maps start in the scratch */
@@ -48,8 +50,9 @@ typedef struct {
  * packconv's tile over pixel panels of PW and row panels of PR, the depth in packconv's blocks of at most KC steps
  * (the partial sums wait in y between blocks: same order of sums as one pass); z (rows ldy apart) is added before
  * the activation. */
-static void product(const float *wp, const float *bias, const float *cols, int64_t ldb, int64_t depth, float *y,
-                    int64_t ldy, int64_t rows, int64_t pixels, const float *z, act_t f, int tails_ok) {
+static void product(const float *wp, const float *wp_end, const float *bias, const float *cols, int64_t ldb,
+                    int64_t depth, float *y, int64_t ldy, int64_t rows, int64_t pixels, const float *z, act_t f,
+                    int tails_ok) {
     const int64_t row_panels = (rows + PR - 1) / PR;
     const int64_t blocks = (depth + KC - 1) / KC, step = (depth + blocks - 1) / blocks;
     float tail_columns[TAIL_MAX * KC];
@@ -69,7 +72,10 @@ static void product(const float *wp, const float *bias, const float *cols, int64
                 const int64_t row = t * PR;
                 const finish_t F = {bias + row, z ? z + row * ldy + p0 : NULL, k0 == 0, k0 + kc == depth,
                                     (int)(rows - row < PR ? rows - row : PR), f};
-                const float *panel = wp + (t * depth + k0) * PR;
+                const float *panel = wp + (t * depth + k0) * PR, *next = panel + depth * PR;
+                if (p0 == 0 && next + kc * PR <= wp_end) /* the next panel's weights of this block (a model's
+                                                          * weights come from memory), as packconv does */
+                    prefetch_l2(next, kc * PR);
                 float *at = y + row * ldy + p0;
                 if (nv) tile_nv(panel, cols + k0 * ldb + p0, ldb, kc, at, ldy, m, nv, &F);
                 if (tails)
@@ -188,14 +194,14 @@ static void invres_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
                     memmove(e + ch * c->ecap, e + ch * c->ecap + (i0 - have0) * c->w, kept * c->w * sizeof(float));
         }
         if (i0 + kept < i1)
-            product(c->we, c->be, img + (i0 + kept) * c->w, plane, c->c, e + kept * c->w, c->ecap, c->ce,
+            product(c->we, c->we_end, c->be, img + (i0 + kept) * c->w, plane, c->c, e + kept * c->w, c->ecap, c->ce,
                     (i1 - i0 - kept) * c->w, NULL, c->fe, 0);
         have_n = n, have0 = i0, have1 = i1;
         const int64_t rows = o1 - o0;
         for (int64_t ch = 0; ch < c->ce; ch++)
             depthwise_rows(c, masks, e + ch * c->ecap, i0, c->wd + 9 * ch, c->bd[ch], d + ch * c->dcap, o0, o1);
         const int64_t at = n * c->co * opix + o0 * c->ow;
-        product(c->wp, c->bp, d, c->dcap, c->ce, c->y + at, opix, c->co, rows * c->ow,
+        product(c->wp, c->wp_end, c->bp, d, c->dcap, c->ce, c->y + at, opix, c->co, rows * c->ow,
                 c->residual ? img + o0 * c->ow : NULL, c->fp, 0);
     }
 }
@@ -211,7 +217,7 @@ static void channels_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     for (int64_t item = begin; item < end; item++) {
         const int64_t n = item / chunks, ch0 = item % chunks * CHUNK;
         const int64_t rows = c->ce - ch0 < CHUNK ? c->ce - ch0 : CHUNK;
-        product(c->we + ch0 * c->c, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows, plane, NULL,
+        product(c->we + ch0 * c->c, c->we_end, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows, plane, NULL,
                 c->fe, 1);
         for (int64_t j = 0; j < rows; j++)
             depthwise_rows(c, masks, e + j * plane, 0, c->wd + 9 * (ch0 + j), c->bd[ch0 + j],
@@ -219,16 +225,17 @@ static void channels_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     }
 }
 
-/* Small maps, second pass: items [begin, end) of n * the projection's row panels, each over the whole map. */
+/* Small maps, second pass: items [begin, end) of n * groups of PROJECT_ROWS of the projection's rows, each over the
+ * whole map (a group gathers the tail pixel's column of each depth block once for its row panels). */
 static void project_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     (void)slot;
     const invres_t *c = p;
-    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, panels = (c->co + PR - 1) / PR;
+    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, groups = (c->co + PROJECT_ROWS - 1) / PROJECT_ROWS;
     const float *d = c->scratch + c->shared_at;
     for (int64_t item = begin; item < end; item++) {
-        const int64_t n = item / panels, row = item % panels * PR;
-        const int64_t rows = c->co - row < PR ? c->co - row : PR;
-        product(c->wp + row * c->ce, c->bp + row, d + n * c->ce * opix, opix, c->ce,
+        const int64_t n = item / groups, row = item % groups * PROJECT_ROWS;
+        const int64_t rows = c->co - row < PROJECT_ROWS ? c->co - row : PROJECT_ROWS;
+        product(c->wp + row * c->ce, c->wp_end, c->bp + row, d + n * c->ce * opix, opix, c->ce,
                 c->y + (n * c->co + row) * opix, opix, rows, opix, c->residual ? c->x + (n * c->c + row) * plane : NULL,
                 c->fp, 1);
     }
@@ -272,11 +279,12 @@ int64_t invres_f32_threads(const float *x, const float *we, const float *be, con
     const int64_t oh = (h - 1) / stride + 1, ow = (w - 1) / stride + 1;
     if ((ow + 15) / 16 > MAX_VECTORS) return -1;
     const int64_t bands = (oh + band - 1) / band, slot = slot_floats(ce, h, w, stride, band);
-    invres_t call = {x, we, be, wd, bd, wp, bp, y, scratch, c, ce, co, h, w, oh, ow, stride, residual, band,
+    invres_t call = {x, we, be, wd, bd, wp, bp, we + packconv_weights_size(1, ce, c), wp + packconv_weights_size(1, co, ce),
+                     y, scratch, c, ce, co, h, w, oh, ow, stride, residual, band,
                      bands, round16(((band - 1) * stride + 3) * w), round16(band * ow), slot, threads * slot,
                      {ae, be_, (int)act_e}, {ad, bd_, (int)act_d}, {ap, bp_, (int)act_p}};
     if (small_map(oh, ow)) {
-        const int64_t chunks = n * ((ce + CHUNK - 1) / CHUNK), panels = n * ((co + PR - 1) / PR);
+        const int64_t chunks = n * ((ce + CHUNK - 1) / CHUNK), panels = n * ((co + PROJECT_ROWS - 1) / PROJECT_ROWS);
         parallel_for(channels_piece, &call, 0, chunks, pieces_for(chunks, threads), threads);
         parallel_for(project_piece, &call, 0, panels, pieces_for(panels, threads), threads);
         return 0;
