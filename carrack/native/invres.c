@@ -26,11 +26,11 @@
 /* vectors of 16 output columns a row may have (the entry point refuses wider maps) */
 #define MAX_VECTORS 64
 /* Output maps of at most this many pixels (mobilenetv2's 14x14 and 7x7) are not cut in bands: a band of a few rows
- * would give the products a few pixels per weight load. Threads there take chunks of CHUNK expanded channels
+ * would give the products a few pixels per weight load. Threads there take chunks of at most CHUNK expanded channels
  * (expansion and depthwise over the whole map), then the projection's row panels, the depthwise maps shared. */
 #define SMALL_MAP_PIXELS 256
 #define CHUNK (8 * PR)
-#define PROJECT_ROWS (4 * PR)
+#define PROJECT_ROWS (4 * PR) /* projection rows an item of the second pass takes at most */
 
 
 #if defined(__AVX512F__)
@@ -42,7 +42,8 @@ typedef struct {
     const float *we_end, *wp_end; /* the ends of the packed weights */
     float *y, *scratch;
     int64_t c, ce, co, h, w, oh, ow, s, residual, band, bands, ecap, dcap, slot_floats;
-    int64_t shared_at; /* small maps: where the depthwise maps start in the scratch */
+    int64_t shared_at;    /* small maps: where the depthwise maps start in the scratch */
+    int64_t chunk, group; /* small maps: the expanded channels and projection rows of an item */
     act_t fe, fd, fp;
 } invres_t;
 
@@ -206,35 +207,35 @@ static void invres_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     }
 }
 
-/* Small maps (SMALL_MAP_PIXELS), first pass: items [begin, end) of n * chunks of CHUNK expanded channels, each
+/* Small maps (SMALL_MAP_PIXELS), first pass: items [begin, end) of n * chunks of c->chunk expanded channels, each
  * expanded over the whole map into the thread's scratch, then its depthwise map written to the shared d. */
 static void channels_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const invres_t *c = p;
-    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, chunks = (c->ce + CHUNK - 1) / CHUNK;
+    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, chunks = (c->ce + c->chunk - 1) / c->chunk;
     float *e = c->scratch + slot * c->slot_floats, *d = c->scratch + c->shared_at;
     dw_masks_t masks[MAX_VECTORS];
     depthwise_masks(c, masks);
     for (int64_t item = begin; item < end; item++) {
-        const int64_t n = item / chunks, ch0 = item % chunks * CHUNK;
-        const int64_t rows = c->ce - ch0 < CHUNK ? c->ce - ch0 : CHUNK;
-        product(c->we + ch0 * c->c, c->we_end, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows, plane, NULL,
-                c->fe, 1);
+        const int64_t n = item / chunks, ch0 = item % chunks * c->chunk;
+        const int64_t rows = c->ce - ch0 < c->chunk ? c->ce - ch0 : c->chunk;
+        product(c->we + ch0 * c->c, c->we_end, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows,
+                plane, NULL, c->fe, 1);
         for (int64_t j = 0; j < rows; j++)
             depthwise_rows(c, masks, e + j * plane, 0, c->wd + 9 * (ch0 + j), c->bd[ch0 + j],
                            d + (n * c->ce + ch0 + j) * opix, 0, c->oh);
     }
 }
 
-/* Small maps, second pass: items [begin, end) of n * groups of PROJECT_ROWS of the projection's rows, each over the
+/* Small maps, second pass: items [begin, end) of n * groups of c->group projection rows, each over the
  * whole map (a group gathers the tail pixel's column of each depth block once for its row panels). */
 static void project_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     (void)slot;
     const invres_t *c = p;
-    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, groups = (c->co + PROJECT_ROWS - 1) / PROJECT_ROWS;
+    const int64_t plane = c->h * c->w, opix = c->oh * c->ow, groups = (c->co + c->group - 1) / c->group;
     const float *d = c->scratch + c->shared_at;
     for (int64_t item = begin; item < end; item++) {
-        const int64_t n = item / groups, row = item % groups * PROJECT_ROWS;
-        const int64_t rows = c->co - row < PROJECT_ROWS ? c->co - row : PROJECT_ROWS;
+        const int64_t n = item / groups, row = item % groups * c->group;
+        const int64_t rows = c->co - row < c->group ? c->co - row : c->group;
         product(c->wp + row * c->ce, c->wp_end, c->bp + row, d + n * c->ce * opix, opix, c->ce,
                 c->y + (n * c->co + row) * opix, opix, rows, opix, c->residual ? c->x + (n * c->c + row) * plane : NULL,
                 c->fp, 1);
@@ -250,6 +251,15 @@ int64_t invres_vectorized(void) { return 0; }
 static int64_t round16(int64_t v) { return (v + 15) / 16 * 16; }
 
 static int small_map(int64_t oh, int64_t ow) { return oh * ow <= SMALL_MAP_PIXELS; }
+
+#if defined(__AVX512F__)
+/* row panels an item takes of `panels` (per image, n images) so that `threads` get CARRACK_PIECES_PER_THREAD items
+ * each where there are enough, at most `most` */
+static int64_t panels_an_item(int64_t panels, int64_t n, int64_t threads, int64_t most) {
+    const int64_t wanted = threads * CARRACK_PIECES_PER_THREAD, per = n * panels / (wanted > 0 ? wanted : 1);
+    return per < 1 ? 1 : per > most ? most : per;
+}
+#endif
 
 /* the floats of one thread's scratch: the expanded rows and the depthwise rows of a band of `band` output rows, or
  * (small maps) a chunk's expanded maps */
@@ -279,12 +289,16 @@ int64_t invres_f32_threads(const float *x, const float *we, const float *be, con
     const int64_t oh = (h - 1) / stride + 1, ow = (w - 1) / stride + 1;
     if ((ow + 15) / 16 > MAX_VECTORS) return -1;
     const int64_t bands = (oh + band - 1) / band, slot = slot_floats(ce, h, w, stride, band);
-    invres_t call = {x, we, be, wd, bd, wp, bp, we + packconv_weights_size(1, ce, c), wp + packconv_weights_size(1, co, ce),
-                     y, scratch, c, ce, co, h, w, oh, ow, stride, residual, band,
-                     bands, round16(((band - 1) * stride + 3) * w), round16(band * ow), slot, threads * slot,
-                     {ae, be_, (int)act_e}, {ad, bd_, (int)act_d}, {ap, bp_, (int)act_p}};
+    invres_t call = {x, we, be, wd, bd, wp, bp, we + packconv_weights_size(1, ce, c),
+                     wp + packconv_weights_size(1, co, ce), y, scratch, c, ce, co, h, w, oh, ow, stride, residual,
+                     band, bands, round16(((band - 1) * stride + 3) * w), round16(band * ow), slot, threads * slot,
+                     CHUNK, PROJECT_ROWS, {ae, be_, (int)act_e}, {ad, bd_, (int)act_d}, {ap, bp_, (int)act_p}};
     if (small_map(oh, ow)) {
-        const int64_t chunks = n * ((ce + CHUNK - 1) / CHUNK), panels = n * ((co + PROJECT_ROWS - 1) / PROJECT_ROWS);
+        /* items of whole panels, as large as CHUNK / PROJECT_ROWS while each thread still gets several */
+        call.chunk = PR * panels_an_item((ce + PR - 1) / PR, n, threads, CHUNK / PR);
+        call.group = PR * panels_an_item((co + PR - 1) / PR, n, threads, PROJECT_ROWS / PR);
+        const int64_t chunks = n * ((ce + call.chunk - 1) / call.chunk);
+        const int64_t panels = n * ((co + call.group - 1) / call.group);
         parallel_for(channels_piece, &call, 0, chunks, pieces_for(chunks, threads), threads);
         parallel_for(project_piece, &call, 0, panels, pieces_for(panels, threads), threads);
         return 0;
