@@ -172,13 +172,30 @@ static void depthwise_rows(const invres_t *c, const dw_masks_t *masks, const flo
     }
 }
 
+/* e (channels c->ecap floats apart) = the expanded input rows [i0, i1) of image n (img): the rows of them that
+ * have[0..2] (image, first row, end row) says e already holds are moved to the front, the rest computed. */
+static void expand_band(const invres_t *c, const float *img, int64_t n, int64_t i0, int64_t i1, float *e,
+                        int64_t *have) {
+    int64_t kept = 0;
+    if (have[0] == n && have[1] <= i0 && i0 < have[2]) {
+        kept = (have[2] < i1 ? have[2] : i1) - i0;
+        if (i0 > have[1])
+            for (int64_t ch = 0; ch < c->ce; ch++)
+                memmove(e + ch * c->ecap, e + ch * c->ecap + (i0 - have[1]) * c->w, kept * c->w * sizeof(float));
+    }
+    if (i0 + kept < i1)
+        product(c->we, c->we_end, c->be, img + (i0 + kept) * c->w, c->h * c->w, c->c, e + kept * c->w, c->ecap,
+                c->ce, (i1 - i0 - kept) * c->w, NULL, c->fe, 0);
+    have[0] = n, have[1] = i0, have[2] = i1;
+}
+
 /* Items [begin, end) of n * bands, in order: each band expands the input rows it lacks, runs the depthwise rows
  * and projects them into y. `slot` picks the thread's scratch. */
 static void invres_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const invres_t *c = p;
     float *e = c->scratch + slot * c->slot_floats, *d = e + c->ce * c->ecap;
     const int64_t plane = c->h * c->w, opix = c->oh * c->ow;
-    int64_t have_n = -1, have0 = 0, have1 = 0; /* the image and input rows [have0, have1) now in e */
+    int64_t have[3] = {-1, 0, 0}; /* the image and input rows [have[1], have[2]) now in e */
     dw_masks_t masks[MAX_VECTORS];
     depthwise_masks(c, masks);
     for (int64_t item = begin; item < end; item++) {
@@ -186,23 +203,17 @@ static void invres_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
         const int64_t o0 = b * c->band, o1 = o0 + c->band < c->oh ? o0 + c->band : c->oh;
         const int64_t i0 = o0 * c->s - 1 < 0 ? 0 : o0 * c->s - 1;
         const int64_t i1 = (o1 - 1) * c->s + 2 < c->h ? (o1 - 1) * c->s + 2 : c->h;
-        const float *img = c->x + n * c->c * plane;
-        int64_t kept = 0; /* rows of [i0, i1) already expanded (moved to the front of e) */
-        if (have_n == n && have0 <= i0 && i0 < have1) {
-            kept = (have1 < i1 ? have1 : i1) - i0;
-            if (i0 > have0)
-                for (int64_t ch = 0; ch < c->ce; ch++)
-                    memmove(e + ch * c->ecap, e + ch * c->ecap + (i0 - have0) * c->w, kept * c->w * sizeof(float));
+        const float *img = c->x + n * c->c * plane, *planes = img; /* the depthwise input: the image's planes */
+        int64_t first = 0, apart = plane;                           /* (its first row, its planes' distance) */
+        if (c->we) {
+            expand_band(c, img, n, i0, i1, e, have);
+            planes = e, first = i0, apart = c->ecap;
         }
-        if (i0 + kept < i1)
-            product(c->we, c->we_end, c->be, img + (i0 + kept) * c->w, plane, c->c, e + kept * c->w, c->ecap, c->ce,
-                    (i1 - i0 - kept) * c->w, NULL, c->fe, 0);
-        have_n = n, have0 = i0, have1 = i1;
-        const int64_t rows = o1 - o0;
         for (int64_t ch = 0; ch < c->ce; ch++)
-            depthwise_rows(c, masks, e + ch * c->ecap, i0, c->wd + 9 * ch, c->bd[ch], d + ch * c->dcap, o0, o1);
+            depthwise_rows(c, masks, planes + ch * apart, first, c->wd + 9 * ch, c->bd[ch], d + ch * c->dcap, o0,
+                           o1);
         const int64_t at = n * c->co * opix + o0 * c->ow;
-        product(c->wp, c->wp_end, c->bp, d, c->dcap, c->ce, c->y + at, opix, c->co, rows * c->ow,
+        product(c->wp, c->wp_end, c->bp, d, c->dcap, c->ce, c->y + at, opix, c->co, (o1 - o0) * c->ow,
                 c->residual ? img + o0 * c->ow : NULL, c->fp, 0);
     }
 }
@@ -218,10 +229,14 @@ static void channels_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     for (int64_t item = begin; item < end; item++) {
         const int64_t n = item / chunks, ch0 = item % chunks * c->chunk;
         const int64_t rows = c->ce - ch0 < c->chunk ? c->ce - ch0 : c->chunk;
-        product(c->we + ch0 * c->c, c->we_end, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows,
-                plane, NULL, c->fe, 1);
+        const float *expanded = c->x + (n * c->c + ch0) * plane; /* no expansion: the image's planes */
+        if (c->we) {
+            product(c->we + ch0 * c->c, c->we_end, c->be + ch0, c->x + n * c->c * plane, plane, c->c, e, plane, rows,
+                    plane, NULL, c->fe, 1);
+            expanded = e;
+        }
         for (int64_t j = 0; j < rows; j++)
-            depthwise_rows(c, masks, e + j * plane, 0, c->wd + 9 * (ch0 + j), c->bd[ch0 + j],
+            depthwise_rows(c, masks, expanded + j * plane, 0, c->wd + 9 * (ch0 + j), c->bd[ch0 + j],
                            d + (n * c->ce + ch0 + j) * opix, 0, c->oh);
     }
 }
@@ -278,7 +293,8 @@ int64_t invres_scratch_floats(int64_t n, int64_t ce, int64_t h, int64_t w, int64
 
 /* The block over images [0, n), in bands of `band` output rows (or, small maps, channel chunks) split over
  * `threads`; scratch: invres_scratch_floats of it. we, wp: the expansion's and projection's weights packed by
- * packconv_pack_weights; wd the depthwise weights [CE, 9]; biases all given. Returns 0, or -1 without vector code
+ * packconv_pack_weights (we and be NULL: a block without expansion, its depthwise convolution reads x); wd the
+ * depthwise weights [CE, 9]; the other biases given. Returns 0, or -1 without vector code
  * or for output rows wider than MAX_VECTORS vectors (nothing written). */
 int64_t invres_f32_threads(const float *x, const float *we, const float *be, const float *wd, const float *bd,
                            const float *wp, const float *bp, float *y, float *scratch, int64_t n, int64_t c,
@@ -289,7 +305,7 @@ int64_t invres_f32_threads(const float *x, const float *we, const float *be, con
     const int64_t oh = (h - 1) / stride + 1, ow = (w - 1) / stride + 1;
     if ((ow + 15) / 16 > MAX_VECTORS) return -1;
     const int64_t bands = (oh + band - 1) / band, slot = slot_floats(ce, h, w, stride, band);
-    invres_t call = {x, we, be, wd, bd, wp, bp, we + packconv_weights_size(1, ce, c),
+    invres_t call = {x, we, be, wd, bd, wp, bp, we ? we + packconv_weights_size(1, ce, c) : NULL,
                      wp + packconv_weights_size(1, co, ce), y, scratch, c, ce, co, h, w, oh, ow, stride, residual,
                      band, bands, round16(((band - 1) * stride + 3) * w), round16(band * ow), slot, threads * slot,
                      CHUNK, PROJECT_ROWS, {ae, be_, (int)act_e}, {ad, bd_, (int)act_d}, {ap, bp_, (int)act_p}};

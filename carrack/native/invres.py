@@ -97,17 +97,19 @@ class PackedBlock:
                  stride: int, residual: bool):
         w_expand, b_expand, w_depthwise, b_depthwise, w_project, b_project = weights
         self.lib, self.stride, self.residual = lib, stride, residual
-        self.expanded, self.channels = w_expand.shape[:2]
+        self.expanded = w_depthwise.shape[0]
+        self.channels = self.expanded if w_expand is None else w_expand.shape[1]
         self.out_channels = w_project.shape[0]
-        self.expand = _packed(lib, w_expand)
+        self.expand = None if w_expand is None else _packed(lib, w_expand)  # None: the block has no expansion
         self.project = _packed(lib, w_project)
         self.depthwise = np.ascontiguousarray(w_depthwise, _F32).reshape(self.expanded, 9)
-        self.biases = tuple(np.ascontiguousarray(b, _F32) for b in (b_expand, b_depthwise, b_project))
+        self.biases = tuple(None if b is None else np.ascontiguousarray(b, _F32)
+                            for b in (b_expand, b_depthwise, b_project))
         self.activation_args = tuple(v for act in activations for v in act)
 
     @property
     def nbytes(self) -> int:
-        return self.expand.nbytes + self.project.nbytes
+        return (0 if self.expand is None else self.expand.nbytes) + self.project.nbytes
 
     def geometry(self, shape: tuple[int, ...]) -> Geometry | None:
         """The geometry for an input of `shape`, or None when the block does not take it."""
@@ -123,7 +125,7 @@ class PackedBlock:
                                                                threads))
         (be, bd, bp), (wd, we, wp) = self.biases, (self.depthwise, self.expand, self.project)
         return self.lib.invres_f32_threads(
-            data_address(x), data_address(we), data_address(be), data_address(wd), data_address(bd),
+            data_address(x), _address(we), _address(be), data_address(wd), data_address(bd),
             data_address(wp), data_address(bp), data_address(out), data_address(scratch), g.n, g.channels,
             g.expanded, g.out_channels, g.height, g.width, g.stride, int(self.residual), band,
             *self.activation_args, threads) == 0
@@ -136,7 +138,7 @@ class PackedBlock:
         argtypes = self.lib.invres_f32_threads.argtypes
         by_threads: dict[int, tuple] = {}
         arrays = (self.expand, self.biases[0], self.depthwise, self.biases[1], self.project, self.biases[2])
-        we, be, wd, bd, wp, bp = (data_address(a) for a in arrays)
+        we, be, wd, bd, wp, bp = (_address(a) for a in arrays)
         xa, ya = data_address(x), data_address(out)
 
         def converted(allowed: int) -> tuple:
@@ -170,6 +172,10 @@ def _scratch(floats: int) -> np.ndarray:
     return buf
 
 
+def _address(a: np.ndarray | None) -> int | None:
+    return None if a is None else data_address(a)
+
+
 def _packed(lib: ctypes.CDLL, w: np.ndarray) -> np.ndarray:
     rows, depth = w.shape[:2]
     w = np.ascontiguousarray(w, _F32)
@@ -185,8 +191,10 @@ def pack(weights: tuple[np.ndarray, ...], activations: tuple[Activation, ...], s
     lib = library()
     if lib is None:
         return None
-    return native.prepared(f"invres{activations}{stride}{residual}", weights,
-                           lambda: PackedBlock(lib, weights, activations, stride, residual))
+    build = lambda: PackedBlock(lib, weights, activations, stride, residual)  # noqa: E731
+    if weights[0] is None:  # no expansion: not shared (native.prepared keys by the arrays)
+        return build()
+    return native.prepared(f"invres{activations}{stride}{residual}", weights, build)
 
 
 def scratch_bytes(g: Geometry, threads: int) -> int:

@@ -31,8 +31,9 @@ class Block(torch.nn.Module):
     def __init__(self, channels: int, out_channels: int, stride: int, act=torch.nn.ReLU6, expansion: int = 6):
         super().__init__()
         wide = expansion * channels
+        expand = [torch.nn.Conv2d(channels, wide, 1, bias=False), torch.nn.BatchNorm2d(wide), act()]
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(channels, wide, 1, bias=False), torch.nn.BatchNorm2d(wide), act(),
+            *(expand if expansion > 1 else []),  # MobileNetV2's first block has no expansion
             torch.nn.Conv2d(wide, wide, 3, stride=stride, padding=1, groups=wide, bias=False),
             torch.nn.BatchNorm2d(wide), act(),
             torch.nn.Conv2d(wide, out_channels, 1, bias=False), torch.nn.BatchNorm2d(out_channels))
@@ -66,8 +67,8 @@ def _ops(session: InferenceSession) -> list[str]:
     return [node.op_type for node in session._plan.graph.nodes]
 
 
-#: (channels, out channels, stride, activation, input [N, C, H, W]): band-cut maps (odd sizes, batch 2) and small
-#: maps (14x14 and 7x7 outputs) of every kind of block
+#: (channels, out channels, stride, activation, input [N, C, H, W][, expansion]): band-cut maps (odd sizes, batch
+#: 2) and small maps (14x14 and 7x7 outputs) of every kind of block, with and without the expansion
 BLOCKS = {
     "s1_residual_relu6_bands": (8, 8, 1, torch.nn.ReLU6, (2, 8, 37, 23)),
     "s1_wider_relu_bands": (8, 12, 1, torch.nn.ReLU, (1, 8, 30, 33)),
@@ -77,13 +78,15 @@ BLOCKS = {
     "s1_residual_7x7": (20, 20, 1, torch.nn.ReLU6, (1, 20, 7, 7)),
     "s2_to_7x7": (16, 24, 2, torch.nn.ReLU6, (1, 16, 14, 14)),
     "s2_odd_small": (5, 7, 2, torch.nn.LeakyReLU, (2, 5, 9, 11)),
+    "no_expansion_bands": (8, 8, 1, torch.nn.ReLU6, (2, 8, 31, 29), 1),
+    "no_expansion_s2_small": (12, 8, 2, torch.nn.ReLU6, (1, 12, 15, 15), 1),
 }
 
 
 @pytest.fixture(scope="module", params=list(BLOCKS))
 def block(request, tmp_path_factory) -> tuple[str, np.ndarray]:
-    channels, out_channels, stride, act, shape = BLOCKS[request.param]
-    path = _export(Block(channels, out_channels, stride, act), shape,
+    channels, out_channels, stride, act, shape, *expansion = BLOCKS[request.param]
+    path = _export(Block(channels, out_channels, stride, act, *expansion), shape,
                    tmp_path_factory.mktemp("invres") / f"{request.param}.onnx")
     return path, np.random.default_rng(2).standard_normal(shape).astype(np.float32)
 
@@ -201,7 +204,12 @@ def test_blocks_that_do_not_qualify_stay_three_convolutions(tmp_path):
             return self.body[3:](expanded), expanded
 
     path = _export(Exposed(8, 8, 1), (1, 8, 10, 10), tmp_path / "exposed.onnx", ("y", "e"))
-    assert "InvertedResidual" not in _ops(_session(path, 1))
+    session = _session(path, 1)
+    assert _ops(session) == ["FusedConv", "InvertedResidual"]  # the expansion stays, the rest is a block without
+    x = np.random.default_rng(8).standard_normal((1, 8, 10, 10)).astype(np.float32)
+    expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for got, want in zip(session.run(None, {"x": x}), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     wide = torch.nn.Sequential(torch.nn.Conv2d(8, 48, 1), torch.nn.ReLU6(),
                                torch.nn.Conv2d(48, 48, 5, padding=2, groups=48), torch.nn.ReLU6(),
@@ -216,9 +224,14 @@ def test_compile_runs_the_three_convolutions(network, tmp_path):
     from carrack.backends.c.build import compile_model
 
     x = np.random.default_rng(6).standard_normal((1, 3, 57, 50)).astype(np.float32)
-    compile_model(network, tmp_path / "out", "native")
-    got = carrack.CompiledModel(tmp_path / "out").run(None, {"x": x})[0]
-    np.testing.assert_allclose(got, InferenceSession(network).run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    session = InferenceSession(network)
+    expected = session.run(None, {"x": x})[0]
+    assert "InvertedResidual" in [n.op_type for n in session._plan.model.graph.nodes]
+    # a model file (planned without the block fusion) and a session's plan (the compiled executor's case)
+    for k, model in enumerate((network, session._plan.model)):
+        compile_model(model, tmp_path / f"out{k}", "native")
+        got = carrack.CompiledModel(tmp_path / f"out{k}").run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_nodes_are_refused_by_name():

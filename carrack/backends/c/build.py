@@ -75,7 +75,7 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
-    from carrack.passes.fusions import without_block_fusion
+    from carrack.passes.fusions import lower_inverted_residuals
     from carrack.plan import build_plan
 
     if isinstance(model, (str, os.PathLike)):
@@ -83,9 +83,9 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     compiler = native_compiler() if target == "native" else wasm_compiler()  # fail before the work
     if panel_width is None:
         panel_width = native_panel_width(compiler, native_arch) if target == "native" else WASM_PANEL_WIDTH
-    with without_block_fusion():  # the emitter runs a MobileNetV2 block as its three convolutions
-        plan = build_plan(model, level)
-    emitted = emit(plan, dims, max_dims, panel_width, embed_weights)
+    # a session's plan (the compiled executor) may hold carrack.InvertedResidual nodes: the emitters know their
+    # convolutions
+    emitted = emit(build_plan(lower_inverted_residuals(model), level), dims, max_dims, panel_width, embed_weights)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)
