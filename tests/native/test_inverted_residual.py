@@ -67,8 +67,8 @@ def _ops(session: InferenceSession) -> list[str]:
     return [node.op_type for node in session._plan.graph.nodes]
 
 
-#: (channels, out channels, stride, activation, input [N, C, H, W][, expansion]): band-cut maps (odd sizes, batch
-#: 2) and small maps (14x14 and 7x7 outputs) of every kind of block, with and without the expansion
+#: (channels, out channels, stride, activation, input [N, C, H, W]): band-cut maps (odd sizes, batch 2) and small
+#: maps (14x14 and 7x7 outputs) of every kind of block
 BLOCKS = {
     "s1_residual_relu6_bands": (8, 8, 1, torch.nn.ReLU6, (2, 8, 37, 23)),
     "s1_wider_relu_bands": (8, 12, 1, torch.nn.ReLU, (1, 8, 30, 33)),
@@ -78,15 +78,13 @@ BLOCKS = {
     "s1_residual_7x7": (20, 20, 1, torch.nn.ReLU6, (1, 20, 7, 7)),
     "s2_to_7x7": (16, 24, 2, torch.nn.ReLU6, (1, 16, 14, 14)),
     "s2_odd_small": (5, 7, 2, torch.nn.LeakyReLU, (2, 5, 9, 11)),
-    "no_expansion_bands": (8, 8, 1, torch.nn.ReLU6, (2, 8, 31, 29), 1),
-    "no_expansion_s2_small": (12, 8, 2, torch.nn.ReLU6, (1, 12, 15, 15), 1),
 }
 
 
 @pytest.fixture(scope="module", params=list(BLOCKS))
 def block(request, tmp_path_factory) -> tuple[str, np.ndarray]:
-    channels, out_channels, stride, act, shape, *expansion = BLOCKS[request.param]
-    path = _export(Block(channels, out_channels, stride, act, *expansion), shape,
+    channels, out_channels, stride, act, shape = BLOCKS[request.param]
+    path = _export(Block(channels, out_channels, stride, act), shape,
                    tmp_path_factory.mktemp("invres") / f"{request.param}.onnx")
     return path, np.random.default_rng(2).standard_normal(shape).astype(np.float32)
 
@@ -117,10 +115,11 @@ def test_any_band_height_gives_the_same_bits(block, band_bytes, monkeypatch):
         assert np.array_equal(_session(path, threads).run(None, {"x": x})[0], reference)
 
 
+@needs_kernel
 def test_three_convolutions_without_the_kernel(block, monkeypatch):
     path, x = block
     expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    monkeypatch.setattr(invres, "library", lambda: None)
+    monkeypatch.setattr(invres, "pack", lambda *args: None)
     session = _session(path, 2)
     assert _ops(session) == ["InvertedResidual"]
     assert all(kernel.block is None for kernel in _kernels(session))
@@ -167,6 +166,7 @@ def test_bound_blocks_give_the_same_bits_at_any_thread_count(network, monkeypatc
             assert np.array_equal(got, same)
 
 
+@needs_kernel
 def test_network_fuses_every_block_and_exports_the_convolutions_back(network, tmp_path):
     x = np.random.default_rng(5).standard_normal((1, 3, 57, 50)).astype(np.float32)
     expected = ort.InferenceSession(network, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
@@ -204,12 +204,9 @@ def test_blocks_that_do_not_qualify_stay_three_convolutions(tmp_path):
             return self.body[3:](expanded), expanded
 
     path = _export(Exposed(8, 8, 1), (1, 8, 10, 10), tmp_path / "exposed.onnx", ("y", "e"))
-    session = _session(path, 1)
-    assert _ops(session) == ["FusedConv", "InvertedResidual"]  # the expansion stays, the rest is a block without
-    x = np.random.default_rng(8).standard_normal((1, 8, 10, 10)).astype(np.float32)
-    expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    for got, want in zip(session.run(None, {"x": x}), expected):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert "InvertedResidual" not in _ops(_session(path, 1))
+    path = _export(Block(8, 8, 1, expansion=1), (1, 8, 10, 10), tmp_path / "separable.onnx")  # no expansion
+    assert "InvertedResidual" not in _ops(_session(path, 1))
 
     wide = torch.nn.Sequential(torch.nn.Conv2d(8, 48, 1), torch.nn.ReLU6(),
                                torch.nn.Conv2d(48, 48, 5, padding=2, groups=48), torch.nn.ReLU6(),
@@ -218,6 +215,7 @@ def test_blocks_that_do_not_qualify_stay_three_convolutions(tmp_path):
     assert "InvertedResidual" not in _ops(_session(path, 1))
 
 
+@needs_kernel
 def test_compile_runs_the_three_convolutions(network, tmp_path):
     if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler (apt-get install gcc)")
@@ -241,3 +239,39 @@ def test_bad_nodes_are_refused_by_name():
     node = Node("InvertedResidual", ["x", *"abcdef"], ["y"], {"stride": 3}, domain="carrack", name="block8")
     with pytest.raises(InvalidModel, match="block8.*stride must be 1 or 2"):
         InvertedResidual(node, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("stride, size", [(1, 31), (2, 15)])
+def test_a_node_without_expansion_runs_the_depthwise_on_its_input(tmp_path, stride, size):
+    """inputs 1-2 empty: depthwise 3x3 + ReLU6, projection (+ the input), in bands (31x31) and on a small map."""
+    rng = np.random.default_rng(9)
+    channels, out_channels = 8, 8 if stride == 1 else 12
+    weights = {"wd": rng.standard_normal((channels, 1, 3, 3)), "bd": rng.standard_normal(channels),
+               "wp": rng.standard_normal((out_channels, channels, 1, 1)), "bp": rng.standard_normal(out_channels)}
+    inits = [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()]
+    fused = onnx.helper.make_node(
+        "InvertedResidual", ["x", "", "", "wd", "bd", "wp", "bp"], ["y"], domain="carrack", stride=stride,
+        residual=int(stride == 1), expanded_channels=channels, depthwise_activation="Clip",
+        depthwise_activation_params=[0.0, 6.0])
+    plain = [onnx.helper.make_node("Conv", ["x", "wd", "bd"], ["d0"], group=channels, pads=[1] * 4,
+                                   strides=[stride] * 2, kernel_shape=[3, 3]),
+             onnx.helper.make_node("Clip", ["d0", "lo", "hi"], ["d"]),
+             onnx.helper.make_node("Conv", ["d", "wp", "bp"], ["p" if stride == 1 else "y"]),
+             *([onnx.helper.make_node("Add", ["p", "x"], ["y"])] if stride == 1 else [])]
+    bounds = [onnx.numpy_helper.from_array(np.float32(v), k) for k, v in (("lo", 0.0), ("hi", 6.0))]
+    x_info = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, channels, size, size])
+    y_info = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    models = {}
+    for name, nodes, extra in (("fused", [fused], []), ("plain", plain, bounds)):
+        graph = onnx.helper.make_graph(nodes, name, [x_info], [y_info], inits + extra)
+        opsets = [onnx.helper.make_opsetid("", 17)] + ([onnx.helper.make_opsetid("carrack", 1)] if name == "fused"
+                                                        else [])
+        models[name] = onnx.helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    x = rng.standard_normal((1, channels, size, size)).astype(np.float32)
+    expected = ort.InferenceSession(models["plain"], providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    sessions = [_session(models["fused"], threads) for threads in (1, 2, 4)]
+    assert all(kernel.block is not None for s in sessions for kernel in _kernels(s))
+    results = [s.run(None, {"x": x})[0] for s in sessions]
+    np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-4)
+    assert all(np.array_equal(y, results[0]) for y in results)
