@@ -14,12 +14,15 @@
  * - the depthwise 3x3 reads e with masked loads (columns outside the image read as 0), rows outside the image are
  *   skipped;
  * - a thread takes consecutive bands of an image; the expanded rows the next band shares with the last one (the
- *   3x3 window's halo) are moved to the front of the scratch instead of computed again.
+ *   3x3 window's halo) are moved to the front of the scratch instead of computed again;
+ * - small output maps (SMALL_MAP_PIXELS) are not banded: chunks of expanded channels, then groups of projection
+ *   rows, each over the whole map;
+ * - a block without expansion (we NULL) runs the depthwise on x itself.
  *
  * Each output element is computed whole by one thread, every sum in one fixed order (a product's depth in
- * packconv's fixed blocks, the depthwise taps row by row, left to right): the results are the same bits whatever
- * the band size or the thread count. AVX-512 only (invres_vectorized); elsewhere carrack runs the three
- * convolutions.
+ * packconv's fixed blocks, the depthwise taps row by row, left to right; packconv's tail-pixel dot product only
+ * where a product covers the whole map): the results are the same bits whatever the band size or the thread
+ * count. AVX-512 only (invres_vectorized); elsewhere carrack runs the convolutions.
  */
 #include "packconv.c"
 
@@ -31,7 +34,6 @@
 #define SMALL_MAP_PIXELS 256
 #define CHUNK (8 * PR)
 #define PROJECT_ROWS (4 * PR) /* projection rows an item of the second pass takes at most */
-
 
 #if defined(__AVX512F__)
 
