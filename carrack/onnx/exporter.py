@@ -61,6 +61,10 @@ _ACTIVATION_ATTRS = {"LeakyRelu": ("alpha",), "HardSigmoid": ("alpha", "beta")}
 
 def _export_nodes(n: Node, opset: int) -> list[onnx.NodeProto]:
     """carrack's own fused nodes are written back as the standard layer and activation they came from."""
+    if n.domain == "carrack" and n.op_type == "InvertedResidual":
+        from carrack.passes.fusions import inverted_residual_parts
+
+        return [p for part in inverted_residual_parts(n) for p in _export_nodes(part, opset)]
     if n.domain != "carrack" or not n.op_type.startswith("Fused"):
         return [_export_node(n)]
     act = n.attrs["activation"]

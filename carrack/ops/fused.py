@@ -236,3 +236,127 @@ class CarrackFusedGemm(FusedGemm):
 class FusedMatMul(_FusedIntoBase):
     base_op = "MatMul"
     base_opset = 13
+
+
+@register("InvertedResidual", domain="carrack")
+class InvertedResidual(Kernel):
+    """MobileNetV2's inverted-residual block (carrack.passes.fusions.fuse_inverted_residual): a 1x1 expansion
+    (inputs 1 and 2 empty when the block has none), a depthwise 3x3 and a 1x1 projection, each with its activation,
+    plus the block's input for stride 1. invres.c runs it as one call, band by band of output rows
+    (carrack/native/invres.py); without it (no AVX-512, native kernels off, weights that are not constants) the
+    convolutions run one after the other."""
+
+    @classmethod
+    def scratch_bytes(cls, node, facts) -> int:
+        from carrack.native import intra_op, invres
+
+        x = facts.get(node.inputs[0])
+        w_depthwise, w_project = facts.get(node.inputs[3]), facts.get(node.inputs[5])
+        shapes = [getattr(f, "shape", None) for f in (x, w_depthwise, w_project)]
+        if any(s is None or not all(isinstance(d, int) for d in s) for s in shapes):
+            return 0
+        (n, c, h, w), (expanded, *_), (out_channels, *_) = shapes
+        geometry = invres.Geometry(n, c, expanded, out_channels, h, w, int(node.attrs.get("stride", 1)))
+        return invres.scratch_bytes(geometry, intra_op.default_threads())
+
+    @classmethod
+    def prepared_bytes(cls, node, constants) -> int:
+        from carrack.native import invres
+
+        weights = [constants.get(node.inputs[k]) for k in (1, 5) if node.inputs[k]]
+        if not all(isinstance(w, np.ndarray) and w.ndim == 4 for w in weights) or invres.library() is None:
+            return 0
+        return 4 * sum(invres.packed_floats(*w.shape[:2]) for w in weights)
+
+    def setup(self) -> None:
+        from carrack.passes.fusions import BLOCK_PARTS, inverted_residual_parts
+
+        inputs = self.node.inputs
+        if len(inputs) != 7 or not all(inputs[:1] + inputs[3:]) or bool(inputs[1]) != bool(inputs[2]):
+            self.fail("expects 7 inputs: X and the weight and bias of the expansion (both empty for none), the "
+                      f"depthwise convolution and the projection; got {list(inputs)}")
+        self.stride = int(self.attr("stride", 1))
+        if self.stride not in (1, 2):
+            self.fail(f"stride must be 1 or 2, got {self.stride}")
+        self.residual = bool(self.attr("residual", 0))
+        #: the convolutions' kernels, and where their weight and bias are among the node's inputs
+        self.parts, self.part_inputs = [], [k for k in (1, 3, 5) if inputs[k]]
+        for part in inverted_residual_parts(self.node):
+            cls, version = registry.resolve(part.domain, part.op_type, 11)
+            self.parts.append(cls(part, version, self.ctx))
+        self.activations = []
+        for part in BLOCK_PARTS:
+            name = self.attr(f"{part}_activation", "")
+            params = list(self.attr(f"{part}_activation_params", []))
+            epilogue = _epilogue(name, params, _activation(name, params))
+            if epilogue.code < 0:
+                self.fail(f"the {part} activation {name!r} is not one the fused block applies")
+            self.activations.append(epilogue.native())
+        self.block = None
+
+    def prepare(self, constants) -> None:
+        from carrack.native import convolution, invres
+
+        for k, part in zip(self.part_inputs, self.parts):
+            part.prepare([None, constants[k], constants[k + 1]] + ([None] * (len(part.node.inputs) - 3)))
+        weights = tuple(constants[k + j] for k in self.part_inputs for j in (0, 1))
+        if (self.implementation != "native" or not all(isinstance(w, np.ndarray) and w.dtype == np.float32
+                                                       for w in weights) or convolution.load() is None):
+            return
+        w_expand, b_expand = constants[1:3] if self.node.inputs[1] else (None, None)
+        w_depthwise, w_project = constants[3], constants[5]
+        expanded = w_depthwise.shape[0]
+        biases = ((b_expand, expanded),) if w_expand is not None else ()
+        if ((w_expand is not None and (w_expand.ndim != 4 or w_expand.shape[0] != expanded
+                                       or w_expand.shape[2:] != (1, 1)))
+                or w_depthwise.shape != (expanded, 1, 3, 3) or w_project.ndim != 4
+                or w_project.shape[1:] != (expanded, 1, 1)
+                or any(b.shape != (m,) for b, m in (*biases, (constants[4], expanded),
+                                                    (constants[6], w_project.shape[0])))):
+            self.fail(f"weights of shapes {[w.shape for w in weights]} do not make an inverted-residual block")
+        self.block = invres.pack((w_expand, b_expand, *constants[3:]), tuple(self.activations), self.stride,
+                                 self.residual)
+
+    def run(self, x, *params):
+        return self.run_into(None, x, *params)
+
+    def run_into(self, out, x, *params):
+        block = self.block
+        g = block.geometry(x.shape) if block is not None and type(x) is np.ndarray and x.dtype == np.float32 \
+            else None
+        if g is not None:
+            x = np.require(x, np.float32, ("C", "A"))
+            shape = (g.n, g.out_channels, g.out_height, g.out_width)
+            usable = (out is not None and out.shape == shape and out.dtype == np.float32 and out.flags.c_contiguous
+                      and out.flags.aligned and out.flags.writeable and not np.may_share_memory(out, x))
+            y = out if usable else np.empty(shape, np.float32)
+            if block.run(x, y, g):
+                return y
+        return self._three_convolutions(x, *params)
+
+    def bind_into(self, out, x, *params):
+        """invres.c's call for these very arrays, its arguments converted once (a call that fails takes
+        `run_into`)."""
+        block = self.block
+        g = block.geometry(x.shape) if block is not None and type(x) is np.ndarray else None
+        if (g is None or x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.aligned
+                or out.shape != (g.n, g.out_channels, g.out_height, g.out_width) or out.dtype != np.float32
+                or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable)
+                or np.may_share_memory(out, x)):
+            return None
+        call = block.bind(x, out, g)
+        run_into = self.run_into
+
+        def bound() -> None:
+            if not call():
+                y = run_into(out, x, *params)
+                if y is not out:
+                    np.copyto(out, y)
+        return bound
+
+    def _three_convolutions(self, x, *params):
+        y = x
+        for k, part in zip(self.part_inputs, self.parts):
+            residual = (x,) if self.residual and k == 5 else ()
+            y = part.run(y, params[k - 1], params[k], *residual)
+        return y

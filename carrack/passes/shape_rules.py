@@ -562,3 +562,15 @@ def tile_rule(node, ins, version):
     if x is None or reps is None or len(reps) != len(x):
         return [tensor_fact(ins[0].elem_type, None if x is None else (None,) * len(x))]
     return [tensor_fact(ins[0].elem_type, tuple(mul(d, r) for d, r in zip(x, reps)))]
+
+
+@rule("InvertedResidual", domain="carrack")
+def inverted_residual_rule(node, ins, version):
+    """[N, C, H, W] -> [N, projection channels, ceil(H / stride), ceil(W / stride)] (pads 1, a 3x3 window)."""
+    x, w_project = ins[0].shape, ins[5].shape
+    if x is None or len(x) != 4:
+        return [tensor_fact(ins[0].elem_type, None)]
+    stride = int(node.attrs.get("stride", 1))
+    out_channels = w_project[0] if w_project is not None else None
+    spatial = [add(floordiv(add(d, -1), stride), 1) for d in x[2:]]
+    return [tensor_fact(ins[0].elem_type, (x[0], out_channels, *spatial))]

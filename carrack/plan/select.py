@@ -194,6 +194,7 @@ TABLE: dict[tuple[str, str], tuple[Candidate, ...]] = {
     ("", "Conv"): _CONV,
     (MS, "FusedConv"): _CONV,
     (CARRACK, "FusedConv"): _CONV,
+    (CARRACK, "InvertedResidual"): _CONV,
     ("", "MatMul"): _PRODUCT,
     (CARRACK, "FusedMatMul"): _PRODUCT,
     ("", "Gemm"): _GEMM,

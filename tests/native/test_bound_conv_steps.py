@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from carrack.native import convolution as native_conv
+from carrack.passes.fusions import without_block_fusion
 from carrack.runtime.session import InferenceSession, SessionOptions
 
 pytestmark = pytest.mark.skipif(native_conv.load() is None, reason="native convolution kernels not built here")
@@ -52,7 +53,8 @@ needs_packed = pytest.mark.skipif(native_conv.load() is None or not native_conv.
 def _session(path: str, threads: int, bind: bool = True) -> InferenceSession:
     options = SessionOptions()
     options.intra_op_num_threads = threads
-    session = InferenceSession(path, options)
+    with without_block_fusion():  # the blocks' convolutions as steps of their own, not invres.c's one call
+        session = InferenceSession(path, options)
     session._program.bind_steps = bind
     return session
 

@@ -81,6 +81,7 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
+    from carrack.passes.fusions import lower_inverted_residuals
     from carrack.plan import build_plan
 
     if isinstance(model, (str, os.PathLike)):
@@ -89,7 +90,10 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if panel_width is None:
         panel_width = native_panel_width(compiler, native_arch) if target == "native" else WASM_PANEL_WIDTH
     native_kernels = _native_kernels(target, compiler, native_arch, native_kernels)
-    emitted = emit(build_plan(model, level), dims, max_dims, panel_width, embed_weights, native_kernels)
+    # a session's plan (the compiled executor) may hold carrack.InvertedResidual nodes: the emitters know their
+    # convolutions
+    emitted = emit(build_plan(lower_inverted_residuals(model), level), dims, max_dims, panel_width, embed_weights,
+                   native_kernels)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     files = write_sources(emitted, out)
