@@ -64,7 +64,8 @@ def native_libraries() -> list[NativeLibrary]:
 
 
 def _digest(source: Path) -> str:
-    return variants.source_digest(source.read_text(), variants.headers_text(source.parent))
+    text = source.read_text()
+    return variants.source_digest(text, variants.headers_text(source.parent, text))
 
 
 def _strict() -> bool:

@@ -211,7 +211,7 @@ def _find_library(name: str) -> tuple[ctypes.CDLL | None, str]:
     text = source.read_text() if source.is_file() else None
     features, _ = cpu_features()
     entry = manifest().get("libraries", {}).get(name)
-    headers = variants.headers_text(SOURCE_DIR)
+    headers = variants.headers_text(SOURCE_DIR, text or "")
     if entry is not None and (text is None or variants.source_digest(text, headers) == entry.get("source_sha256")):
         selection = cpu.select_variant(features, set(entry.get("variants", ())))
         path = PREBUILT_DIR / variants.library_filename(name, selection.variant.name)
@@ -233,7 +233,7 @@ def _runtime_build(name: str, text: str, variant: variants.Variant, why: str) ->
     if cc is None:
         return None, f"{why}, and no C compiler was found to build it (set CARRACK_CC or install cc)"
     flags = [*BASE_FLAGS, "-shared", f"-I{SOURCE_DIR}", *variant.flags, *variants.source_flags(text)]
-    parts = [text, variants.headers_text(SOURCE_DIR), cc, _compiler_version(cc), *flags]
+    parts = [text, variants.headers_text(SOURCE_DIR, text), cc, _compiler_version(cc), *flags]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     directory, detail = cache.private_cache_dir()
     if directory is None:

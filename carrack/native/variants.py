@@ -10,6 +10,7 @@ present is loaded. The sources pick their code paths from the compiler's macros 
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from dataclasses import dataclass
 
@@ -69,9 +70,12 @@ def source_flags(text: str) -> list[str]:
             for flag in line[len(FLAGS_MARKER):].split()]
 
 
-def headers_text(directory) -> str:
-    """The headers next to the sources (``*.h``), which every source may include: part of what a build is of."""
-    return "".join(f"\0{path.name}\0{path.read_text()}" for path in sorted(directory.glob("*.h")))
+def headers_text(directory, source_text: str = "") -> str:
+    """The headers next to the sources (``*.h``), which every source may include, and the sources that
+    `source_text` includes whole (``#include "packconv.c"``): part of what a build of it is of."""
+    included = sorted(set(re.findall(r'^#include "(\w+\.c)"', source_text, re.MULTILINE)))
+    paths = [*sorted(directory.glob("*.h")), *(directory / name for name in included)]
+    return "".join(f"\0{path.name}\0{path.read_text()}" for path in paths)
 
 
 def source_digest(text: str, headers: str = "") -> str:

@@ -75,8 +75,9 @@ def test_every_source_is_built_in_every_variant():
     x86 = native.manifest()["target"] == "x86_64"
     for source in native.SOURCE_DIR.glob("*.c"):
         assert built[source.stem]["variants"] == [v.name for v in variants.variants(x86)], source.name
-        headers = variants.headers_text(source.parent)
-        assert built[source.stem]["source_sha256"] == variants.source_digest(source.read_text(), headers)
+        text = source.read_text()
+        headers = variants.headers_text(source.parent, text)
+        assert built[source.stem]["source_sha256"] == variants.source_digest(text, headers)
         for variant in built[source.stem]["variants"]:
             assert (native.PREBUILT_DIR / variants.library_filename(source.stem, variant)).is_file()
 
@@ -169,6 +170,21 @@ def test_header_beside_the_sources(sources, tmp_path):
     (sources / "helper.h").write_text("static inline int answer(void) { return 42; }\n")
     assert native.library("uses").get() == 42
     assert len(list((tmp_path / "cache").glob("uses-*.so"))) == 2
+
+
+@needs_compiler
+def test_included_source_beside_the_sources(sources, tmp_path):
+    """A source may include another source whole (invres.c includes packconv.c): a changed included source
+    rebuilds the one including it, and a prebuilt library's digest covers it."""
+    (sources / "inner.c").write_text("static int answer(void) { return 41; }\n")
+    outer = '#include "inner.c"\nint get(void) { return answer(); }\n'
+    (sources / "outer.c").write_text(outer)
+    assert native.library("outer").get() == 41
+    before = variants.source_digest(outer, variants.headers_text(sources, outer))
+    native._loaded.clear()
+    (sources / "inner.c").write_text("static int answer(void) { return 42; }\n")
+    assert native.library("outer").get() == 42
+    assert variants.source_digest(outer, variants.headers_text(sources, outer)) != before
 
 
 @needs_compiler
