@@ -130,6 +130,16 @@ class GraphView:
         for node in list(self.consumers.get(old, [])):
             self._rewire(node, [new if i == old else i for i in node.inputs])
 
+    def redirect(self, old: str, new: str) -> None:
+        """Make every reader of `old` read `new` instead, names read inside subgraph bodies included."""
+        for reader in list(self.consumers.get(old, [])):
+            position = self._position[id(reader)]
+            self._drop(reader)
+            reader.inputs = [new if i == old else i for i in reader.inputs]
+            for g in reader.subgraphs():
+                _rename_free(g, old, new)
+            self._add(reader, position)
+
     def remove(self, nodes: Iterable[Node]) -> None:
         for node in nodes:
             self._drop(node)
