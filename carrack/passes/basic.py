@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from carrack.errors import InvalidModel
-from carrack.ir.graph import Graph, Node
+from carrack.ir.graph import Graph, Node, canonical_domain
 from carrack.onnx.validate import check_static_shape
 from carrack.ops import registry
 from carrack.passes.facts import Fact
@@ -141,9 +141,16 @@ def merge_common_subexpression(node: Node, view: GraphView, ctx: Context) -> boo
     return True
 
 
+#: domains whose operators carrack implements to their specification; an op of another domain is a kernel a user
+#: registered, which may have effects beyond its outputs (a counter, a log, a barrier), so it is never merged
+_SPEC_DOMAINS = frozenset({canonical_domain(""), "ai.onnx.ml", "com.microsoft"})
+
+
 def _mergeable(node: Node, ctx: Context) -> bool:
     if node.op_type in _RANDOM_OPS or node.op_type == "Identity" or not node.outputs or node.subgraphs():
         return False  # an Identity is only left where it renames a graph output: merging it would loop
+    if canonical_domain(node.domain) not in _SPEC_DOMAINS:
+        return False
     kernel = registry.traits(node, ctx.opsets)
     return kernel is not None and kernel.pure
 
