@@ -8,10 +8,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from carrack.errors import InvalidModel
-from carrack.ir.graph import Graph, Node
+from carrack.ir.graph import Graph, Node, canonical_domain
 from carrack.onnx.validate import check_static_shape
 from carrack.ops import registry
+from carrack.passes.facts import Fact
 from carrack.passes.graph_view import GraphView
+from carrack.passes.lazy_facts import LazyFacts
 from carrack.passes.rewrite import BASIC, Context, RuleSet
 from carrack.runtime.allocator import physical_memory_bytes
 
@@ -60,6 +62,145 @@ def remove_dropout(node: Node, view: GraphView, ctx: Context) -> bool:
         # opset < 7 Dropout in training mode scales; in inference mode (is_test) it is the identity
         return False
     return view.bypass(node, node.inputs[0], node.outputs[0])
+
+
+@RULES.rewrite("cast_removal", "Cast", level=BASIC)
+def remove_same_type_cast(node: Node, view: GraphView, ctx: Context) -> bool:
+    """A Cast to the type its input already has is the identity."""
+    if node.domain or not node.inputs or not node.inputs[0] or "to" not in node.attrs:
+        return False
+    source_type = _fact(view, ctx, node.inputs[0]).elem_type
+    if not source_type or source_type != node.attrs["to"]:
+        return False
+    return view.bypass(node, node.inputs[0], node.outputs[0])
+
+
+@RULES.rewrite("concat_removal", "Concat", level=BASIC)
+def remove_single_input_concat(node: Node, view: GraphView, ctx: Context) -> bool:
+    """A Concat of one tensor is that tensor (kept when its axis is known to be out of range: the run reports it)."""
+    if node.domain or len(node.inputs) != 1 or not node.inputs[0]:
+        return False
+    rank = _fact(view, ctx, node.inputs[0]).rank
+    axis = node.attrs.get("axis")
+    if rank is not None and (rank == 0 or not isinstance(axis, int) or not -rank <= axis < rank):
+        return False
+    return view.bypass(node, node.inputs[0], node.outputs[0])
+
+
+def _fact(view: GraphView, ctx: Context, name: str) -> Fact:
+    """What shape inference knows about `name`, from the caller's facts or inferred on demand (shared with the
+    transformer rules through the same context slot)."""
+    if ctx.facts is not None and name in ctx.facts:
+        return ctx.facts[name]
+    lazy = ctx.__dict__.get("_lazy_facts")
+    if lazy is None or lazy.view is not view:
+        lazy = ctx.__dict__["_lazy_facts"] = LazyFacts(view, ctx.opsets)
+    return lazy.get(name)
+
+
+# -- common subexpressions ---------------------------------------------------------------------------------------------
+
+#: constants (initializers, Constant values, tensor attributes) up to this size are compared by contents; larger
+#: ones only by name, so that keying a node never reads a weight
+CSE_CONTENT_BYTES = 4096
+
+#: never merged even where a kernel would call itself pure: two draws are two different values
+_RANDOM_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+                         "Multinomial", "Dropout"})
+
+
+@RULES.rewrite("common_subexpression_elimination", level=BASIC)
+def merge_common_subexpression(node: Node, view: GraphView, ctx: Context) -> bool:
+    """Two nodes of the same op, attributes and inputs compute the same values: the later readers read the first's.
+    Nodes are found by a hash of that key (one table per view), so a round costs one lookup per node."""
+    if not _mergeable(node, ctx):
+        return False
+    key = _cse_key(node, view)
+    if key is None:
+        return False
+    table = _cse_table(view, ctx)
+    seen = table.get(key)
+    if seen is None or seen is node or not view.alive(seen) or _cse_key(seen, view) != key:
+        table[key] = node  # a stale entry (merged away or rewired since) is simply replaced
+        return False
+    keep, drop = seen, node
+    if _feeds_graph_output(drop, view) and not _feeds_graph_output(keep, view):
+        keep, drop = drop, keep  # the node that names a graph output stays, so the output keeps its name
+    table[key] = keep
+    view.remove([drop])
+    renames = []
+    for kept_name, dropped_name in zip(keep.outputs, drop.outputs):
+        if not dropped_name:
+            continue
+        if dropped_name in view.outputs:
+            renames.append(Node("Identity", [kept_name], [dropped_name], name=f"{drop.name or dropped_name}_cse"))
+        else:
+            view.redirect(dropped_name, kept_name)
+    if renames:
+        view.replace([], renames)
+    return True
+
+
+#: domains whose operators carrack implements to their specification; an op of another domain is a kernel a user
+#: registered, which may have effects beyond its outputs (a counter, a log, a barrier), so it is never merged
+_SPEC_DOMAINS = frozenset({canonical_domain(""), "ai.onnx.ml", "com.microsoft"})
+
+
+def _mergeable(node: Node, ctx: Context) -> bool:
+    if node.op_type in _RANDOM_OPS or node.op_type == "Identity" or not node.outputs or node.subgraphs():
+        return False  # an Identity is only left where it renames a graph output: merging it would loop
+    if canonical_domain(node.domain) not in _SPEC_DOMAINS:
+        return False
+    kernel = registry.traits(node, ctx.opsets)
+    return kernel is not None and kernel.pure
+
+
+def _feeds_graph_output(node: Node, view: GraphView) -> bool:
+    return any(o in view.outputs for o in node.outputs if o)
+
+
+def _cse_table(view: GraphView, ctx: Context) -> dict:
+    slot = ctx.__dict__.get("_cse_table")
+    if slot is None or slot[0] is not view:
+        slot = ctx.__dict__["_cse_table"] = (view, {})
+    return slot[1]
+
+
+def _cse_key(node: Node, view: GraphView) -> tuple | None:
+    inputs = []
+    for name in node.inputs:
+        value = view.const(name) if name else None
+        inputs.append(name if value is None else _content_key(value, name))
+    try:
+        attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
+    except TypeError:  # an attribute kind with no order or hash: leave the node alone
+        return None
+    outputs = tuple(bool(o) for o in node.outputs)
+    return node.domain, node.op_type, node.opset, tuple(inputs), attrs, outputs
+
+
+def _content_key(value: np.ndarray, name: str) -> tuple:
+    value = np.asarray(value)
+    if value.dtype == object or value.nbytes > CSE_CONTENT_BYTES:
+        return ("name", name)
+    return ("tensor", value.dtype.str, value.shape, value.tobytes())
+
+
+def _attr_key(value: object) -> object:
+    if isinstance(value, float):
+        return ("float", value.hex())  # 0.0 == -0.0 in Python, and they are different attributes
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype == object or value.nbytes > CSE_CONTENT_BYTES:
+            return ("array", id(value))
+        return ("tensor", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, (int, str, bytes)) or value is None:
+        return value
+    hash(value)  # raises TypeError for what cannot be a key
+    return ("object", type(value).__name__, value)
 
 
 _CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})

@@ -130,6 +130,22 @@ class GraphView:
         for node in list(self.consumers.get(old, [])):
             self._rewire(node, [new if i == old else i for i in node.inputs])
 
+    def redirect(self, old: str, new: str) -> None:
+        """Make every reader of `old` read `new` instead, names read inside subgraph bodies included. Only the
+        index entries of `old` and `new` change, so a reader with many inputs (a wide Concat) is not re-indexed."""
+        readers = self.consumers.pop(old, [])
+        targets = self.consumers.setdefault(new, []) if readers else []
+        present = {id(r) for r in targets}
+        for reader in readers:
+            reader.inputs = [new if i == old else i for i in reader.inputs]
+            for g in reader.subgraphs():
+                _rename_free(g, old, new)
+            if id(reader) not in present:
+                targets.append(reader)
+                present.add(id(reader))
+        if readers:
+            self._taken.add(new)
+
     def remove(self, nodes: Iterable[Node]) -> None:
         for node in nodes:
             self._drop(node)
