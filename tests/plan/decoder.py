@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 
 LAYERS, HEADS, HIDDEN, VOCAB = 2, 4, 32, 97
+#: the decoder the runtime tests run token by token: 2 layers, 4 heads, hidden 64, a vocabulary of 100
+TINY_HEADS, TINY_HIDDEN, TINY_VOCAB = 4, 64, 100
+TINY_PAST_NAMES = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
 
 
 def export_gpt2_with_past(path: Path, dynamo: bool, layers: int = LAYERS, heads: int = HEADS, hidden: int = HIDDEN,
@@ -60,6 +63,14 @@ def export_gpt2_with_past(path: Path, dynamo: bool, layers: int = LAYERS, heads:
             torch.onnx.export(WithPast(), example, str(path), input_names=names, output_names=["logits", *present],
                               dynamic_axes=axes, opset_version=17, dynamo=False)
     return past
+
+
+
+def tiny_gpt2_with_past(directory: Path) -> bytes:
+    """GPT2LMHeadModel of the TINY_* sizes with past key values (torch.onnx's TorchScript exporter)."""
+    path = Path(directory) / "gpt2.onnx"
+    export_gpt2_with_past(path, False, 2, TINY_HEADS, TINY_HIDDEN, TINY_VOCAB)
+    return path.read_bytes()
 
 
 def greedy_decode(run, past_names: list[str], prompt: np.ndarray, steps: int, heads: int = HEADS,

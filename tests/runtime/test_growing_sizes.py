@@ -6,7 +6,6 @@ memory limit, and give serial results from several threads."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,24 +13,18 @@ import pytest
 import carrack
 from carrack.runtime import program as program_module
 from tests.helpers import one_thread_session, run_in_threads
-from tests.plan.decoder import greedy_decode
+from tests.plan.decoder import TINY_HEADS, TINY_HIDDEN, TINY_PAST_NAMES, TINY_VOCAB, greedy_decode, tiny_gpt2_with_past
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
-HEADS, HIDDEN, VOCAB = 4, 64, 100
-PAST_NAMES = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+HEADS, HIDDEN, VOCAB, PAST_NAMES = TINY_HEADS, TINY_HIDDEN, TINY_VOCAB, TINY_PAST_NAMES
 
 
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory) -> bytes:
-    """GPT2LMHeadModel, 2 layers, hidden 64, with past key values (torch.onnx's TorchScript exporter)."""
-    from tests.plan.decoder import export_gpt2_with_past
-
-    path = Path(tmp_path_factory.mktemp("gpt2")) / "gpt2.onnx"
-    export_gpt2_with_past(path, False, 2, HEADS, HIDDEN, VOCAB)
-    return path.read_bytes()
+    return tiny_gpt2_with_past(tmp_path_factory.mktemp("gpt2"))
 
 
 def _decode(session, prompt: np.ndarray, steps: int) -> tuple[list[int], list[np.ndarray]]:

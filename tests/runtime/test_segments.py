@@ -4,8 +4,6 @@ run cannot trust its bound steps (a placed step wrote elsewhere) they compute th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
@@ -15,22 +13,17 @@ import carrack
 from carrack.ops import contrib
 from carrack.runtime import program as program_module
 from tests.helpers import one_thread_session
-from tests.plan.decoder import greedy_decode
+from tests.plan.decoder import TINY_HEADS, TINY_HIDDEN, TINY_PAST_NAMES, TINY_VOCAB, greedy_decode, tiny_gpt2_with_past
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-HEADS, HIDDEN, VOCAB = 4, 64, 100
-PAST_NAMES = [f"past_key_values.{i}.{k}" for i in range(2) for k in ("key", "value")]
+HEADS, HIDDEN, VOCAB, PAST_NAMES = TINY_HEADS, TINY_HIDDEN, TINY_VOCAB, TINY_PAST_NAMES
 
 
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory) -> bytes:
-    from tests.plan.decoder import export_gpt2_with_past
-
-    path = Path(tmp_path_factory.mktemp("gpt2")) / "gpt2.onnx"
-    export_gpt2_with_past(path, False, 2, HEADS, HIDDEN, VOCAB)
-    return path.read_bytes()
+    return tiny_gpt2_with_past(tmp_path_factory.mktemp("gpt2"))
 
 
 def _decode(run, steps: int = 20) -> tuple[list[int], list[np.ndarray]]:
