@@ -11,9 +11,8 @@ from carrack.errors import InvalidModel
 from carrack.ir.graph import Graph, Node, canonical_domain
 from carrack.onnx.validate import check_static_shape
 from carrack.ops import registry
-from carrack.passes.facts import Fact
 from carrack.passes.graph_view import GraphView
-from carrack.passes.lazy_facts import LazyFacts
+from carrack.passes.lazy_facts import context_fact as _fact
 from carrack.passes.rewrite import BASIC, Context, RuleSet
 from carrack.runtime.allocator import physical_memory_bytes
 
@@ -85,17 +84,6 @@ def remove_single_input_concat(node: Node, view: GraphView, ctx: Context) -> boo
     if rank is not None and (rank == 0 or not isinstance(axis, int) or not -rank <= axis < rank):
         return False
     return view.bypass(node, node.inputs[0], node.outputs[0])
-
-
-def _fact(view: GraphView, ctx: Context, name: str) -> Fact:
-    """What shape inference knows about `name`, from the caller's facts or inferred on demand (shared with the
-    transformer rules through the same context slot)."""
-    if ctx.facts is not None and name in ctx.facts:
-        return ctx.facts[name]
-    lazy = ctx.__dict__.get("_lazy_facts")
-    if lazy is None or lazy.view is not view:
-        lazy = ctx.__dict__["_lazy_facts"] = LazyFacts(view, ctx.opsets)
-    return lazy.get(name)
 
 
 # -- common subexpressions ---------------------------------------------------------------------------------------------

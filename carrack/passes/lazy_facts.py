@@ -49,3 +49,14 @@ class LazyFacts:
         if arr is not None and name not in self.view.input_names:
             return const_fact(arr, _elem_type(arr))
         return Fact()
+
+
+def context_fact(view: GraphView, ctx, name: str) -> Fact:
+    """What shape inference knows about `name` for a rule: the caller's facts (`ctx.facts`), else inferred on demand
+    by one LazyFacts per view, kept on the rule context so every rule of a pass shares it."""
+    if ctx.facts is not None and name in ctx.facts:
+        return ctx.facts[name]
+    lazy = ctx.__dict__.get("_lazy_facts")
+    if lazy is None or lazy.view is not view:
+        lazy = ctx.__dict__["_lazy_facts"] = LazyFacts(view, ctx.opsets)
+    return lazy.get(name)

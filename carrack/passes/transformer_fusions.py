@@ -20,7 +20,7 @@ from carrack.ir.graph import Node
 from carrack.ops import registry
 from carrack.passes.facts import Fact, tensor_fact
 from carrack.passes.graph_view import GraphView
-from carrack.passes.lazy_facts import LazyFacts
+from carrack.passes.lazy_facts import context_fact as _fact
 from carrack.passes.rewrite import ALL, Context, RuleSet
 from carrack.passes.shape_inference import rule
 from carrack.passes.shape_rules import same_as_first
@@ -31,16 +31,6 @@ _FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorPro
 
 
 # -- shape facts and small constants -------------------------------------------------------------------------------
-
-def _fact(view: GraphView, ctx: Context, name: str) -> Fact:
-    """What shape inference knows about `name` (an empty Fact when nothing)."""
-    if ctx.facts is not None and name in ctx.facts:
-        return ctx.facts[name]
-    lazy = ctx.__dict__.get("_lazy_facts")
-    if lazy is None or lazy.view is not view:
-        lazy = ctx.__dict__["_lazy_facts"] = LazyFacts(view, ctx.opsets)
-    return lazy.get(name)
-
 
 def _shape(view: GraphView, ctx: Context, name: str) -> tuple | None:
     return _fact(view, ctx, name).shape
