@@ -270,6 +270,31 @@ def test_qlinear_add_native_matches_numpy(in_dtype, out_dtype, shape, monkeypatc
     np.testing.assert_array_equal(_qlinear_add(monkeypatch, True, a.T, b.T, out_dtype), want.T)  # non-contiguous
 
 
+def _qlinear_add_formula(a, b, ka, kb, offset, out_dtype):
+    value = a.astype(np.float32) * ka + b.astype(np.float32) * kb + offset  # float32 throughout, this order
+    info = np.iinfo(out_dtype)
+    return np.clip(np.rint(value), info.min, info.max).astype(out_dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("in_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("out_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("ka, kb, offset", [(0.5, 0.25, 0.0), (0.1, 0.3, 0.0), (0.5, -0.5, 0.5), (3.0, 2.5, -40.0),
+                                            (1e-3, 7e-4, 127.5), (3e38, 1.0, 0.0)])
+def test_qlinear_add_ties_saturation_and_tails(in_dtype, out_dtype, ka, kb, offset):
+    """Exact halves (round half to even), sums that a fused multiply-add would round differently, values far past
+    the output range (to infinity) and every tail length of the vector loop: the native kernel gives the float32
+    formula's bits."""
+    info = np.iinfo(in_dtype)
+    grid = np.arange(info.min, int(info.max) + 1).astype(in_dtype)
+    a, b = np.repeat(grid, 256), np.tile(grid, 256)  # every pair of input values
+    ka, kb, offset = np.float32(ka), np.float32(kb), np.float32(offset)
+    with np.errstate(over="ignore"):
+        for n in (a.size, 1, 15, 16, 17, 47):
+            got = qconv.qlinear_add(a[:n], b[:n], ka, kb, offset, out_dtype)
+            np.testing.assert_array_equal(got, _qlinear_add_formula(a[:n], b[:n], ka, kb, offset, out_dtype))
+
+
 @needs_native
 def test_qlinear_add_broadcast_uses_numpy(monkeypatch):
     rng = np.random.default_rng(1)
