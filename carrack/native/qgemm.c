@@ -101,11 +101,15 @@ static inline float clamp_to(float f, float lo, float hi) {
     return f < hi ? f : hi;
 }
 
-/* v: the raw dot product of one output element */
-static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_t dot) {
-    uint32_t u = (uint32_t)dot - (uint32_t)j->a_zp * (uint32_t)j->colsum[col];
+/* column col's offset of the accumulator: bias - a_zero_point * colsum (int32, wrapping) */
+static inline int32_t column_offset(const job_t *j, int64_t col) {
+    uint32_t u = (uint32_t)0 - (uint32_t)j->a_zp * (uint32_t)j->colsum[col];
     if (j->bias_i32) u += (uint32_t)j->bias_i32[col];
-    int32_t acc = (int32_t)u;
+    return (int32_t)u;
+}
+
+/* the epilogue of one output element, acc being its dot product plus its column's offset */
+static inline void finish_scalar(const job_t *j, int64_t row, int64_t col, int32_t acc) {
     int64_t at = row * j->ldc_m + col * j->ldc_n;
     if (j->mode == QGEMM_INT32) {
         ((int32_t *)j->out)[at] = acc;
@@ -122,19 +126,22 @@ static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_
     }
 }
 
+/* dot: the raw dot product of one output element */
+static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_t dot) {
+    finish_scalar(j, row, col, (int32_t)((uint32_t)dot + (uint32_t)column_offset(j, col)));
+}
+
 #if defined(QGEMM_VNNI)
-/* one vector of 16 output columns (the first `cols` valid) of one row */
-static inline void store_vector(const job_t *j, int64_t row, int64_t col, __m512i dot, int64_t cols) {
+/* one vector of 16 output columns (the first `cols` valid) of one row; v: their dot products plus their columns'
+ * offsets (the tile starts its accumulators at the offsets: no per-element zero-point product here) */
+static inline void store_vector(const job_t *j, int64_t row, int64_t col, __m512i v, int64_t cols) {
     if (j->ldc_n != 1) {
         int32_t tmp[16];
-        _mm512_storeu_si512(tmp, dot);
-        for (int64_t c = 0; c < cols && c < 16; c++) store_scalar(j, row, col + c, tmp[c]);
+        _mm512_storeu_si512(tmp, v);
+        for (int64_t c = 0; c < cols && c < 16; c++) finish_scalar(j, row, col + c, tmp[c]);
         return;
     }
     __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-    __m512i v = _mm512_sub_epi32(dot, _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, j->colsum + col),
-                                                         _mm512_set1_epi32(j->a_zp)));
-    if (j->bias_i32) v = _mm512_add_epi32(v, _mm512_maskz_loadu_epi32(mask, j->bias_i32 + col));
     int64_t at = row * j->ldc_m + col;
     if (j->mode == QGEMM_INT32) {
         _mm512_mask_storeu_epi32((int32_t *)j->out + at, mask, v);
@@ -169,14 +176,15 @@ static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 /* mr rows x nv 16-column vectors of one panel, the whole K in registers; the dot products go to `dot` (row stride
  * QGEMM_NR), from where the epilogue reads them (keeping it out of this loop's register budget) */
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t row, const int8_t *bp, int64_t width,
-                                                       int32_t *dot, const int mr, const int nv) {
+                                                       const int32_t *offsets, int32_t *dot, const int mr,
+                                                       const int nv) {
     __m512i acc[QGEMM_MR][QGEMM_NV];
     const int64_t lda = j->lda, full = j->k / 4, rem = j->k % 4, stride = width * 4;
     const uint8_t *a = j->a + row * lda;
 #pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_loadu_si512(offsets + 16 * v);
     for (int64_t g = 0; g < full; g++) {
         const int8_t *b = bp + g * stride;
         __m512i bv[QGEMM_NV];
@@ -209,11 +217,12 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
 }
 
 #define TILE_CASE(m, v) \
-    case (m) * 8 + (v): tile(j, row, bp, width, dot, m, v); break;
+    case (m) * 8 + (v): tile(j, row, bp, width, offsets, dot, m, v); break;
 #define TILE_ROWS(m) TILE_CASE(m, 1) TILE_CASE(m, 2) TILE_CASE(m, 3) TILE_CASE(m, 4)
 
+/* offsets: column_offset of the panel's columns col0.. (QGEMM_NR of them, zero past the last) */
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets) {
     int32_t dot[QGEMM_MR * QGEMM_NR];
     switch (mr * 8 + (int)(width / 16)) {
         TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
@@ -255,7 +264,8 @@ static void tile16(const job_t *j, int64_t row, int64_t col, const int8_t *bp, i
 }
 
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets) {
+    (void)offsets; /* store_scalar adds them */
     for (int i = 0; i < mr; i += 2) {
         for (int64_t v = 0; v * 16 < cols; v++)
             tile16(j, row + i, col0 + 16 * v, bp + 64 * v, width * 4, cols - 16 * v, mr - i < 2 ? mr - i : 2);
@@ -265,8 +275,9 @@ static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp
 #else
 /* portable C: the compiler may vectorize the column loop */
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets) {
     uint32_t acc[QGEMM_NR];
+    (void)offsets; /* store_scalar adds them */
     const int64_t k4 = groups_of(j->k);
     for (int i = 0; i < mr; i++) {
         const uint8_t *a = j->a + (row + i) * j->lda;
@@ -309,9 +320,11 @@ void qgemm_run(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_
             int64_t width = panel_width(n, col0);
             int64_t cols = (n1 < col0 + QGEMM_NR ? n1 : col0 + QGEMM_NR) - col0;
             const int8_t *bp = packed + (col0 / QGEMM_NR) * k4 * QGEMM_NR * 4;
+            int32_t offsets[QGEMM_NR] = {0};
+            for (int64_t c = 0; c < cols; c++) offsets[c] = column_offset(j, col0 + c);
             for (int64_t row = mb; row < me; row += QGEMM_MR) {
                 int mr = (int)(me - row < QGEMM_MR ? me - row : QGEMM_MR);
-                run_tile(j, row, col0, bp, width, cols, mr);
+                run_tile(j, row, col0, bp, width, cols, mr, offsets);
             }
         }
     }
