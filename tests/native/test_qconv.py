@@ -451,3 +451,26 @@ def test_maxpool_8bit_native_matches_numpy(attrs, shape, dtype, monkeypatch):
     want = kernel.run(x)
     assert calls and got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("nan_at", [None, 3, 2000, 2040])
+def test_quantize_8bit_native(out_dtype, nan_at):
+    """The one-pass native QuantizeLinear gives the float32 formula's bytes (ties, saturation, every tail length of
+    the vector loop), and declines (None) when a NaN is anywhere, in the vector loop or the tail."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(2037) * 300, [0.5, 1.5, -2.5, 254.5, -128.5, np.inf, -np.inf]])
+    x = x.astype(np.float32)
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    scale, zero = np.float32(0.5), np.float32(3 if out_dtype == np.uint8 else -2)
+    info = np.iinfo(out_dtype)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(np.rint(x / scale) + zero, info.min, info.max)
+    for n in (x.size, 1, 15, 16, 17, 2037):
+        got = qconv.quantize_8bit(x[:n], scale, zero, out_dtype)
+        if nan_at is not None and nan_at < n:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, want[:n].astype(out_dtype))
