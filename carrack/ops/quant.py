@@ -218,6 +218,13 @@ class DequantizeLinear(Kernel):
         # (x - zero_point) of 8/16-bit integers is exact in float32, so for a float32 output one float32 multiply
         # rounds correctly; otherwise the product is formed in float64 and rounded once to the output type.
         compute = np.float32 if out_dtype == np.float32 and _narrow_integer(x.dtype) else np.float64
+        if compute == np.float32 and x_scale.size == 1 and (x_zero_point is None or x_zero_point.size == 1) \
+                and x.ndim and self.block_size == 0:  # per tensor: the same float32 operations, in place
+            y = x.astype(np.float32)
+            if x_zero_point is not None:
+                y -= as_float64(x_zero_point.reshape(())).astype(np.float32)
+            y *= as_float64(x_scale.reshape(())).astype(np.float32)
+            return y
         scale = expand_qparam(x_scale, x.shape, self.axis, self.block_size, where)
         shifted = x.astype(compute) if compute == np.float32 else as_float64(x)
         if x_zero_point is not None:
