@@ -365,6 +365,70 @@ def test_quantize_static_model_against_onnxruntime(per_channel, tmp_path, monkey
     np.testing.assert_allclose(results["1"], want, rtol=0, atol=step * 1.001)
 
 
+def _wide_cnn() -> onnx.ModelProto:
+    """64-channel convolutions (depths 576 and 64: the int8 GEMM's AMX tiles where the CPU has them) with a residual
+    add, on a 12x12 map (144 pixels: whole 32-row blocks and rows past them)."""
+    rng = np.random.default_rng(5)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+             helper.make_node("Add", ["c2", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    inits = [weight("w1", 64, 64, 3, 3), weight("b1", 64), weight("w2", 64, 64, 1, 1), weight("b2", 64)]
+    graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 12, 12])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@needs_native
+def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch):
+    """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
+    on and off (VNNI), within one quantization step of onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    from carrack.native import qgemm
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": np.random.default_rng(i).normal(size=(1, 64, 12, 12)).astype(np.float32)}
+                                 for i in range(3)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
+    onnx.save(_wide_cnn(), str(source))
+    quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ)
+    x = np.random.default_rng(9).normal(size=(1, 64, 12, 12)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    monkeypatch.setenv("CARRACK_NATIVE", "1")
+    results = []
+    try:
+        for amx in (True, False):
+            qgemm.amx(amx)
+            for threads in (1, 2, 4):
+                options = carrack.SessionOptions()
+                options.intra_op_num_threads = threads
+                session = carrack.InferenceSession(str(target), options)
+                assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 2
+                results.append(session.run(None, {"x": x})[0])
+    finally:
+        qgemm.amx(True)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    model = onnx.load(str(target))
+    last = next(n for n in model.graph.node if n.output[0] == "y")
+    step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=step * 1.001)
+    assert len(np.unique(results[0])) > 10
+
+
 # -- ONNX QLinearConv (QOperator format) with constant weights -------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("case", ["3x3_stride2_asym_pad", "depthwise_mult2_stride2", "grouped", "conv1d", "1x1"])
