@@ -12,6 +12,9 @@
  * group g (rows 4g..4g+3) takes w * 4 bytes: column c's four bytes at c * 4. So 16 columns of one group are one
  * 64-byte vector, the operand of VNNI's vpdpbusd (u8 x s8, groups of 4, into int32 lanes).
  *
+ * On CPUs with AMX (checked at run time, CARRACK_AMX=0 to turn off) depths that are multiples of 64 run on AMX tiles,
+ * whose B layout the packed panel already is (see run_amx); the results are the same bits.
+ *
  * No -ffast-math here: the float epilogues must round exactly as the numpy path does (and no FMA contraction).
  */
 #define _GNU_SOURCE /* syscall(), for the AMX permission */
