@@ -9,6 +9,7 @@
  *   qconv_depthwise   direct depthwise convolution: int32 accumulation over stride-phase planes, then the
  *                     requantization.
  *   qconv_qlinear_add QLinearAdd's float32 formula, elementwise.
+ *   qconv_quantize    QuantizeLinear of float32 values with one scale and zero point, to 8 bits.
  *   qconv_maxpool     MaxPool over 8-bit planes.
  *
  * `mask` 0x80 turns int8 values into uint8 ones (x ^ 0x80 == x + 128): the caller adds 128 to the zero point.
@@ -367,12 +368,72 @@ void qconv_depthwise(const uint8_t *x, const int64_t *g, int64_t mult, int64_t c
         }                                                                                        \
     } while (0)
 
+#if defined(__AVX512BW__)
+/* 16 values of one operand as float32: widened from 8 bits, signed or not */
+static inline __m512 widen16(const uint8_t *p, int in_signed) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    return _mm512_cvtepi32_ps(in_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+
+/* The same float32 operations as ADD_LOOP, 16 lanes at a time (mul, mul, add, add, round to nearest even, clamp;
+ * max/min return the bound for a NaN as the scalar comparisons do); returns how many values it did. */
+static int64_t qlinear_add_avx512(const uint8_t *a, const uint8_t *b, int64_t n, float ka, float kb, float offset,
+                                  int32_t in_signed, int32_t out_signed, uint8_t *y) {
+    const __m512 vka = _mm512_set1_ps(ka), vkb = _mm512_set1_ps(kb), voff = _mm512_set1_ps(offset);
+    const __m512 lo = _mm512_set1_ps(out_signed ? -128.0f : 0.0f), hi = _mm512_set1_ps(out_signed ? 127.0f : 255.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_mul_ps(widen16(a + i, in_signed), vka);
+        v = _mm512_add_ps(v, _mm512_mul_ps(widen16(b + i, in_signed), vkb));
+        v = _mm512_roundscale_ps(_mm512_add_ps(v, voff), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(y + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)));
+    }
+    return i;
+}
+#endif
+
 void qconv_qlinear_add(const uint8_t *a, const uint8_t *b, int64_t n, float ka, float kb, float offset,
                        int32_t in_signed, int32_t out_signed, uint8_t *y) {
+#if defined(__AVX512BW__)
+    const int64_t done = qlinear_add_avx512(a, b, n, ka, kb, offset, in_signed, out_signed, y);
+    a += done, b += done, y += done, n -= done;
+#endif
     if (!in_signed && !out_signed) ADD_LOOP(uint8_t, uint8_t, 0.0f, 255.0f);
     else if (!in_signed) ADD_LOOP(uint8_t, int8_t, -128.0f, 127.0f);
     else if (!out_signed) ADD_LOOP(int8_t, uint8_t, 0.0f, 255.0f);
     else ADD_LOOP(int8_t, int8_t, -128.0f, 127.0f);
+}
+
+/* -- QuantizeLinear, float32 per tensor ----------------------------------------------------------------------------- */
+/* y = clamp(rint(x / scale) + zero_point) over n float32 values, in float32 in this order (true division, round half
+ * to even): the numpy fast path's formula. Returns 1 when some quotient is a NaN (y then partly written: the caller
+ * takes its general path), else 0. */
+int64_t qconv_quantize(const float *x, int64_t n, float scale, float zero_point, int32_t out_signed, uint8_t *y) {
+    const float lo = out_signed ? -128.0f : 0.0f, hi = out_signed ? 127.0f : 255.0f;
+    int64_t i = 0;
+#if defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero_point);
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    __mmask16 nan = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_add_ps(q, vz);
+        nan |= _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q);
+        q = _mm512_min_ps(_mm512_max_ps(q, vlo), vhi);
+        _mm_storeu_si128((__m128i *)(y + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q)));
+    }
+    if (nan) return 1;
+#endif
+    for (; i < n; i++) {
+        float q = rintf(x[i] / scale) + zero_point;
+        if (q != q) return 1;
+        q = q > lo ? q : lo;
+        q = q < hi ? q : hi;
+        y[i] = out_signed ? (uint8_t)(int8_t)(int32_t)q : (uint8_t)(int32_t)q;
+    }
+    return 0;
 }
 
 /* -- MaxPool on 8-bit values ----------------------------------------------------------------------------------------- */

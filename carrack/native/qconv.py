@@ -8,6 +8,7 @@
   direct kernel instead. Bit for bit the numpy path's result: the accumulator is the exact integer (wrapping like
   int32), requantized as clamp(rint(float32(acc) * multiplier) + zp).
 * qlinear_add: QLinearAdd's float32 formula for same-shape operands, in one pass.
+* quantize_8bit: QuantizeLinear's float32 per-tensor formula to uint8/int8, in one pass.
 * maxpool_8bit: MaxPool on uint8/int8 values.
 """
 
@@ -34,6 +35,7 @@ _SIGNATURES = {
     "qconv_depthwise_scratch": ([_p], _i64),
     "qconv_depthwise": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _p], None),
     "qconv_qlinear_add": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p], None),
+    "qconv_quantize": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p], _i64),
     "qconv_pool_scratch": ([_p], _i64),
     "qconv_maxpool": ([_p, _p, _i64, _i64, _i32, _p, _p], None),
     # the `_threads` entry points: [begin, end) cut into `chunks` pieces run by up to `threads` threads
@@ -80,6 +82,19 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
     lib.qconv_qlinear_add_threads(data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8),
                                   int(out_dtype == np.int8), data_address(y), parts, parts)
     return y
+
+
+def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype) -> np.ndarray | None:
+    """clamp(rint(x / scale) + zero_point) in float32 for a C-contiguous float32 x, as out_dtype (uint8/int8); None
+    when the library is unavailable or some quotient is a NaN (the caller's general path decides those)."""
+    lib = library()
+    out_dtype = np.dtype(out_dtype)
+    if lib is None or x.dtype != np.float32 or not x.flags.c_contiguous or out_dtype not in _EIGHT_BIT:
+        return None
+    y = np.empty(x.shape, out_dtype)
+    status = lib.qconv_quantize(data_address(x), x.size, scale, zero_point, int(out_dtype == np.int8),
+                                data_address(y))
+    return None if status else y
 
 
 def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],

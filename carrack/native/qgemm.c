@@ -12,8 +12,12 @@
  * group g (rows 4g..4g+3) takes w * 4 bytes: column c's four bytes at c * 4. So 16 columns of one group are one
  * 64-byte vector, the operand of VNNI's vpdpbusd (u8 x s8, groups of 4, into int32 lanes).
  *
+ * On CPUs with AMX (checked at run time, CARRACK_AMX=0 to turn off) depths that are multiples of 64 run on AMX tiles,
+ * whose B layout the packed panel already is (see run_amx); the results are the same bits.
+ *
  * No -ffast-math here: the float epilogues must round exactly as the numpy path does (and no FMA contraction).
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +30,12 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QGEMM_VNNI 1
+#if defined(__linux__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define QGEMM_AMX 1 /* AMX tiles where the CPU has them and the kernel grants them (checked at run time) */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__AVX2__)
 #define QGEMM_AVX2 1
 #endif
@@ -62,9 +72,20 @@ static inline int64_t panel_width(int64_t n, int64_t col0) {
 
 int64_t qgemm_panel_columns(void) { return QGEMM_NR; }
 
+static inline const int8_t *packed_panel(const job_t *j, int64_t col0, int64_t k4) {
+    return j->packed + (col0 / QGEMM_NR) * k4 * QGEMM_NR * 4;
+}
+
 int64_t qgemm_packed_bytes(int64_t k, int64_t n) { return groups_of(k) * 4 * ((n + 15) & ~(int64_t)15); }
 
 /* 512: AVX-512 VNNI, 256: AVX2, 0: portable C */
+#if !defined(QGEMM_AMX)
+int64_t qgemm_amx(int64_t enable) {
+    (void)enable;
+    return 0;
+}
+#endif
+
 int64_t qgemm_isa(void) {
 #if defined(QGEMM_VNNI)
     return 512;
@@ -101,11 +122,15 @@ static inline float clamp_to(float f, float lo, float hi) {
     return f < hi ? f : hi;
 }
 
-/* v: the raw dot product of one output element */
-static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_t dot) {
-    uint32_t u = (uint32_t)dot - (uint32_t)j->a_zp * (uint32_t)j->colsum[col];
+/* column col's offset of the accumulator: bias - a_zero_point * colsum (int32, wrapping) */
+static inline int32_t column_offset(const job_t *j, int64_t col) {
+    uint32_t u = (uint32_t)0 - (uint32_t)j->a_zp * (uint32_t)j->colsum[col];
     if (j->bias_i32) u += (uint32_t)j->bias_i32[col];
-    int32_t acc = (int32_t)u;
+    return (int32_t)u;
+}
+
+/* the epilogue of one output element, acc being its dot product plus its column's offset */
+static inline void finish_scalar(const job_t *j, int64_t row, int64_t col, int32_t acc) {
     int64_t at = row * j->ldc_m + col * j->ldc_n;
     if (j->mode == QGEMM_INT32) {
         ((int32_t *)j->out)[at] = acc;
@@ -122,19 +147,22 @@ static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_
     }
 }
 
+/* dot: the raw dot product of one output element */
+static inline void store_scalar(const job_t *j, int64_t row, int64_t col, int32_t dot) {
+    finish_scalar(j, row, col, (int32_t)((uint32_t)dot + (uint32_t)column_offset(j, col)));
+}
+
 #if defined(QGEMM_VNNI)
-/* one vector of 16 output columns (the first `cols` valid) of one row */
-static inline void store_vector(const job_t *j, int64_t row, int64_t col, __m512i dot, int64_t cols) {
+/* one vector of 16 output columns (the first `cols` valid) of one row; v: their dot products plus their columns'
+ * offsets (the tile starts its accumulators at the offsets: no per-element zero-point product here) */
+static inline void store_vector(const job_t *j, int64_t row, int64_t col, __m512i v, int64_t cols) {
     if (j->ldc_n != 1) {
         int32_t tmp[16];
-        _mm512_storeu_si512(tmp, dot);
-        for (int64_t c = 0; c < cols && c < 16; c++) store_scalar(j, row, col + c, tmp[c]);
+        _mm512_storeu_si512(tmp, v);
+        for (int64_t c = 0; c < cols && c < 16; c++) finish_scalar(j, row, col + c, tmp[c]);
         return;
     }
     __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-    __m512i v = _mm512_sub_epi32(dot, _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, j->colsum + col),
-                                                         _mm512_set1_epi32(j->a_zp)));
-    if (j->bias_i32) v = _mm512_add_epi32(v, _mm512_maskz_loadu_epi32(mask, j->bias_i32 + col));
     int64_t at = row * j->ldc_m + col;
     if (j->mode == QGEMM_INT32) {
         _mm512_mask_storeu_epi32((int32_t *)j->out + at, mask, v);
@@ -169,14 +197,15 @@ static inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
 /* mr rows x nv 16-column vectors of one panel, the whole K in registers; the dot products go to `dot` (row stride
  * QGEMM_NR), from where the epilogue reads them (keeping it out of this loop's register budget) */
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t row, const int8_t *bp, int64_t width,
-                                                       int32_t *dot, const int mr, const int nv) {
+                                                       const int32_t *offsets, int32_t *dot, const int mr,
+                                                       const int nv) {
     __m512i acc[QGEMM_MR][QGEMM_NV];
     const int64_t lda = j->lda, full = j->k / 4, rem = j->k % 4, stride = width * 4;
     const uint8_t *a = j->a + row * lda;
 #pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_setzero_si512();
+        for (int v = 0; v < nv; v++) acc[i][v] = _mm512_loadu_si512(offsets + 16 * v);
     for (int64_t g = 0; g < full; g++) {
         const int8_t *b = bp + g * stride;
         __m512i bv[QGEMM_NV];
@@ -208,12 +237,128 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t r
         for (int v = 0; v < nv; v++) _mm512_storeu_si512(dot + i * QGEMM_NR + 16 * v, acc[i][v]);
 }
 
-#define TILE_CASE(m, v) \
-    case (m) * 8 + (v): tile(j, row, bp, width, dot, m, v); break;
-#define TILE_ROWS(m) TILE_CASE(m, 1) TILE_CASE(m, 2) TILE_CASE(m, 3) TILE_CASE(m, 4)
+
+#if defined(QGEMM_AMX)
+/* -- AMX (Sapphire Rapids and later) ------------------------------------------------------------------------------ *
+ * The packed panel is already AMX's B layout: a group of 4 depth rows is one 64-byte tile row holding 16 columns'
+ * 4 bytes each. A block of 32 rows x 32 columns runs as four 16x16 int32 tiles (tdpbusd: u8 x s8 in groups of 4,
+ * summed into int32 with wrap-around, as vpdpbusd), 64 bytes of depth per step, so only K a multiple of 64 takes
+ * it; the rows past the last whole 32 go to the VNNI tiles. The results go through `dot` to store_vector. */
+static int amx_state; /* 0: not checked yet, 1: usable, -1: not (no AMX, refused by the kernel, CARRACK_AMX=0) */
+
+static int amx_check(void) {
+    unsigned eax, ebx, ecx, edx;
+    const char *env = getenv("CARRACK_AMX");
+    if (env && env[0] == '0') return -1;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return -1;
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: a process must ask before its first tile instruction */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+}
+
+static int amx_usable(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {
+        state = amx_check();
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+/* 1 when products of depth K take the AMX tiles (for tests: `enable` 0 turns them off, 1 back on where usable) */
+int64_t qgemm_amx(int64_t enable) {
+    if (enable == 0) __atomic_store_n(&amx_state, -1, __ATOMIC_RELEASE);
+    else if (enable == 1) __atomic_store_n(&amx_state, 0, __ATOMIC_RELEASE);
+    return amx_usable();
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+__attribute__((target("amx-tile"))) static void amx_configure(void) {
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16; /* 0-3: C, 4-5: A, 6-7: B */
+    _tile_loadconfig(&cfg);
+}
+
+/* rows [row, row + 32) x the panel's 16 (two = 0) or 32 columns at bp; dot: int32 [32][QGEMM_NR] */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_block(const job_t *j, int64_t row, const int8_t *bp,
+                                                                    int64_t stride, int two, int32_t *dot) {
+    const int64_t lda = j->lda, steps = j->k / 64;
+    const uint8_t *a = j->a + row * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const int8_t *b = bp + 16 * s * stride;
+        _tile_loadd(4, a + 64 * s, lda);
+        _tile_loadd(5, a + 16 * lda + 64 * s, lda);
+        _tile_loadd(6, b, stride);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b + 64, stride);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, dot, QGEMM_NR * 4);
+    _tile_stored(2, dot + 16 * QGEMM_NR, QGEMM_NR * 4);
+    if (two) {
+        _tile_stored(1, dot + 16, QGEMM_NR * 4);
+        _tile_stored(3, dot + 16 * QGEMM_NR + 16, QGEMM_NR * 4);
+    }
+}
 
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets);
+
+/* qgemm_run's loops with 32-row AMX blocks (rows per L2 block a multiple of 32) */
+__attribute__((target("amx-tile,amx-int8"))) static void run_amx(const job_t *j, int64_t m0, int64_t m1, int64_t n0,
+                                                                  int64_t n1) {
+    const int64_t k4 = groups_of(j->k);
+    int32_t dot[32 * QGEMM_NR];
+    int64_t block = (int64_t)(1 << 18) / j->k;
+    block = block < 32 ? 32 : block - block % 32;
+    amx_configure();
+    for (int64_t mb = m0; mb < m1; mb += block) {
+        int64_t me = mb + block < m1 ? mb + block : m1;
+        for (int64_t col0 = n0; col0 < n1; col0 += QGEMM_NR) {
+            int64_t width = panel_width(j->n, col0);
+            int64_t cols = (n1 < col0 + QGEMM_NR ? n1 : col0 + QGEMM_NR) - col0;
+            const int8_t *bp = packed_panel(j, col0, k4);
+            int32_t offsets[QGEMM_NR] = {0};
+            for (int64_t c = 0; c < cols; c++) offsets[c] = column_offset(j, col0 + c);
+            int64_t row = mb;
+            for (; row + 32 <= me; row += 32)
+                for (int64_t c = 0; c < cols; c += 32) {
+                    amx_block(j, row, bp + 4 * c, width * 4, cols - c > 16, dot);
+                    for (int64_t i = 0; i < 32; i++)
+                        for (int64_t v = c; v < cols && v < c + 32; v += 16)
+                            store_vector(j, row + i, col0 + v,
+                                         _mm512_add_epi32(_mm512_loadu_si512(dot + i * QGEMM_NR + v - c),
+                                                          _mm512_loadu_si512(offsets + v)), cols - v);
+                }
+            for (; row < me; row += QGEMM_MR)
+                run_tile(j, row, col0, bp, width, cols, (int)(me - row < QGEMM_MR ? me - row : QGEMM_MR), offsets);
+        }
+    }
+    _tile_release();
+}
+#endif
+
+#define TILE_CASE(m, v) \
+    case (m) * 8 + (v): tile(j, row, bp, width, offsets, dot, m, v); break;
+#define TILE_ROWS(m) TILE_CASE(m, 1) TILE_CASE(m, 2) TILE_CASE(m, 3) TILE_CASE(m, 4)
+
+/* offsets: column_offset of the panel's columns col0.. (QGEMM_NR of them, zero past the last) */
+static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
+                     int mr, const int32_t *offsets) {
     int32_t dot[QGEMM_MR * QGEMM_NR];
     switch (mr * 8 + (int)(width / 16)) {
         TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6)
@@ -255,7 +400,8 @@ static void tile16(const job_t *j, int64_t row, int64_t col, const int8_t *bp, i
 }
 
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets) {
+    (void)offsets; /* store_scalar adds them */
     for (int i = 0; i < mr; i += 2) {
         for (int64_t v = 0; v * 16 < cols; v++)
             tile16(j, row + i, col0 + 16 * v, bp + 64 * v, width * 4, cols - 16 * v, mr - i < 2 ? mr - i : 2);
@@ -265,8 +411,9 @@ static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp
 #else
 /* portable C: the compiler may vectorize the column loop */
 static void run_tile(const job_t *j, int64_t row, int64_t col0, const int8_t *bp, int64_t width, int64_t cols,
-                     int mr) {
+                     int mr, const int32_t *offsets) {
     uint32_t acc[QGEMM_NR];
+    (void)offsets; /* store_scalar adds them */
     const int64_t k4 = groups_of(j->k);
     for (int i = 0; i < mr; i++) {
         const uint8_t *a = j->a + (row + i) * j->lda;
@@ -300,6 +447,12 @@ void qgemm_run(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_
     const job_t *j = &job;
     const int64_t k4 = groups_of(k);
     if (n1 > n) n1 = n;
+#if defined(QGEMM_AMX)
+    if (k > 0 && k % 64 == 0 && m1 - m0 >= 32 && amx_usable()) {
+        run_amx(j, m0, m1, n0, n1);
+        return;
+    }
+#endif
     /* rows per block: A's block (about 256 KiB) stays in L2 while every panel of B passes over it */
     int64_t block = (int64_t)(1 << 18) / (k > 0 ? k : 1);
     block = block < QGEMM_MR ? QGEMM_MR : block - block % QGEMM_MR;
@@ -309,9 +462,11 @@ void qgemm_run(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_
             int64_t width = panel_width(n, col0);
             int64_t cols = (n1 < col0 + QGEMM_NR ? n1 : col0 + QGEMM_NR) - col0;
             const int8_t *bp = packed + (col0 / QGEMM_NR) * k4 * QGEMM_NR * 4;
+            int32_t offsets[QGEMM_NR] = {0};
+            for (int64_t c = 0; c < cols; c++) offsets[c] = column_offset(j, col0 + c);
             for (int64_t row = mb; row < me; row += QGEMM_MR) {
                 int mr = (int)(me - row < QGEMM_MR ? me - row : QGEMM_MR);
-                run_tile(j, row, col0, bp, width, cols, mr);
+                run_tile(j, row, col0, bp, width, cols, mr, offsets);
             }
         }
     }

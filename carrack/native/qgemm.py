@@ -25,6 +25,7 @@ _SIGNATURES = {
     "qgemm_panel_columns": ([], _i64),
     "qgemm_packed_bytes": ([_i64, _i64], _i64),
     "qgemm_isa": ([], _i64),
+    "qgemm_amx": ([_i64], _i64),
     "qgemm_pack_b": ([_p, _i64, _i64, _i64, _p, _p], None),
     "qgemm_run": ([_i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _p, _i32, _p, _i64, _i64, _p, _p,
                    _i32], None),
@@ -45,6 +46,16 @@ def isa() -> int:
     """512 (AVX-512 VNNI), 256 (AVX2) or 0 (portable C) for the loaded library; -1 when it is unavailable."""
     lib = library()
     return -1 if lib is None else int(lib.qgemm_isa())
+
+
+def amx(enable: bool | None = None) -> bool:
+    """Whether products whose depth is a multiple of 64 run on AMX tiles (Sapphire Rapids and later, when the kernel
+    grants them; CARRACK_AMX=0 turns them off). `enable` False turns them off for the process, True back on where
+    usable (the VNNI tiles give the same bits: tests compare the two)."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.qgemm_amx({None: -1, False: 0, True: 1}[enable]))
 
 
 def int8_weight(weight: np.ndarray) -> np.ndarray | None:

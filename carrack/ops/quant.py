@@ -146,6 +146,10 @@ class QuantizeLinear(Kernel):
         return zero_point.dtype
 
 
+#: from this many elements QuantizeLinear's fast path runs natively (carrack/native/qconv.c: one pass, not five)
+_NATIVE_QUANTIZE_MIN = 1024
+
+
 def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_dtype: np.dtype) -> np.ndarray | None:
     """The common case (float32 x, one float32 scale, 8-bit result) in float32 passes, equal to the general path:
     rint(x / scale) + zero_point is exact in float32 below 2**24 and saturates alike above. None when it does not
@@ -153,6 +157,13 @@ def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_
     if x.dtype != np.float32 or x.ndim == 0 or scale.dtype != np.float32 or scale.size != 1 \
             or out_dtype not in (np.uint8, np.int8) or (zero_point is not None and np.size(zero_point) != 1):
         return None
+    if x.size >= _NATIVE_QUANTIZE_MIN and x.flags.c_contiguous:
+        from carrack.native import qconv
+
+        zero = np.float32(0 if zero_point is None else np.asarray(zero_point).reshape(()))
+        y = qconv.quantize_8bit(x, np.float32(scale.reshape(())), zero, out_dtype)
+        if y is not None:
+            return y
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         q = x / scale.reshape(())
     np.rint(q, out=q)
@@ -207,6 +218,13 @@ class DequantizeLinear(Kernel):
         # (x - zero_point) of 8/16-bit integers is exact in float32, so for a float32 output one float32 multiply
         # rounds correctly; otherwise the product is formed in float64 and rounded once to the output type.
         compute = np.float32 if out_dtype == np.float32 and _narrow_integer(x.dtype) else np.float64
+        if compute == np.float32 and x_scale.size == 1 and (x_zero_point is None or x_zero_point.size == 1) \
+                and x.ndim and self.block_size == 0:  # per tensor: the same float32 operations, in place
+            y = x.astype(np.float32)
+            if x_zero_point is not None:
+                y -= as_float64(x_zero_point.reshape(())).astype(np.float32)
+            y *= as_float64(x_scale.reshape(())).astype(np.float32)
+            return y
         scale = expand_qparam(x_scale, x.shape, self.axis, self.block_size, where)
         shifted = x.astype(compute) if compute == np.float32 else as_float64(x)
         if x_zero_point is not None:

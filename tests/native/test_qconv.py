@@ -270,6 +270,31 @@ def test_qlinear_add_native_matches_numpy(in_dtype, out_dtype, shape, monkeypatc
     np.testing.assert_array_equal(_qlinear_add(monkeypatch, True, a.T, b.T, out_dtype), want.T)  # non-contiguous
 
 
+def _qlinear_add_formula(a, b, ka, kb, offset, out_dtype):
+    value = a.astype(np.float32) * ka + b.astype(np.float32) * kb + offset  # float32 throughout, this order
+    info = np.iinfo(out_dtype)
+    return np.clip(np.rint(value), info.min, info.max).astype(out_dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("in_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("out_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("ka, kb, offset", [(0.5, 0.25, 0.0), (0.1, 0.3, 0.0), (0.5, -0.5, 0.5), (3.0, 2.5, -40.0),
+                                            (1e-3, 7e-4, 127.5), (3e38, 1.0, 0.0)])
+def test_qlinear_add_ties_saturation_and_tails(in_dtype, out_dtype, ka, kb, offset):
+    """Exact halves (round half to even), sums that a fused multiply-add would round differently, values far past
+    the output range (to infinity) and every tail length of the vector loop: the native kernel gives the float32
+    formula's bits."""
+    info = np.iinfo(in_dtype)
+    grid = np.arange(info.min, int(info.max) + 1).astype(in_dtype)
+    a, b = np.repeat(grid, 256), np.tile(grid, 256)  # every pair of input values
+    ka, kb, offset = np.float32(ka), np.float32(kb), np.float32(offset)
+    with np.errstate(over="ignore"):
+        for n in (a.size, 1, 15, 16, 17, 47):
+            got = qconv.qlinear_add(a[:n], b[:n], ka, kb, offset, out_dtype)
+            np.testing.assert_array_equal(got, _qlinear_add_formula(a[:n], b[:n], ka, kb, offset, out_dtype))
+
+
 @needs_native
 def test_qlinear_add_broadcast_uses_numpy(monkeypatch):
     rng = np.random.default_rng(1)
@@ -338,6 +363,70 @@ def test_quantize_static_model_against_onnxruntime(per_channel, tmp_path, monkey
     last = next(n for n in model.graph.node if n.output[0] == "y")
     step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
     np.testing.assert_allclose(results["1"], want, rtol=0, atol=step * 1.001)
+
+
+def _wide_cnn() -> onnx.ModelProto:
+    """64-channel convolutions (depths 576 and 64: the int8 GEMM's AMX tiles where the CPU has them) with a residual
+    add, on a 12x12 map (144 pixels: whole 32-row blocks and rows past them)."""
+    rng = np.random.default_rng(5)
+
+    def weight(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"]),
+             helper.make_node("Add", ["c2", "x"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    inits = [weight("w1", 64, 64, 3, 3), weight("b1", 64), weight("w2", 64, 64, 1, 1), weight("b2", 64)]
+    graph = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 12, 12])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@needs_native
+def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch):
+    """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
+    on and off (VNNI), within one quantization step of onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    quantization = pytest.importorskip("onnxruntime.quantization")
+    from carrack.native import qgemm
+
+    class Calibration(quantization.CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"x": np.random.default_rng(i).normal(size=(1, 64, 12, 12)).astype(np.float32)}
+                                 for i in range(3)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
+    onnx.save(_wide_cnn(), str(source))
+    quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ)
+    x = np.random.default_rng(9).normal(size=(1, 64, 12, 12)).astype(np.float32)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    monkeypatch.setenv("CARRACK_NATIVE", "1")
+    results = []
+    try:
+        for amx in (True, False):
+            qgemm.amx(amx)
+            for threads in (1, 2, 4):
+                options = carrack.SessionOptions()
+                options.intra_op_num_threads = threads
+                session = carrack.InferenceSession(str(target), options)
+                assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 2
+                results.append(session.run(None, {"x": x})[0])
+    finally:
+        qgemm.amx(True)
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
+    model = onnx.load(str(target))
+    last = next(n for n in model.graph.node if n.output[0] == "y")
+    step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=step * 1.001)
+    assert len(np.unique(results[0])) > 10
 
 
 # -- ONNX QLinearConv (QOperator format) with constant weights -------------------------------------------------------
@@ -426,3 +515,26 @@ def test_maxpool_8bit_native_matches_numpy(attrs, shape, dtype, monkeypatch):
     want = kernel.run(x)
     assert calls and got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("out_dtype", [np.uint8, np.int8])
+@pytest.mark.parametrize("nan_at", [None, 3, 2000, 2040])
+def test_quantize_8bit_native(out_dtype, nan_at):
+    """The one-pass native QuantizeLinear gives the float32 formula's bytes (ties, saturation, every tail length of
+    the vector loop), and declines (None) when a NaN is anywhere, in the vector loop or the tail."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(2037) * 300, [0.5, 1.5, -2.5, 254.5, -128.5, np.inf, -np.inf]])
+    x = x.astype(np.float32)
+    if nan_at is not None:
+        x[nan_at] = np.nan
+    scale, zero = np.float32(0.5), np.float32(3 if out_dtype == np.uint8 else -2)
+    info = np.iinfo(out_dtype)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(np.rint(x / scale) + zero, info.min, info.max)
+    for n in (x.size, 1, 15, 16, 17, 2037):
+        got = qconv.quantize_8bit(x[:n], scale, zero, out_dtype)
+        if nan_at is not None and nan_at < n:
+            assert got is None
+        else:
+            np.testing.assert_array_equal(got, want[:n].astype(out_dtype))

@@ -377,3 +377,38 @@ def test_lowered_qdq_linear(op, k, x_type, y_type, monkeypatch, calls):
     x.reshape(-1, k)[0] = info.min
     _both_paths(monkeypatch, model, {"x": x}, calls)
     assert carrack.InferenceSession(model.SerializeToString()).optimizer_stats.get("qdq_to_integer_kernel") == 1
+
+
+# -- AMX tiles (depth a multiple of 64, at least 32 rows) --------------------------------------------------------------
+@pytest.fixture
+def amx_off_after():
+    yield
+    qgemm.amx(True)
+
+
+@pytest.mark.parametrize("m,k,n", [(32, 64, 16), (45, 128, 40), (64, 64, 64), (100, 576, 80), (71, 64, 200),
+                                   (33, 4096, 33)])
+@pytest.mark.parametrize("case", ["random", "max", "zp_max"])
+def test_amx_blocks_exact(m, k, n, case, amx_off_after):
+    """Whole 32-row blocks with one or two 16-column tiles, the rows past them, narrow last panels and depths whose
+    sums wrap around int32: the same bits as int64 accumulation, with AMX on (where the CPU has it) and off."""
+    a, zp, w = _operands(m, k, n, case, seed=m + k + n)
+    packed = qgemm.PackedInt8Weight.pack(w)
+    bias = np.arange(-n, n, 2, dtype=np.int32)[:n] * 1000
+    want = _reference(a, zp, w) + bias
+    multiplier = np.linspace(1e-5, 3e-3, n, dtype=np.float32)
+    results = []
+    for on in (True, False):
+        qgemm.amx(on)
+        got = qgemm.qgemm(a, packed, a_zero_point=zp, bias_i32=bias)
+        np.testing.assert_array_equal(got, want)
+        results.append(qgemm.qgemm(a, packed, a_zero_point=zp, bias_i32=bias, multiplier=multiplier,
+                                   y_zero_point=3, out_dtype=np.uint8))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_amx_turned_off_by_environment(amx_off_after, monkeypatch):
+    monkeypatch.setenv("CARRACK_AMX", "0")
+    assert qgemm.amx(True) is False  # re-checked: the environment says no
+    monkeypatch.delenv("CARRACK_AMX")
+    assert qgemm.amx(False) is False
