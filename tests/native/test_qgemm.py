@@ -128,6 +128,27 @@ def test_threads_split_the_output(monkeypatch):
             np.testing.assert_array_equal(qgemm.qgemm(a, packed, a_zero_point=zp), _reference(a, zp, w))
 
 
+
+def test_one_row_with_a_large_weight_splits_with_the_same_bits():
+    # a classifier head's shape: one row streams a 2 MB weight, so its panels go to both threads
+    from carrack.native import intra_op
+
+    a, zp, w = _operands(1, 2048, 1000, "random", seed=5)
+    packed = qgemm.PackedInt8Weight.pack(w)
+    results = {}
+    for threads in (1, 2, 4):
+        with intra_op.intra_op_threads(threads):
+            intra_op.trace_regions(True)
+            results[threads] = qgemm.qgemm(a, packed, a_zero_point=zp)
+            intra_op.trace_regions(False)
+        split = [part for part in intra_op.region_trace() if part.slot == -1]
+        if threads == 1:
+            assert split == []
+        elif native.library("threadpool") is not None:  # without it every product runs on one thread
+            assert len(split) == 1 and split[0].pieces > 1
+    for threads, result in results.items():
+        np.testing.assert_array_equal(result, _reference(a, zp, w), err_msg=f"{threads} threads")
+
 def _numpy_dynamic_quantize(x):
     q, scale, zp = quant.DynamicQuantizeLinear(helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
                                                11).run(x)
