@@ -465,13 +465,14 @@ def without_block_fusion() -> Iterator[None]:
         _BLOCK_FUSION.reset(token)
 
 
-def _plain_conv(node: Node | None, view: GraphView, kernel: int, stride: int, pads: int) -> np.ndarray | None:
+def _plain_conv(node: Node | None, view: GraphView, kernel: int, stride: int, pads: int,
+                residual: bool = False) -> np.ndarray | None:
     """The float32 constant weight of a 2-D Conv/FusedConv with a `kernel` x `kernel` window, strides `stride`, pads
-    `pads` on every side, dilation 1, no residual input and a constant (or no) bias, whose activation invres.c
-    knows; None for anything else."""
+    `pads` on every side, dilation 1, no residual input (unless `residual`) and a constant (or no) bias, whose
+    activation invres.c knows; None for anything else."""
     if node is None or node.op_type not in ("Conv", "FusedConv") or node.domain not in ("", MS, "carrack"):
         return None
-    if (node.op_type == "Conv") != (node.domain == "") or len(node.inputs) > 3 and node.inputs[3]:
+    if (node.op_type == "Conv") != (node.domain == "") or not residual and len(node.inputs) > 3 and node.inputs[3]:
         return None
     w = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
     if w is None or w.dtype != np.float32 or w.ndim != 4 or w.shape[2:] != (kernel, kernel):
@@ -512,20 +513,17 @@ def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool
         return False
     stride = list(depthwise.attrs.get("strides", [1, 1]))[0]
     w_depthwise = _plain_conv(depthwise, view, 3, stride, 1) if stride in (1, 2) else None
-    project_plain = project if not residual else Node(project.op_type, project.inputs[:3], project.outputs,
-                                                      project.attrs, domain=project.domain)
-    w_project = _plain_conv(project_plain, view, 1, 1, 0)
+    w_project = _plain_conv(project, view, 1, 1, 0, residual=True)
     if w_depthwise is None or w_project is None:
         return False
     expanded, out_channels = w_depthwise.shape[0], w_project.shape[0]
-    expand = view.producer.get(depthwise.inputs[0])  # absent in MobileNetV2's first block (expansion 1)
+    expand = view.producer.get(depthwise.inputs[0])
     w_expand = _plain_conv(expand, view, 1, 1, 0) if view.single_consumer(depthwise.inputs[0]) is depthwise else None
     if w_expand is not None and (w_expand.shape[0] != expanded or expand.attrs.get("group", 1) != 1):
         w_expand = None
     if w_expand is None:  # a depthwise-separable pair: left to the convolutions (the node could run it, inputs
         return False      # 1-2 empty, but the rule does not make it: other passes' tests expect those convolutions)
-    block_input = depthwise.inputs[0] if expand is None else expand.inputs[0]
-    channels = expanded if expand is None else w_expand.shape[1]
+    block_input, channels = expand.inputs[0], w_expand.shape[1]
     if (w_depthwise.shape[1] != 1 or depthwise.attrs.get("group", 1) != expanded or w_project.shape[1] != expanded
             or project.attrs.get("group", 1) != 1):
         return False
@@ -535,16 +533,11 @@ def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool
     inputs = [block_input]
     for part, conv, channels_out in zip(BLOCK_PARTS, (expand, depthwise, project), (expanded, expanded,
                                                                                      out_channels)):
-        if conv is None:  # no expansion: its weight and bias are left empty
-            inputs += ["", ""]
-            attrs[f"{part}_activation"], attrs[f"{part}_activation_params"] = "", []
-            continue
         inputs += [conv.inputs[1], _block_bias(view, conv, channels_out)]
         attrs[f"{part}_activation"] = conv.attrs.get("activation", "")
         attrs[f"{part}_activation_params"] = [float(v) for v in conv.attrs.get("activation_params", [])]
-    first = depthwise if expand is None else expand
-    fused = Node("InvertedResidual", inputs, list(project.outputs), attrs, domain="carrack", name=first.name)
-    view.replace([n for n in (expand, depthwise, project) if n is not None], [fused])
+    fused = Node("InvertedResidual", inputs, list(project.outputs), attrs, domain="carrack", name=expand.name)
+    view.replace([expand, depthwise, project], [fused])
     return True
 
 
