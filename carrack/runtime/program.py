@@ -375,9 +375,7 @@ class Program:
                 check_allocation(layout.arena_bytes, "this run's arena laid out for growing sizes")
         except CarrackError:  # the capacity is over the machine's memory: these sizes' own layout is checked by the run
             return bound
-        fits = len(layout.block_sizes) == len(bound.block_sizes) and all(
-            map(operator.le, bound.block_sizes, layout.block_sizes))
-        return layout if fits else bound
+        return layout if _blocks_fit(bound, layout) else bound
 
     def _resized_plan(self, resizable: _Resizable, bound: Bound, plan: list[tuple], steps_bound: tuple,
                       staged: Any, env: list[Any], segmented: bool = False) -> list[tuple]:
@@ -665,6 +663,12 @@ class _BoundPlan(list):
         self.segmented: list[tuple] | None = None
 
 
+def _blocks_fit(small: Bound, large: Bound) -> bool:
+    """Whether every arena block of `small` fits in the same block of `large` (the same blocks, none larger)."""
+    return len(small.block_sizes) == len(large.block_sizes) and all(
+        map(operator.le, small.block_sizes, large.block_sizes))
+
+
 class _Resizable:
     """An arena laid out for sizes at least those of its runs (`layout`), so runs of other sizes whose every block
     fits reuse it: their views sit at the layout's offsets, and a view whose shape did not change is the same
@@ -679,8 +683,7 @@ class _Resizable:
         self.plans: dict[tuple, tuple[list[tuple], list[tuple[int, Any]]]] = {}  # see Program._resized_plan
 
     def fits(self, bound: Bound) -> bool:
-        return (len(bound.block_sizes) == len(self.layout.block_sizes) and bool(bound.block_sizes)
-                and all(map(operator.le, bound.block_sizes, self.layout.block_sizes)))
+        return bool(bound.block_sizes) and _blocks_fit(bound, self.layout)
 
     def views_for(self, bound: Bound, arena: np.ndarray, views: list[np.ndarray | None],
                   views_sizes: tuple[int, ...], plan: Plan) -> list[np.ndarray | None]:
