@@ -385,7 +385,7 @@ def _wide_cnn() -> onnx.ModelProto:
 
 
 @needs_native
-def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch):
+def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch, amx_restored):
     """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
     on and off (VNNI), within one quantization step of onnxruntime."""
     ort = pytest.importorskip("onnxruntime")
@@ -409,17 +409,14 @@ def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_pa
     want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     monkeypatch.setenv("CARRACK_NATIVE", "1")
     results = []
-    try:
-        for amx in (True, False):
-            qgemm.amx(amx)
-            for threads in (1, 2, 4):
-                options = carrack.SessionOptions()
-                options.intra_op_num_threads = threads
-                session = carrack.InferenceSession(str(target), options)
-                assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 2
-                results.append(session.run(None, {"x": x})[0])
-    finally:
-        qgemm.amx(True)
+    for amx in (True, False):
+        qgemm.amx(amx)
+        for threads in (1, 2, 4):
+            options = carrack.SessionOptions()
+            options.intra_op_num_threads = threads
+            session = carrack.InferenceSession(str(target), options)
+            assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 2
+            results.append(session.run(None, {"x": x})[0])
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
     model = onnx.load(str(target))

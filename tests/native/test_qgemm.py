@@ -401,16 +401,10 @@ def test_lowered_qdq_linear(op, k, x_type, y_type, monkeypatch, calls):
 
 
 # -- AMX tiles (depth a multiple of 64, at least 32 rows) --------------------------------------------------------------
-@pytest.fixture
-def amx_off_after():
-    yield
-    qgemm.amx(True)
-
-
 @pytest.mark.parametrize("m,k,n", [(32, 64, 16), (45, 128, 40), (64, 64, 64), (100, 576, 80), (71, 64, 200),
                                    (33, 4096, 33)])
 @pytest.mark.parametrize("case", ["random", "max", "zp_max"])
-def test_amx_blocks_exact(m, k, n, case, amx_off_after):
+def test_amx_blocks_exact(m, k, n, case, amx_restored):
     """Whole 32-row blocks with one or two 16-column tiles, the rows past them, narrow last panels and depths whose
     sums wrap around int32: the same bits as int64 accumulation, with AMX on (where the CPU has it) and off."""
     a, zp, w = _operands(m, k, n, case, seed=m + k + n)
@@ -428,7 +422,7 @@ def test_amx_blocks_exact(m, k, n, case, amx_off_after):
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_amx_turned_off_by_environment(amx_off_after, monkeypatch):
+def test_amx_turned_off_by_environment(amx_restored, monkeypatch):
     monkeypatch.setenv("CARRACK_AMX", "0")
     assert qgemm.amx(True) is False  # re-checked: the environment says no
     monkeypatch.delenv("CARRACK_AMX")
