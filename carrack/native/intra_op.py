@@ -15,7 +15,7 @@ import ctypes
 import functools
 import os
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 _local = threading.local()
 _default: int | None = None
@@ -144,13 +144,7 @@ def attach_pool(name: str, lib: ctypes.CDLL, pool: ctypes.CDLL | None) -> bool:
 
 def pool_workers() -> int:
     """Pool worker threads created so far in this process (0 before the first parallel region)."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    if pool is None:
-        return 0
-    pool.carrack_pool_workers.restype = ctypes.c_int64
-    return int(pool.carrack_pool_workers())
+    return _pool_counter("carrack_pool_workers")
 
 
 def parallel_seconds() -> float:
@@ -165,27 +159,29 @@ def pool_wakes() -> int:
     return _pool_counter("carrack_pool_wakes")
 
 
-def _pool_counter(function: str) -> int:
-    """One of the pool library's int64 counters (0 without the library, or in a build that lacks it)."""
+def _pool_function(name: str, argtypes: list, restype: Any) -> Any:
+    """The pool library's function `name` with its prototype set (None without the library, or in a build that
+    lacks it)."""
     from carrack import native
 
     pool = native.library("threadpool")
-    fn = getattr(pool, function, None) if pool is not None else None
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int64
-    return int(fn())
+    fn = getattr(pool, name, None) if pool is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _pool_counter(function: str) -> int:
+    """One of the pool library's int64 counters (0 without the library, or in a build that lacks it)."""
+    fn = _pool_function(function, [], ctypes.c_int64)
+    return 0 if fn is None else int(fn())
 
 
 def count_work(on: bool) -> None:
     """Start (True) or stop counting `work_seconds()` (off by default: it costs two clock reads per thread and
     split region)."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_count_work", None) if pool is not None else None
+    fn = _pool_function("carrack_pool_count_work", [ctypes.c_int64], None)
     if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int64], None
         fn(int(bool(on)))
 
 
@@ -218,25 +214,17 @@ def trace_regions(on: bool) -> None:
     """Start (True, forgetting earlier records) or stop (False, keeping them) recording how each split region's
     participants ran it: when each started and ended, its CPU time and pieces (`region_trace`). Off by default:
     it costs four clock reads per participant and region."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_trace", None) if pool is not None else None
+    fn = _pool_function("carrack_pool_trace", [ctypes.c_int64], None)
     if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int64], None
         fn(int(bool(on)))
 
 
 def region_trace() -> list[RegionPart]:
     """The newest records of the regions split since `trace_regions(True)` (up to 8192, oldest first; a region's
     participants first, then its slot -1 record). Empty without the pool library."""
-    from carrack import native
-
-    pool = native.library("threadpool")
-    fn = getattr(pool, "carrack_pool_trace_read", None) if pool is not None else None
+    fn = _pool_function("carrack_pool_trace_read", [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64)
     if fn is None:
         return []
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_int64
     records = (ctypes.c_int64 * (_TRACE_RECORDS * _TRACE_FIELDS))()
     count = fn(records, _TRACE_RECORDS)
     parts = []
