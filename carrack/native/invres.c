@@ -95,13 +95,6 @@ static inline __m512 act16(__m512 v, act_t f) {
     return _mm512_min_ps(hi, _mm512_max_ps(lo, v));
 }
 
-/* lanes l < 16 with lo <= l < hi */
-static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
-    lo = lo < 0 ? 0 : lo;
-    hi = hi > 16 ? 16 : hi;
-    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
 /* The lane masks of one vector of 16 output columns from c0 on: which lanes of each load are inside the image
  * (stride 1: the left, middle and right taps' loads; stride 2: the two loads from column 2 c0 - 1 and the two from
  * 2 c0) and which are outputs. */

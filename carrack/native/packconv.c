@@ -89,6 +89,11 @@ static inline __mmask16 tail_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
+/* lanes l < 16 with lo <= l < hi */
+static inline __mmask16 lanes_between(int64_t lo, int64_t hi) {
+    return (__mmask16)(tail_mask(hi) & ~tail_mask(lo));
+}
+
 /* the reads of tap (i, j) by vector v of the panel whose output rows and columns per lane are row[v], col[v]
  * (valid[v]: the lanes that are outputs) */
 static void tap_reads(const geom_t *G, const __m512i *row, const __m512i *col, const __mmask16 *valid, int64_t i,
@@ -134,7 +139,7 @@ static void tap_reads(const geom_t *G, const __m512i *row, const __m512i *col, c
 static inline __mmask16 lanes_inside(int64_t iw0, int64_t s, int64_t w) {
     const int shift = s == 2;
     const int64_t lo = iw0 >= 0 ? 0 : (-iw0 + s - 1) >> shift, hi = iw0 >= w ? 0 : ((w - 1 - iw0) >> shift) + 1;
-    return (__mmask16)(tail_mask(hi) & ~tail_mask(lo));
+    return lanes_between(lo, hi);
 }
 
 /* tap_reads for a panel whose vectors each stay within one output row (row0[v], columns col0[v] + l) and strides of
