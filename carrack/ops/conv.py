@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from carrack.ir.graph import Node
 from carrack.native import convolution as native_conv
 from carrack.ops import half
-from carrack.ops.registry import Kernel, register
+from carrack.ops.registry import Kernel, bound_or_run_into, register
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -720,14 +720,7 @@ class Conv(_ConvBase):
         call = prepared[0].bind_call(x, out, residual)
         if call is None:
             return None
-        run_into = self.run_into
-
-        def bound() -> None:
-            if not call():
-                y = run_into(out, x, w, b, activation, residual)
-                if y is not out:
-                    np.copyto(out, y)
-        return bound
+        return bound_or_run_into(call, self.run_into, out, x, w, b, activation, residual)
 
 
 @register("ConvTranspose", since=1)

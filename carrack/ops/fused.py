@@ -11,7 +11,7 @@ from carrack.native import rowlinear
 from carrack.native.convolution import ACTIVATIONS
 from carrack.ops import half, registry
 from carrack.ops.conv import Epilogue, convolution_prepared_bytes, convolution_scratch_bytes
-from carrack.ops.registry import Kernel, register
+from carrack.ops.registry import Kernel, bound_or_run_into, register
 
 MS = "com.microsoft"
 
@@ -238,6 +238,12 @@ class FusedMatMul(_FusedIntoBase):
     base_opset = 13
 
 
+def _block_output(out: np.ndarray, shape: tuple, x: np.ndarray) -> bool:
+    """Whether invres.c can write the block's result straight into `out`."""
+    return (out.shape == shape and out.dtype == np.float32 and out.flags.c_contiguous and out.flags.aligned
+            and out.flags.writeable and not np.may_share_memory(out, x))
+
+
 @register("InvertedResidual", domain="carrack")
 class InvertedResidual(Kernel):
     """MobileNetV2's inverted-residual block (carrack.passes.fusions.fuse_inverted_residual): a 1x1 expansion
@@ -327,9 +333,7 @@ class InvertedResidual(Kernel):
         if g is not None:
             x = np.require(x, np.float32, ("C", "A"))
             shape = (g.n, g.out_channels, g.out_height, g.out_width)
-            usable = (out is not None and out.shape == shape and out.dtype == np.float32 and out.flags.c_contiguous
-                      and out.flags.aligned and out.flags.writeable and not np.may_share_memory(out, x))
-            y = out if usable else np.empty(shape, np.float32)
+            y = out if out is not None and _block_output(out, shape, x) else np.empty(shape, np.float32)
             if block.run(x, y, g):
                 return y
         return self._three_convolutions(x, *params)
@@ -340,19 +344,9 @@ class InvertedResidual(Kernel):
         block = self.block
         g = block.geometry(x.shape) if block is not None and type(x) is np.ndarray else None
         if (g is None or x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.aligned
-                or out.shape != (g.n, g.out_channels, g.out_height, g.out_width) or out.dtype != np.float32
-                or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable)
-                or np.may_share_memory(out, x)):
+                or not _block_output(out, (g.n, g.out_channels, g.out_height, g.out_width), x)):
             return None
-        call = block.bind(x, out, g)
-        run_into = self.run_into
-
-        def bound() -> None:
-            if not call():
-                y = run_into(out, x, *params)
-                if y is not out:
-                    np.copyto(out, y)
-        return bound
+        return bound_or_run_into(block.bind(x, out, g), self.run_into, out, x, *params)
 
     def _three_convolutions(self, x, *params):
         y = x

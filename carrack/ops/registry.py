@@ -128,6 +128,18 @@ class Kernel:
         return self.run(*inputs)
 
 
+def bound_or_run_into(call: Callable[[], bool], run_into: Callable[..., Any], out: np.ndarray,
+                      *args: Any) -> Callable[[], None]:
+    """A bound step's call (`Kernel.bind_into`): the prepared native `call`, or, where it fails (returns False: out
+    of memory), the kernel's `run_into(out, *args)` with its result put in `out`."""
+    def bound() -> None:
+        if not call():
+            y = run_into(out, *args)
+            if y is not out:
+                np.copyto(out, y)
+    return bound
+
+
 def _implementation(node: Node, ctx: BuildContext | None) -> str:
     if ctx is not None:
         return ctx.implementation_of(node)
