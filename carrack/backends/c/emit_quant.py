@@ -110,10 +110,14 @@ def _output_zero_point(em: _Emitter, node: Node, index: int) -> tuple[int, str]:
     if not name:
         return 0, "uint8"
     value = _scalar_param(em, name, "zero point")
+    return int(value), _zero_point_dtype(value)
+
+
+def _zero_point_dtype(value: np.ndarray) -> str:
     dtype = _dtype_of_array(value)
     if dtype not in ("uint8", "int8"):
         raise _Unsupported(f"zero point of type {value.dtype}")
-    return int(value), dtype
+    return dtype
 
 
 def _x_bound(x_signed: int, x_zero_point: int) -> int:
@@ -177,29 +181,40 @@ def _emit_quantize(em, step, node, shapes, out_shape):
     _require_known(em, [x])
     if em.values[x].dtype != "float32":
         raise _Unsupported(f"input '{x}' is {em.values[x].dtype}, not float32")
-    if _per_axis(em, node):
-        return _emit_quantize_axis(em, step, node, shapes, out_shape)
-    scale = _scalar_param(em, node.inputs[1], "scale")
-    zero_point, y_dtype = _output_zero_point(em, node, 2)
-    if scale.dtype != np.float32:
-        raise _Unsupported(f"a {scale.dtype} scale")
+    if _per_axis(em, node):  # a 1-D scale and zero point along `axis` (per-channel)
+        (scales, zero_points, *dims), y_dtype = _axis_params(em, node, shapes[x])
+        kernel, params, sizes = "cr_quantize_axis", f"{scales}, {zero_points}", ", ".join(dims)
+    else:
+        scale = _scalar_param(em, node.inputs[1], "scale")
+        zero_point, y_dtype = _output_zero_point(em, node, 2)
+        _require_float32_scale(scale)
+        kernel, params, sizes = "cr_quantize", f"{_f(float(scale))}, {_f(zero_point)}", em.c_dim(_elements(out_shape))
     y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
-    return [f"cr_quantize({_pointer(em, x)}, {_f(float(scale))}, {_f(zero_point)}, {y.pointer}, "
-            f"{int(y_dtype == 'int8')}, {em.c_dim(_elements(out_shape))});"]
+    return [f"{kernel}({_pointer(em, x)}, {params}, {y.pointer}, {int(y_dtype == 'int8')}, {sizes});"]
 
 
 def _emit_dequantize(em, step, node, shapes, out_shape):
     x = node.inputs[0]
     x_signed = _require_8bit(em, x)
-    if _per_axis(em, node):
-        return _emit_dequantize_axis(em, step, node, shapes, out_shape)
-    scale = _scalar_param(em, node.inputs[1], "scale")
-    zero_point = _scalar_param(em, node.inputs[2], "zero point") if len(node.inputs) > 2 and node.inputs[2] else 0
-    if scale.dtype != np.float32 or int(node.attrs.get("output_dtype", 0)) not in (0, 1):
+    if int(node.attrs.get("output_dtype", 0)) not in (0, 1):
         raise _Unsupported("a dequantization to another type than float32")
+    if _per_axis(em, node):  # a 1-D scale and zero point along `axis` (per-channel)
+        (scales, zero_points, *dims), _ = _axis_params(em, node, shapes[x])
+        kernel, params, sizes = "cr_dequantize_axis", f"{zero_points}, {scales}", ", ".join(dims)
+    else:
+        scale = _scalar_param(em, node.inputs[1], "scale")
+        zero_point = _scalar_param(em, node.inputs[2], "zero point") if len(node.inputs) > 2 and node.inputs[2] else 0
+        if scale.dtype != np.float32:
+            raise _Unsupported("a dequantization to another type than float32")
+        kernel, params = "cr_dequantize", f"{_f(float(zero_point))}, {_f(float(scale))}"
+        sizes = em.c_dim(_elements(out_shape))
     y = _output_value(em, step, node.outputs[0], out_shape, "float32")
-    return [f"cr_dequantize({_pointer(em, x)}, {x_signed}, {_f(float(zero_point))}, {_f(float(scale))}, {y.pointer}, "
-            f"{em.c_dim(_elements(out_shape))});"]
+    return [f"{kernel}({_pointer(em, x)}, {x_signed}, {params}, {y.pointer}, {sizes});"]
+
+
+def _require_float32_scale(scale: np.ndarray) -> None:
+    if scale.dtype != np.float32:
+        raise _Unsupported(f"a {scale.dtype} scale")
 
 
 def _per_axis(em: _Emitter, node: Node) -> bool:
@@ -208,7 +223,7 @@ def _per_axis(em: _Emitter, node: Node) -> bool:
                for value in (_const(em, name) if name else None for name in node.inputs[1:3]))
 
 
-def _axis_params(em: _Emitter, node: Node, x_shape) -> tuple[list[str], np.ndarray, str]:
+def _axis_params(em: _Emitter, node: Node, x_shape) -> tuple[list[str], str]:
     """A per-axis node's scale and zero point (float32 constants of one value per channel), the C dims
     outer, channels, inner around its axis, and the zero point's type (uint8 without one)."""
     if int(node.attrs.get("block_size", 0)):
@@ -229,37 +244,14 @@ def _axis_params(em: _Emitter, node: Node, x_shape) -> tuple[list[str], np.ndarr
         if value.size != 1 and not per_channel:
             raise _Unsupported(f"a {what} of shape {value.shape} along axis {axis} of length {channels} "
                                "(per-tensor or 1-D per-axis quantization is compiled)")
-    if scale.dtype != np.float32:
-        raise _Unsupported(f"a {scale.dtype} scale")
-    zp_dtype = _dtype_of_array(zero_point)
-    if zp_dtype not in ("uint8", "int8"):
-        raise _Unsupported(f"zero point of type {zero_point.dtype}")
+    _require_float32_scale(scale)
+    zp_dtype = _zero_point_dtype(zero_point)
     key = node.outputs[0]
     scales = em.typed_constant(f"{key}::scales", np.broadcast_to(scale.reshape(-1), (channels,)), "float32")
     zero_points = em.typed_constant(f"{key}::zero_points",
                                     np.broadcast_to(zero_point.reshape(-1).astype(np.float32), (channels,)), "float32")
     dims = [em.c_dim(_elements(x_shape[:axis])), str(int(channels)), em.c_dim(_elements(x_shape[axis + 1:]))]
-    return [scales, zero_points, *dims], zero_point, zp_dtype
-
-
-def _emit_quantize_axis(em, step, node, shapes, out_shape):
-    """QuantizeLinear with a 1-D scale and zero point along `axis` (per-channel)."""
-    (scales, zero_points, *dims), _, y_dtype = _axis_params(em, node, shapes[node.inputs[0]])
-    y = _output_value(em, step, node.outputs[0], out_shape, y_dtype)
-    return [f"cr_quantize_axis({_pointer(em, node.inputs[0])}, {scales}, {zero_points}, {y.pointer}, "
-            f"{int(y_dtype == 'int8')}, {', '.join(dims)});"]
-
-
-def _emit_dequantize_axis(em, step, node, shapes, out_shape):
-    """DequantizeLinear with a 1-D scale and zero point along `axis` (per-channel)."""
-    x = node.inputs[0]
-    x_signed = _require_8bit(em, x)
-    if int(node.attrs.get("output_dtype", 0)) not in (0, 1):
-        raise _Unsupported("a dequantization to another type than float32")
-    (scales, zero_points, *dims), _, _ = _axis_params(em, node, shapes[x])
-    y = _output_value(em, step, node.outputs[0], out_shape, "float32")
-    return [f"cr_dequantize_axis({_pointer(em, x)}, {x_signed}, {zero_points}, {scales}, {y.pointer}, "
-            f"{', '.join(dims)});"]
+    return [scales, zero_points, *dims], zp_dtype
 
 
 def _emit_qlinear_add(em, step, node, shapes, out_shape):
