@@ -38,15 +38,21 @@ def run_in_threads(worker, count: int = 4) -> None:
         t.join()
 
 
-def one_thread_session(model: bytes, bind: bool = True):
-    """A carrack session at one thread whose executor binds steps to reused arenas (`bind`) or never does."""
+def session_at(model, threads: int, bind: bool = True):
+    """A carrack session of `model` (bytes or a path) at `threads` intra-op threads whose executor binds steps to
+    reused arenas (`bind`) or never does."""
     import carrack
 
     options = carrack.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = threads
     session = carrack.InferenceSession(model, options)
     session._program.bind_steps = bind
     return session
+
+
+def one_thread_session(model: bytes, bind: bool = True):
+    """A carrack session at one thread (see `session_at`)."""
+    return session_at(model, 1, bind)
 
 
 def first_output_module(model):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import carrack
 from carrack import native
 from carrack.native import convolution as native_conv
 from carrack.native import matmul as native_matmul
+from tests.helpers import session_at
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 split_profile = pytest.importorskip("split_profile")
@@ -32,18 +32,12 @@ def _product_model(rows: int, depth: int, cols: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def _session(model: bytes, threads: int) -> carrack.InferenceSession:
-    options = carrack.SessionOptions()
-    options.intra_op_num_threads = threads
-    return carrack.InferenceSession(model, options)
-
-
 @needs_native
 def test_each_product_is_matched_to_its_split_region(monkeypatch):
     monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)  # split even this small product
     model = _product_model(64, 128, 192)
     feed = {"x": np.random.default_rng(1).standard_normal((1, 64, 128)).astype(np.float32)}
-    result = split_profile.profile(_session(model, 1), _session(model, 2), feed, runs=3)
+    result = split_profile.profile(session_at(model, 1), session_at(model, 2), feed, runs=3)
     [shape] = result.shapes
     assert shape.shape == (64, 128, 192)
     assert shape.calls_per_run == 1
@@ -67,7 +61,7 @@ def test_a_deep_product_counts_both_of_its_regions(monkeypatch):
     monkeypatch.setattr(native_conv, "MIN_TASK_WORK", 1)
     model = _product_model(16, 2048, 64)
     feed = {"x": np.random.default_rng(1).standard_normal((1, 16, 2048)).astype(np.float32)}
-    result = split_profile.profile(_session(model, 1), _session(model, 2), feed, runs=2)
+    result = split_profile.profile(session_at(model, 1), session_at(model, 2), feed, runs=2)
     [shape] = result.shapes
     assert shape.shape == (16, 2048, 64) and shape.regions == 2
 
@@ -76,5 +70,5 @@ def test_a_deep_product_counts_both_of_its_regions(monkeypatch):
 def test_a_product_left_to_numpy_is_not_profiled():
     model = _product_model(4, 16, 16)  # numpy_is_faster: never the native tile
     feed = {"x": np.ones((1, 4, 16), np.float32)}
-    result = split_profile.profile(_session(model, 1), _session(model, 2), feed, runs=1)
+    result = split_profile.profile(session_at(model, 1), session_at(model, 2), feed, runs=1)
     assert result.shapes == []

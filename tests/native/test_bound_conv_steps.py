@@ -10,7 +10,8 @@ import pytest
 
 from carrack.native import convolution as native_conv
 from carrack.passes.fusions import without_block_fusion
-from carrack.runtime.session import InferenceSession, SessionOptions
+from carrack.runtime.session import InferenceSession
+from tests.helpers import session_at
 
 pytestmark = pytest.mark.skipif(native_conv.load() is None, reason="native convolution kernels not built here")
 
@@ -51,12 +52,8 @@ needs_packed = pytest.mark.skipif(native_conv.load() is None or not native_conv.
 
 
 def _session(path: str, threads: int, bind: bool = True) -> InferenceSession:
-    options = SessionOptions()
-    options.intra_op_num_threads = threads
     with without_block_fusion():  # the blocks' convolutions as steps of their own, not invres.c's one call
-        session = InferenceSession(path, options)
-    session._program.bind_steps = bind
-    return session
+        return session_at(path, threads, bind)
 
 
 def _inputs(count: int) -> list[dict[str, np.ndarray]]:

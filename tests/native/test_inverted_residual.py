@@ -19,6 +19,7 @@ from carrack.native import invres
 from carrack.ops.fused import InvertedResidual
 from carrack.passes.fusions import without_block_fusion
 from carrack.runtime.session import InferenceSession, SessionOptions
+from tests.helpers import session_at
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -57,12 +58,6 @@ def _export(net: torch.nn.Module, shape: tuple[int, ...], path, outputs: tuple[s
     return str(path)
 
 
-def _session(path: str, threads: int) -> InferenceSession:
-    options = SessionOptions()
-    options.intra_op_num_threads = threads
-    return InferenceSession(path, options)
-
-
 def _ops(session: InferenceSession) -> list[str]:
     return [node.op_type for node in session._plan.graph.nodes]
 
@@ -95,7 +90,7 @@ def test_block_is_one_node_matching_onnxruntime_with_the_same_bits_at_any_thread
     expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     results = []
     for threads in (1, 2, 4):
-        session = _session(path, threads)
+        session = session_at(path, threads)
         assert _ops(session) == ["InvertedResidual"]
         results.append(session.run(None, {"x": x})[0])
         session.run(None, {"x": x[::-1].copy()})
@@ -109,10 +104,10 @@ def test_block_is_one_node_matching_onnxruntime_with_the_same_bits_at_any_thread
 def test_any_band_height_gives_the_same_bits(block, band_bytes, monkeypatch):
     """Bands of one row (each band reuses the last one's expanded rows), of a few rows, and the whole map."""
     path, x = block
-    reference = _session(path, 1).run(None, {"x": x})[0]
+    reference = session_at(path, 1).run(None, {"x": x})[0]
     monkeypatch.setattr(invres, "BAND_BYTES", band_bytes)
     for threads in (1, 3):
-        assert np.array_equal(_session(path, threads).run(None, {"x": x})[0], reference)
+        assert np.array_equal(session_at(path, threads).run(None, {"x": x})[0], reference)
 
 
 @needs_kernel
@@ -120,7 +115,7 @@ def test_three_convolutions_without_the_kernel(block, monkeypatch):
     path, x = block
     expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     monkeypatch.setattr(invres, "pack", lambda *args: None)
-    session = _session(path, 2)
+    session = session_at(path, 2)
     assert _ops(session) == ["InvertedResidual"]
     assert all(kernel.block is None for kernel in _kernels(session))
     np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-4, atol=1e-4)
@@ -154,7 +149,7 @@ def test_bound_blocks_give_the_same_bits_at_any_thread_count(network, monkeypatc
     expected = [ort.InferenceSession(network, providers=["CPUExecutionProvider"]).run(None, f)[0] for f in feeds]
     first = None
     for threads in (1, 2, 4):
-        session = _session(network, threads)
+        session = session_at(network, threads)
         session.run(None, feeds[0])
         session.run(None, feeds[0])  # the first run into the reused arena binds the steps
         bound_calls.clear()
@@ -204,15 +199,15 @@ def test_blocks_that_do_not_qualify_stay_three_convolutions(tmp_path):
             return self.body[3:](expanded), expanded
 
     path = _export(Exposed(8, 8, 1), (1, 8, 10, 10), tmp_path / "exposed.onnx", ("y", "e"))
-    assert "InvertedResidual" not in _ops(_session(path, 1))
+    assert "InvertedResidual" not in _ops(session_at(path, 1))
     path = _export(Block(8, 8, 1, expansion=1), (1, 8, 10, 10), tmp_path / "separable.onnx")  # no expansion
-    assert "InvertedResidual" not in _ops(_session(path, 1))
+    assert "InvertedResidual" not in _ops(session_at(path, 1))
 
     wide = torch.nn.Sequential(torch.nn.Conv2d(8, 48, 1), torch.nn.ReLU6(),
                                torch.nn.Conv2d(48, 48, 5, padding=2, groups=48), torch.nn.ReLU6(),
                                torch.nn.Conv2d(48, 8, 1))  # a 5x5 depthwise
     path = _export(wide, (1, 8, 10, 10), tmp_path / "five.onnx")
-    assert "InvertedResidual" not in _ops(_session(path, 1))
+    assert "InvertedResidual" not in _ops(session_at(path, 1))
 
 
 @needs_kernel
@@ -270,7 +265,7 @@ def test_a_node_without_expansion_runs_the_depthwise_on_its_input(tmp_path, stri
         models[name] = onnx.helper.make_model(graph, opset_imports=opsets).SerializeToString()
     x = rng.standard_normal((1, channels, size, size)).astype(np.float32)
     expected = ort.InferenceSession(models["plain"], providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    sessions = [_session(models["fused"], threads) for threads in (1, 2, 4)]
+    sessions = [session_at(models["fused"], threads) for threads in (1, 2, 4)]
     assert all(kernel.block is not None for s in sessions for kernel in _kernels(s))
     results = [s.run(None, {"x": x})[0] for s in sessions]
     np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-4)

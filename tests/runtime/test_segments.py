@@ -31,12 +31,6 @@ def _decode(run, steps: int = 20) -> tuple[list[int], list[np.ndarray]]:
     return greedy_decode(run, PAST_NAMES, prompt, steps, HEADS, HIDDEN // HEADS)
 
 
-def _unbound(model: bytes) -> carrack.InferenceSession:
-    session = one_thread_session(model)
-    session._program.bind_steps = False
-    return session
-
-
 def _with_kept_cast(model: bytes) -> bytes:
     """The model with a Cast to the type its input has that the optimizer keeps (it copies the first layer's key
     cache, itself a graph output, to another graph output: no rename can remove it), placed within the first layer;
@@ -66,7 +60,7 @@ def test_decoding_runs_segments_and_gives_the_unbound_bits(tiny_gpt2, monkeypatc
         return result
 
     monkeypatch.setattr(program_module, "_segments", counted)
-    unbound = _unbound(tiny_gpt2)
+    unbound = one_thread_session(tiny_gpt2, bind=False)
     _assert_same(_decode(lambda feed: session.run(None, feed)), _decode(lambda feed: unbound.run(None, feed)))
     assert ran and min(ran) >= 4  # the layers' projections, MLPs and norms between the cache's unbound steps
     (spare,) = session._program._spare_arenas
@@ -78,7 +72,7 @@ def test_decoding_runs_segments_and_gives_the_unbound_bits(tiny_gpt2, monkeypatc
 def test_segments_compute_their_steps_when_the_bound_steps_cannot_be_trusted(tiny_gpt2, monkeypatch):
     """From the third token on, the attention writes a new array instead of its planned buffer: the steps bound to
     that buffer (and every later bound step) must compute from their inputs, and the bits stay the unbound ones."""
-    unbound = _unbound(tiny_gpt2)
+    unbound = one_thread_session(tiny_gpt2, bind=False)
     want = _decode(lambda feed: unbound.run(None, feed))
     runs = []
     into = contrib.MultiHeadAttention._into
@@ -109,7 +103,7 @@ def test_segments_compute_their_steps_when_the_bound_steps_cannot_be_trusted(tin
 def test_a_run_that_may_be_terminated_checks_before_every_step(tiny_gpt2):
     session = one_thread_session(tiny_gpt2)
     options = carrack.RunOptions()
-    unbound = _unbound(tiny_gpt2)
+    unbound = one_thread_session(tiny_gpt2, bind=False)
     want = _decode(lambda feed: unbound.run(None, feed))
     _assert_same(_decode(lambda feed: session.run(None, feed, options)), want)
     options.terminate = True
@@ -123,7 +117,7 @@ def test_runs_of_one_size_with_an_unbound_step_run_segments_with_the_unbound_bit
     """A decode step at one past length, repeated with new ids and caches: the arena's bound plan is not all bound
     (a cast that returns its input stays unbound), so its runs take the segmented form, with the unbound bits."""
     model = _with_kept_cast(tiny_gpt2)
-    session, unbound = one_thread_session(model), _unbound(model)
+    session, unbound = one_thread_session(model), one_thread_session(model, bind=False)
     rng = np.random.default_rng(3)
     for _ in range(5):
         feed = {"input_ids": rng.integers(0, VOCAB, (1, 1), dtype=np.int64),
