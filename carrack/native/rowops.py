@@ -99,27 +99,27 @@ def softmax(x: np.ndarray, scale: float = 1.0, bias: np.ndarray | None = None, z
     lib = library()
     x = _operand(x)
     y = _output(out, x.shape, x, bias)
-    if x.size == 0:
-        return y
-    n = x.shape[-1]
-    rows = x.size // n
-    b, dims, strides = _bias_layout(bias, x.shape)
-    lib.carrack_packed_softmax(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
-                                int(zero_masked), _threads(rows, n))
+    if x.size:
+        _packed_softmax(lib, x, y, scale, bias, zero_masked)
     return y
 
 
 def softmax_fresh(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool) -> np.ndarray:
     """`softmax(x, scale, bias, zero_masked, out=x)` for a buffer the caller just made (np.empty: C-contiguous,
     aligned, writable float32, sharing memory with nothing), without the checks such a buffer needs none of."""
-    if x.size == 0:
-        return x
+    if x.size:
+        _packed_softmax(library(), x, x, scale, bias, zero_masked)
+    return x
+
+
+def _packed_softmax(lib, x: np.ndarray, y: np.ndarray, scale: float, bias: np.ndarray | None,
+                    zero_masked: bool) -> None:
+    """The native softmax of the rows of a non-empty `x` into `y`, the bias laid out for x's shape."""
     n = x.shape[-1]
     rows = x.size // n
     b, dims, strides = _bias_layout(bias, x.shape)
-    library().carrack_packed_softmax(_ptr(x), _ptr(x), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
-                                     int(zero_masked), _threads(rows, n))
-    return x
+    lib.carrack_packed_softmax(_ptr(x), _ptr(y), 0, rows, n, scale, _ptr(b), dims[1], dims[2], *strides,
+                                int(zero_masked), _threads(rows, n))
 
 
 def softmax_bound(x: np.ndarray, scale: float, bias: np.ndarray | None, zero_masked: bool,
