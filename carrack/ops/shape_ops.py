@@ -491,10 +491,10 @@ class Range(Kernel):
             return self._integers(start.dtype, int(start.item()), int(limit.item()), int(delta.item()))
         dtype = np.asarray(start).dtype
         start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))
-        if delta == 0:
-            raise ValueError("Range delta cannot be 0")
         if dtype.kind in "iu":
             return self._integers(dtype, int(start), int(limit), int(delta))
+        if delta == 0:
+            raise ValueError("Range delta cannot be 0")
         span = (float(limit) - float(start)) / float(delta)
         if not np.isfinite(span):
             raise ValueError(f"Range from {start} to {limit} by {delta} has no finite length")
