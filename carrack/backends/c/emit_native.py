@@ -109,14 +109,11 @@ def elide_concats(em) -> None:
     Where every part is a convolution or pool output read by this Concat alone, the concatenation gets a block of
     its own, live from its first part's step to its last reader, above the plan's blocks."""
     from carrack.backends.c.emit import _elements, _itemsize, _last_use, _Value
+    from carrack.passes.graph_view import GraphView
 
     graph = em.plan.graph
     producer = {o: (k, node) for k, node in enumerate(graph.nodes) for o in node.outputs if o}
-    readers: dict[str, int] = {}
-    for node in graph.nodes:
-        for name in set(node.inputs):
-            readers[name] = readers.get(name, 0) + 1
-    outputs = {v.name for v in graph.outputs}
+    view = GraphView(graph)  # who reads each value (subgraph bodies included)
     for step, node in enumerate(graph.nodes):
         parts = node.inputs
         if node.op_type != "Concat" or node.domain or len(parts) < 2 or len(set(parts)) != len(parts):
@@ -128,12 +125,12 @@ def elide_concats(em) -> None:
         axis = int(node.attrs["axis"]) % len(facts[-1].shape)
         if any(not isinstance(d, int) for f in facts for d in f.shape) or _elements(facts[-1].shape[:axis]) != 1:
             continue
-        if any(name in outputs or readers.get(name) != 1 or name not in producer
+        if any(view.single_consumer(name) is not node or name not in producer
                or producer[name][1].op_type not in _WRITES_IN_PLACE or len(producer[name][1].outputs) != 1
                for name in parts):
             continue
         shape = tuple(facts[-1].shape)
-        if out in outputs:
+        if out in view.outputs:
             whole = f"(float *)r->out[{[v.name for v in graph.outputs].index(out)}]"
         else:
             first = min(producer[name][0] for name in parts)
