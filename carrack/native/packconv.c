@@ -321,6 +321,14 @@ static inline __attribute__((always_inline)) __m512 load_lanes(const float *p, _
         ACC_FMA(0) ACC_FMA(1) ACC_FMA(2) ACC_FMA(3) ACC_FMA(4) ACC_FMA(5)                                          \
     }
 
+/* the three lines of the next row panel's weights for depth steps k .. k + 7 (into L2) */
+#define PREFETCH_NEXT_WEIGHTS(k)                                                                                      \
+    do {                                                                                                             \
+        const char *line = (const char *)(next + (k) * PR);                                                          \
+        _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);                                       \
+        _mm_prefetch(line + 128, _MM_HINT_T1);                                                                       \
+    } while (0)
+
 /* full: every lane of the nv vectors is an output (plain loads). next: NULL, or the next row panel's weights for
  * the same depth steps, fetched into the L2 cache while this tile runs: 3 lines (8 depth steps of a panel) every 8
  * steps. A burst of those prefetches before the tile (a model's weights come from memory) stalled on the line fill
@@ -338,11 +346,7 @@ static inline __attribute__((always_inline)) void tile_next(const float *wp, con
         const int64_t z_lines = PR * nv, every = depth > z_lines ? depth / z_lines : 1;
         int64_t z_line = 0, z_row = 0, z_vector = 0, wait = 0;
         for (int64_t k = 0; k < depth; k++) {
-            if (next && (k & 7) == 0) {
-                const char *line = (const char *)(next + k * PR);
-                _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);
-                _mm_prefetch(line + 128, _MM_HINT_T1);
-            }
+            if (next && (k & 7) == 0) PREFETCH_NEXT_WEIGHTS(k);
             if (wait-- == 0 && z_line < z_lines) {
                 _mm_prefetch((const char *)(z_next + z_row * ldy + 16 * z_vector), _MM_HINT_T0);
                 z_line++, wait = every - 1;
@@ -352,11 +356,7 @@ static inline __attribute__((always_inline)) void tile_next(const float *wp, con
         }
     } else if (next) {
         for (int64_t k = 0; k < depth; k++) {
-            if ((k & 7) == 0) {
-                const char *line = (const char *)(next + k * PR);
-                _mm_prefetch(line, _MM_HINT_T1), _mm_prefetch(line + 64, _MM_HINT_T1);
-                _mm_prefetch(line + 128, _MM_HINT_T1);
-            }
+            if ((k & 7) == 0) PREFETCH_NEXT_WEIGHTS(k);
             TILE_STEP(k)
         }
     } else {
