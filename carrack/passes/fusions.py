@@ -443,12 +443,13 @@ _BLOCK_FUSION: contextvars.ContextVar[bool | None] = contextvars.ContextVar("car
 
 
 @contextlib.contextmanager
-def session_block_fusion() -> Iterator[None]:
+def session_block_fusion(allowed: bool = True) -> Iterator[None]:
     """Plans made inside (InferenceSession's) fuse MobileNetV2's inverted-residual blocks where invres.c runs (else
-    the node would run its convolutions one by one, unbound), unless inside `without_block_fusion`."""
+    the node would run its convolutions one by one, unbound), unless inside `without_block_fusion` or not
+    `allowed` (a session whose kernels are forced to numpy)."""
     from carrack.native import invres
 
-    token = _BLOCK_FUSION.set(_BLOCK_FUSION.get() is not False and invres.library() is not None)
+    token = _BLOCK_FUSION.set(allowed and _BLOCK_FUSION.get() is not False and invres.library() is not None)
     try:
         yield
     finally:
@@ -495,6 +496,15 @@ def _block_bias(view: GraphView, conv: Node, channels: int) -> str:
     return view.add_initializer(conv.outputs[0] + "_zero_bias", np.zeros(channels, np.float32))
 
 
+def _conv_still_fusing(node: Node | None, view: GraphView) -> bool:
+    """Whether `node` is a BatchNormalization or activation after a plain Conv: a rule of this round or the next
+    may still fold it into that Conv, which could then be the block's expansion."""
+    if node is None or node.domain != "" or node.op_type not in ("BatchNormalization", "Clip", *_CARRACK_FUSABLE):
+        return False
+    source = view.producer.get(node.inputs[0])
+    return source is not None and source.op_type == "Conv" and source.domain == ""
+
+
 @RULES.rewrite("inverted_residual_fusion", "Conv", "FusedConv", level=EXTENDED)
 def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool:
     """MobileNetV2's inverted-residual block, 1x1 expansion (optional) -> depthwise 3x3 (stride 1 or 2, pads 1) ->
@@ -521,9 +531,12 @@ def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool
     w_expand = _plain_conv(expand, view, 1, 1, 0) if view.single_consumer(depthwise.inputs[0]) is depthwise else None
     if w_expand is not None and (w_expand.shape[0] != expanded or expand.attrs.get("group", 1) != 1):
         w_expand = None
-    if w_expand is None:  # a depthwise-separable pair: left to the convolutions (the node could run it, inputs
-        return False      # 1-2 empty, but the rule does not make it: other passes' tests expect those convolutions)
-    block_input, channels = expand.inputs[0], w_expand.shape[1]
+    if w_expand is None:  # a depthwise-separable pair (MobileNetV2's first block): inputs 1-2 left empty
+        if _conv_still_fusing(expand, view):
+            return False
+        expand, block_input, channels = None, depthwise.inputs[0], expanded
+    else:
+        block_input, channels = expand.inputs[0], w_expand.shape[1]
     if (w_depthwise.shape[1] != 1 or depthwise.attrs.get("group", 1) != expanded or w_project.shape[1] != expanded
             or project.attrs.get("group", 1) != 1):
         return False
@@ -533,11 +546,15 @@ def fuse_inverted_residual(project: Node, view: GraphView, ctx: Context) -> bool
     inputs = [block_input]
     for part, conv, channels_out in zip(BLOCK_PARTS, (expand, depthwise, project), (expanded, expanded,
                                                                                      out_channels)):
+        if conv is None:
+            inputs += ["", ""]
+            continue
         inputs += [conv.inputs[1], _block_bias(view, conv, channels_out)]
         attrs[f"{part}_activation"] = conv.attrs.get("activation", "")
         attrs[f"{part}_activation_params"] = [float(v) for v in conv.attrs.get("activation_params", [])]
-    fused = Node("InvertedResidual", inputs, list(project.outputs), attrs, domain="carrack", name=expand.name)
-    view.replace([expand, depthwise, project], [fused])
+    convs = [conv for conv in (expand, depthwise, project) if conv is not None]
+    fused = Node("InvertedResidual", inputs, list(project.outputs), attrs, domain="carrack", name=convs[0].name)
+    view.replace(convs, [fused])
     return True
 
 

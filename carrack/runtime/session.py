@@ -90,9 +90,10 @@ class InferenceSession(OrtSessionApi):
         overridable = any(v.name in initialized for v in source.inputs)
         # the graph's nodes are consumed by the plan unless runs may override its initializers (then they run the
         # source graph); its inputs and outputs, which the session reports, are lists the plan does not touch
-        with session_block_fusion():  # a session's plan runs MobileNetV2's blocks as one node (invres.c)
+        numpy_only = select.force_numpy(options)
+        with session_block_fusion(not numpy_only):  # a session's plan runs MobileNetV2's blocks as one node (invres.c)
             plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable,
-                              numpy_only=select.force_numpy(options))
+                              numpy_only=numpy_only)
         self._start(plan, options, source_model if overridable else None, source)
 
     def _start(self, plan: Plan, options: SessionOptions, source_model: Model | None, source: Graph) -> None:

@@ -62,8 +62,9 @@ def _ops(session: InferenceSession) -> list[str]:
     return [node.op_type for node in session._plan.graph.nodes]
 
 
-#: (channels, out channels, stride, activation, input [N, C, H, W]): band-cut maps (odd sizes, batch 2) and small
-#: maps (14x14 and 7x7 outputs) of every kind of block
+#: (channels, out channels, stride, activation, input [N, C, H, W][, expansion]): band-cut maps (odd sizes, batch 2)
+#: and small maps (14x14 and 7x7 outputs) of every kind of block; expansion 1: no expansion convolution (MobileNetV2's
+#: first block, a depthwise-separable pair)
 BLOCKS = {
     "s1_residual_relu6_bands": (8, 8, 1, torch.nn.ReLU6, (2, 8, 37, 23)),
     "s1_wider_relu_bands": (8, 12, 1, torch.nn.ReLU, (1, 8, 30, 33)),
@@ -73,13 +74,16 @@ BLOCKS = {
     "s1_residual_7x7": (20, 20, 1, torch.nn.ReLU6, (1, 20, 7, 7)),
     "s2_to_7x7": (16, 24, 2, torch.nn.ReLU6, (1, 16, 14, 14)),
     "s2_odd_small": (5, 7, 2, torch.nn.LeakyReLU, (2, 5, 9, 11)),
+    "first_block_bands": (8, 12, 1, torch.nn.ReLU6, (1, 8, 41, 35), 1),
+    "separable_residual_small": (16, 16, 1, torch.nn.ReLU6, (2, 16, 12, 12), 1),
+    "separable_s2_bands": (8, 8, 2, torch.nn.ReLU, (1, 8, 47, 40), 1),
 }
 
 
 @pytest.fixture(scope="module", params=list(BLOCKS))
 def block(request, tmp_path_factory) -> tuple[str, np.ndarray]:
-    channels, out_channels, stride, act, shape = BLOCKS[request.param]
-    path = _export(Block(channels, out_channels, stride, act), shape,
+    channels, out_channels, stride, act, shape, *expansion = BLOCKS[request.param]
+    path = _export(Block(channels, out_channels, stride, act, *expansion), shape,
                    tmp_path_factory.mktemp("invres") / f"{request.param}.onnx")
     return path, np.random.default_rng(2).standard_normal(shape).astype(np.float32)
 
@@ -129,8 +133,9 @@ def _kernels(session: InferenceSession) -> list[InvertedResidual]:
 def network(tmp_path_factory) -> str:
     """A MobileNetV2-like stack: a stem, blocks of each kind, a head."""
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU6(),
-                              Block(8, 8, 1), Block(8, 12, 2), Block(12, 12, 1, torch.nn.ReLU),
-                              Block(12, 16, 2), Block(16, 16, 1), torch.nn.Conv2d(16, 32, 1), torch.nn.ReLU6())
+                              Block(8, 8, 1, expansion=1), Block(8, 8, 1), Block(8, 12, 2),
+                              Block(12, 12, 1, torch.nn.ReLU), Block(12, 16, 2), Block(16, 16, 1),
+                              torch.nn.Conv2d(16, 32, 1), torch.nn.ReLU6())
     return _export(net, (1, 3, 57, 50), tmp_path_factory.mktemp("invres_net") / "net.onnx")
 
 
@@ -154,7 +159,7 @@ def test_bound_blocks_give_the_same_bits_at_any_thread_count(network, monkeypatc
         session.run(None, feeds[0])  # the first run into the reused arena binds the steps
         bound_calls.clear()
         results = [session.run(None, f)[0] for f in feeds]
-        assert len(bound_calls) == 3 * 5  # every block of every run
+        assert len(bound_calls) == 3 * 6  # every block of every run
         first = first or results
         for got, want, same in zip(results, expected, first):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -168,7 +173,7 @@ def test_network_fuses_every_block_and_exports_the_convolutions_back(network, tm
     options = SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     session = InferenceSession(network, options)
-    assert _ops(session).count("InvertedResidual") == 5
+    assert _ops(session).count("InvertedResidual") == 6
     np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-4, atol=1e-4)
     saved = onnx.load(options.optimized_model_filepath)
     assert "InvertedResidual" not in {n.op_type for n in saved.graph.node}
@@ -181,7 +186,7 @@ def test_memory_plan_counts_the_packed_weights_and_the_scratch(network):
     session = InferenceSession(network)
     with without_block_fusion():
         unfused = InferenceSession(network)
-    node = next(n for n in session._plan.graph.nodes if n.op_type == "InvertedResidual")
+    node = next(n for n in session._plan.graph.nodes if n.op_type == "InvertedResidual" and n.inputs[1])
     w_expand, w_project = (session._plan.graph.initializers[node.inputs[k]] for k in (1, 5))
     packed = InvertedResidual.prepared_bytes(node, session._plan.graph.initializers)
     assert packed == 4 * (invres.packed_floats(*w_expand.shape[:2]) + invres.packed_floats(*w_project.shape[:2]))
@@ -199,9 +204,13 @@ def test_blocks_that_do_not_qualify_stay_three_convolutions(tmp_path):
             return self.body[3:](expanded), expanded
 
     path = _export(Exposed(8, 8, 1), (1, 8, 10, 10), tmp_path / "exposed.onnx", ("y", "e"))
-    assert "InvertedResidual" not in _ops(session_at(path, 1))
-    path = _export(Block(8, 8, 1, expansion=1), (1, 8, 10, 10), tmp_path / "separable.onnx")  # no expansion
-    assert "InvertedResidual" not in _ops(session_at(path, 1))
+    session = session_at(path, 1)  # the expansion stays; the rest is a block without expansion
+    assert _ops(session) == ["FusedConv", "InvertedResidual"]
+    assert [kernel.node.inputs[1:3] for kernel in _kernels(session)] == [["", ""]]
+    x = np.random.default_rng(4).standard_normal((1, 8, 10, 10)).astype(np.float32)
+    expected = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for got, want in zip(session.run(None, {"x": x}), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     wide = torch.nn.Sequential(torch.nn.Conv2d(8, 48, 1), torch.nn.ReLU6(),
                                torch.nn.Conv2d(48, 48, 5, padding=2, groups=48), torch.nn.ReLU6(),

@@ -100,14 +100,18 @@ def _conv(kernel) -> Conv:
 
 @needs_native
 def test_the_table_picks_native_where_it_loads_and_numpy_when_forced(cnn, monkeypatch):
-    native = carrack.InferenceSession(cnn).implementations()
+    native_session = carrack.InferenceSession(cnn)
+    native = native_session.implementations()
     forced = carrack.InferenceSession(cnn, _numpy_options()).implementations()
     monkeypatch.setenv("CARRACK_NATIVE", "0")
     switched_off = carrack.InferenceSession(cnn).implementations()
-    kinds = {name: name.rsplit("/", 1)[-1] for name in native}
+    kinds = {name: name.rsplit("/", 1)[-1] for name in forced}
     assert sum("Conv" in k for k in kinds.values()) == 4 and any("Pool" in k for k in kinds.values())
     assert set(native.values()) == {"native"}
-    assert forced == switched_off == dict.fromkeys(native, "numpy")
+    assert forced == switched_off == dict.fromkeys(forced, "numpy")
+    # natively, the depthwise-separable pair (its projection's name gone) is one carrack.InvertedResidual node
+    assert set(forced) - set(native) == {"/dw/dw.2/Conv"} and set(native) < set(forced)
+    assert [k.node.name for k in _kernels(native_session, "InvertedResidual")] == ["/dw/dw.0/Conv"]
 
 
 @needs_native
