@@ -141,9 +141,23 @@ static inline __attribute__((always_inline)) __m512 row_taps(__m512 acc, const f
     return _mm512_fmadd_ps(wr, right, _mm512_fmadd_ps(wm, mid, _mm512_fmadd_ps(wl, left, acc)));
 }
 
+/* acc + the three taps of one stride-1 input row whose loads (left, middle, right) are given, in row_taps' order */
+static inline __attribute__((always_inline)) __m512 loaded_taps(__m512 acc, const __m512 *taps, __m512 wl, __m512 wm,
+                                                                __m512 wr) {
+    return _mm512_fmadd_ps(wr, taps[2], _mm512_fmadd_ps(wm, taps[1], _mm512_fmadd_ps(wl, taps[0], acc)));
+}
+
+static inline __attribute__((always_inline)) void load_taps(__m512 *taps, const float *row, int64_t c0,
+                                                            const dw_masks_t *m) {
+    taps[0] = _mm512_maskz_loadu_ps(m->load[0], row + c0 - 1);
+    taps[1] = _mm512_maskz_loadu_ps(m->load[1], row + c0);
+    taps[2] = _mm512_maskz_loadu_ps(m->load[2], row + c0 + 1);
+}
+
 /* Output rows [o0, o1) of one depthwise plane: e holds input rows [i0, ...) of the plane (w floats each), out gets
  * the rows (ow floats each). Output (o, c) sums the bias, then kernel rows 0..2 (those inside the image), each left
- * to right. */
+ * to right. Stride 1 goes two output rows at a time: the two input rows they share are loaded once (a third fewer
+ * loads; the sums' order is the same). */
 static void depthwise_rows(const invres_t *c, const dw_masks_t *masks, const float *e, int64_t i0, const float *wt,
                            float bias, float *out, int64_t o0, int64_t o1) {
     const int s = (int)c->s;
@@ -152,7 +166,33 @@ static void depthwise_rows(const invres_t *c, const dw_masks_t *masks, const flo
     const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
     const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
     const __m512 b = _mm512_set1_ps(bias);
-    for (int64_t o = o0; o < o1; o++, out += ow) {
+    int64_t o = o0;
+    if (s == 1) /* rows o - 1 .. o + 2 feed outputs o and o + 1; rows o and o + 1 are inside the image */
+        for (; o + 1 < o1; o += 2, out += 2 * ow) {
+            const float *top = o >= 1 ? e + (o - 1 - i0) * w : NULL, *upper = e + (o - i0) * w;
+            const float *lower = upper + w, *bottom = o + 2 < c->h ? upper + 2 * w : NULL;
+            for (int64_t c0 = 0, v = 0; c0 < ow; c0 += 16, v++) {
+                const dw_masks_t *m = masks + v;
+                __m512 taps[3], first = b, second = b;
+                if (top) {
+                    load_taps(taps, top, c0, m);
+                    first = loaded_taps(first, taps, w0, w1, w2);
+                }
+                load_taps(taps, upper, c0, m);
+                first = loaded_taps(first, taps, w3, w4, w5);
+                second = loaded_taps(second, taps, w0, w1, w2);
+                load_taps(taps, lower, c0, m);
+                first = loaded_taps(first, taps, w6, w7, w8);
+                second = loaded_taps(second, taps, w3, w4, w5);
+                if (bottom) {
+                    load_taps(taps, bottom, c0, m);
+                    second = loaded_taps(second, taps, w6, w7, w8);
+                }
+                _mm512_mask_storeu_ps(out + c0, m->store, act16(first, c->fd));
+                _mm512_mask_storeu_ps(out + ow + c0, m->store, act16(second, c->fd));
+            }
+        }
+    for (; o < o1; o++, out += ow) {
         const int64_t r = o * s - 1; /* the kernel's first input row; its middle one is always inside */
         const float *top = r >= 0 ? e + (r - i0) * w : NULL, *middle = e + (r + 1 - i0) * w;
         const float *bottom = r + 2 < c->h ? e + (r + 2 - i0) * w : NULL;
