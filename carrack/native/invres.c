@@ -119,14 +119,13 @@ static void depthwise_masks(const invres_t *c, dw_masks_t *masks) {
     }
 }
 
-/* acc + one input row's three taps (left, middle, right, in that order) for the 16 outputs from column c0 */
-static inline __attribute__((always_inline)) __m512 row_taps(__m512 acc, const float *row, int64_t c0, int s,
-                                                             const dw_masks_t *m, __m512 wl, __m512 wm, __m512 wr) {
-    __m512 left, mid, right;
+/* One input row's three taps (left, middle, right) for the 16 outputs from column c0 */
+static inline __attribute__((always_inline)) void load_taps(__m512 *taps, const float *row, int64_t c0, int s,
+                                                            const dw_masks_t *m) {
     if (s == 1) { /* lane l reads columns c0 + l - 1, c0 + l, c0 + l + 1 */
-        left = _mm512_maskz_loadu_ps(m->load[0], row + c0 - 1);
-        mid = _mm512_maskz_loadu_ps(m->load[1], row + c0);
-        right = _mm512_maskz_loadu_ps(m->load[2], row + c0 + 1);
+        taps[0] = _mm512_maskz_loadu_ps(m->load[0], row + c0 - 1);
+        taps[1] = _mm512_maskz_loadu_ps(m->load[1], row + c0);
+        taps[2] = _mm512_maskz_loadu_ps(m->load[2], row + c0 + 1);
     } else { /* lane l reads columns 2 (c0 + l) - 1, 2 (c0 + l), 2 (c0 + l) + 1 */
         const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
@@ -134,77 +133,91 @@ static inline __attribute__((always_inline)) __m512 row_taps(__m512 acc, const f
         const __m512 a1 = _mm512_maskz_loadu_ps(m->load[1], row + 2 * c0 + 15);
         const __m512 b0 = _mm512_maskz_loadu_ps(m->load[2], row + 2 * c0);
         const __m512 b1 = _mm512_maskz_loadu_ps(m->load[3], row + 2 * c0 + 16);
-        left = _mm512_permutex2var_ps(a0, even, a1);
-        mid = _mm512_permutex2var_ps(b0, even, b1);
-        right = _mm512_permutex2var_ps(b0, odd, b1);
+        taps[0] = _mm512_permutex2var_ps(a0, even, a1);
+        taps[1] = _mm512_permutex2var_ps(b0, even, b1);
+        taps[2] = _mm512_permutex2var_ps(b0, odd, b1);
     }
-    return _mm512_fmadd_ps(wr, right, _mm512_fmadd_ps(wm, mid, _mm512_fmadd_ps(wl, left, acc)));
 }
 
-/* acc + the three taps of one stride-1 input row whose loads (left, middle, right) are given, in row_taps' order */
-static inline __attribute__((always_inline)) __m512 loaded_taps(__m512 acc, const __m512 *taps, __m512 wl, __m512 wm,
-                                                                __m512 wr) {
+/* acc + one input row's taps: left, middle, right, in that order */
+static inline __attribute__((always_inline)) __m512 add_taps(__m512 acc, const __m512 *taps, __m512 wl, __m512 wm,
+                                                             __m512 wr) {
     return _mm512_fmadd_ps(wr, taps[2], _mm512_fmadd_ps(wm, taps[1], _mm512_fmadd_ps(wl, taps[0], acc)));
-}
-
-static inline __attribute__((always_inline)) void load_taps(__m512 *taps, const float *row, int64_t c0,
-                                                            const dw_masks_t *m) {
-    taps[0] = _mm512_maskz_loadu_ps(m->load[0], row + c0 - 1);
-    taps[1] = _mm512_maskz_loadu_ps(m->load[1], row + c0);
-    taps[2] = _mm512_maskz_loadu_ps(m->load[2], row + c0 + 1);
 }
 
 /* Output rows [o0, o1) of one depthwise plane: e holds input rows [i0, ...) of the plane (w floats each), out gets
  * the rows (ow floats each). Output (o, c) sums the bias, then kernel rows 0..2 (those inside the image), each left
- * to right. Stride 1 goes two output rows at a time: the two input rows they share are loaded once (a third fewer
- * loads; the sums' order is the same). */
-static void depthwise_rows(const invres_t *c, const dw_masks_t *masks, const float *e, int64_t i0, const float *wt,
-                           float bias, float *out, int64_t o0, int64_t o1) {
-    const int s = (int)c->s;
+ * to right. Two output rows at a time: the input rows they share (two for stride 1, one for stride 2) are loaded
+ * once; each output's sums keep their order. */
+static inline __attribute__((always_inline)) void depthwise_rows_s(const invres_t *c, const dw_masks_t *masks,
+                                                                   const float *e, int64_t i0, const float *wt,
+                                                                   float bias, float *out, int64_t o0, int64_t o1,
+                                                                   const int s) {
     const int64_t w = c->w, ow = c->ow;
     const __m512 w0 = _mm512_set1_ps(wt[0]), w1 = _mm512_set1_ps(wt[1]), w2 = _mm512_set1_ps(wt[2]);
     const __m512 w3 = _mm512_set1_ps(wt[3]), w4 = _mm512_set1_ps(wt[4]), w5 = _mm512_set1_ps(wt[5]);
     const __m512 w6 = _mm512_set1_ps(wt[6]), w7 = _mm512_set1_ps(wt[7]), w8 = _mm512_set1_ps(wt[8]);
     const __m512 b = _mm512_set1_ps(bias);
     int64_t o = o0;
-    if (s == 1) /* rows o - 1 .. o + 2 feed outputs o and o + 1; rows o and o + 1 are inside the image */
-        for (; o + 1 < o1; o += 2, out += 2 * ow) {
-            const float *top = o >= 1 ? e + (o - 1 - i0) * w : NULL, *upper = e + (o - i0) * w;
-            const float *lower = upper + w, *bottom = o + 2 < c->h ? upper + 2 * w : NULL;
-            for (int64_t c0 = 0, v = 0; c0 < ow; c0 += 16, v++) {
-                const dw_masks_t *m = masks + v;
-                __m512 taps[3], first = b, second = b;
-                if (top) {
-                    load_taps(taps, top, c0, m);
-                    first = loaded_taps(first, taps, w0, w1, w2);
-                }
-                load_taps(taps, upper, c0, m);
-                first = loaded_taps(first, taps, w3, w4, w5);
-                second = loaded_taps(second, taps, w0, w1, w2);
-                load_taps(taps, lower, c0, m);
-                first = loaded_taps(first, taps, w6, w7, w8);
-                second = loaded_taps(second, taps, w3, w4, w5);
-                if (bottom) {
-                    load_taps(taps, bottom, c0, m);
-                    second = loaded_taps(second, taps, w6, w7, w8);
-                }
-                _mm512_mask_storeu_ps(out + c0, m->store, act16(first, c->fd));
-                _mm512_mask_storeu_ps(out + ow + c0, m->store, act16(second, c->fd));
+    /* outputs o and o + 1 read input rows r .. r + 2 and r + s .. r + s + 2 (r = o s - 1): rows r + 1 .. r + s + 1
+     * are inside the image whenever o + 1 is an output row */
+    for (; o + 1 < o1; o += 2, out += 2 * ow) {
+        const int64_t r = o * s - 1, last = r + s + 2;
+        const float *top = r >= 0 ? e + (r - i0) * w : NULL, *row1 = e + (r + 1 - i0) * w, *row2 = row1 + w;
+        const float *row3 = row2 + w, *bottom = last < c->h ? e + (last - i0) * w : NULL;
+        for (int64_t c0 = 0, v = 0; c0 < ow; c0 += 16, v++) {
+            const dw_masks_t *m = masks + v;
+            __m512 taps[3], first = b, second = b;
+            if (top) {
+                load_taps(taps, top, c0, s, m);
+                first = add_taps(first, taps, w0, w1, w2);
             }
+            load_taps(taps, row1, c0, s, m);
+            first = add_taps(first, taps, w3, w4, w5);
+            if (s == 1) second = add_taps(second, taps, w0, w1, w2);
+            load_taps(taps, row2, c0, s, m);
+            first = add_taps(first, taps, w6, w7, w8);
+            second = s == 1 ? add_taps(second, taps, w3, w4, w5) : add_taps(second, taps, w0, w1, w2);
+            if (s == 2) {
+                load_taps(taps, row3, c0, s, m);
+                second = add_taps(second, taps, w3, w4, w5);
+            }
+            if (bottom) {
+                load_taps(taps, bottom, c0, s, m);
+                second = add_taps(second, taps, w6, w7, w8);
+            }
+            _mm512_mask_storeu_ps(out + c0, m->store, act16(first, c->fd));
+            _mm512_mask_storeu_ps(out + ow + c0, m->store, act16(second, c->fd));
         }
+    }
     for (; o < o1; o++, out += ow) {
         const int64_t r = o * s - 1; /* the kernel's first input row; its middle one is always inside */
         const float *top = r >= 0 ? e + (r - i0) * w : NULL, *middle = e + (r + 1 - i0) * w;
         const float *bottom = r + 2 < c->h ? e + (r + 2 - i0) * w : NULL;
         for (int64_t c0 = 0, v = 0; c0 < ow; c0 += 16, v++) {
             const dw_masks_t *m = masks + v;
-            __m512 acc = b;
-            if (top) acc = row_taps(acc, top, c0, s, m, w0, w1, w2);
-            acc = row_taps(acc, middle, c0, s, m, w3, w4, w5);
-            if (bottom) acc = row_taps(acc, bottom, c0, s, m, w6, w7, w8);
+            __m512 taps[3], acc = b;
+            if (top) {
+                load_taps(taps, top, c0, s, m);
+                acc = add_taps(acc, taps, w0, w1, w2);
+            }
+            load_taps(taps, middle, c0, s, m);
+            acc = add_taps(acc, taps, w3, w4, w5);
+            if (bottom) {
+                load_taps(taps, bottom, c0, s, m);
+                acc = add_taps(acc, taps, w6, w7, w8);
+            }
             _mm512_mask_storeu_ps(out + c0, m->store, act16(acc, c->fd));
         }
     }
+}
+
+static void depthwise_rows(const invres_t *c, const dw_masks_t *masks, const float *e, int64_t i0, const float *wt,
+                           float bias, float *out, int64_t o0, int64_t o1) {
+    if (c->s == 1)
+        depthwise_rows_s(c, masks, e, i0, wt, bias, out, o0, o1, 1);
+    else
+        depthwise_rows_s(c, masks, e, i0, wt, bias, out, o0, o1, 2);
 }
 
 /* e (channels c->ecap floats apart) = the expanded input rows [i0, i1) of image n (img): the rows of them that
