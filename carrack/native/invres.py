@@ -79,15 +79,29 @@ class Geometry:
 
 def plan_bands(g: Geometry, threads: int) -> tuple[int, int]:
     """(output rows a band, threads) for a run allowed `threads`: bands whose scratch fits BAND_BYTES, at least two
-    bands a thread when more than one thread is worth using (each multiply-add share at least MIN_TASK_WORK)."""
+    bands a thread when more than one thread is worth using (each multiply-add share at least MIN_TASK_WORK); for
+    one image, of the heights from half that size up, the one whose consecutive runs of bands (a thread's piece)
+    hold the most even numbers of rows."""
     threads = max(1, min(threads, g.work() // MIN_TASK_WORK))
     row_bytes = 4 * g.expanded * (g.stride * g.width + g.out_width)
     band = max(1, min(g.out_height, BAND_BYTES // max(row_bytes, 1)))
     if threads > 1:
         wanted = -(-2 * threads // g.n)  # bands an image
         band = min(band, max(1, -(-g.out_height // wanted)))
+        if g.n == 1:
+            band = min(range(band, max(1, band // 2) - 1, -1), key=lambda b: _longest_piece(g.out_height, b, threads))
     bands = g.n * -(-g.out_height // band)
     return band, max(1, min(threads, bands))
+
+
+def _longest_piece(rows: int, band: int, threads: int) -> int:
+    """The most output rows a thread computes when `rows` go in bands of `band` and the pool cuts the bands into
+    min(threads, bands) contiguous pieces as threadpool.c's run_pieces does (piece i: bands [count i / pieces,
+    count (i + 1) / pieces))."""
+    bands = -(-rows // band)
+    pieces = min(threads, bands)
+    ends = [min(rows, bands * i // pieces * band) for i in range(pieces + 1)]
+    return max(b - a for a, b in zip(ends, ends[1:]))
 
 
 class PackedBlock:

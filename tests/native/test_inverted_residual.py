@@ -279,3 +279,23 @@ def test_a_node_without_expansion_runs_the_depthwise_on_its_input(tmp_path, stri
     results = [s.run(None, {"x": x})[0] for s in sessions]
     np.testing.assert_allclose(results[0], expected, rtol=1e-4, atol=1e-4)
     assert all(np.array_equal(y, results[0]) for y in results)
+
+
+@pytest.mark.parametrize("geometry, threads", [
+    (invres.Geometry(1, 32, 32, 16, 112, 112, 1), 2),  # MobileNetV2's first block
+    (invres.Geometry(1, 24, 144, 24, 56, 56, 1), 2),
+    (invres.Geometry(1, 32, 192, 32, 28, 28, 1), 2),
+    (invres.Geometry(1, 24, 144, 24, 56, 56, 1), 4),
+])
+def test_band_heights_give_the_threads_even_shares_of_rows(geometry, threads):
+    """Each thread takes a contiguous run of bands (threadpool.c's pieces): a band height that does not divide the
+    map evenly leaves one thread waiting for the other (7 bands of 16 rows on 112: 64 rows against 48)."""
+    band, used = invres.plan_bands(geometry, threads)
+    bands = -(-geometry.out_height // band)
+    shares = [min(geometry.out_height, band * (bands * (i + 1) // used)) - min(geometry.out_height,
+                                                                              band * (bands * i // used))
+              for i in range(used)]
+    assert used == threads and sum(shares) == geometry.out_height
+    assert max(shares) == -(-geometry.out_height // threads)
+    row_bytes = 4 * geometry.expanded * (geometry.stride * geometry.width + geometry.out_width)
+    assert band * row_bytes <= invres.BAND_BYTES
