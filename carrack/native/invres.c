@@ -363,8 +363,10 @@ int64_t invres_f32_threads(const float *x, const float *we, const float *be, con
         call.group = PR * panels_an_item((co + PR - 1) / PR, n, threads, PROJECT_ROWS / PR);
         const int64_t chunks = n * ((ce + call.chunk - 1) / call.chunk);
         const int64_t panels = n * ((co + call.group - 1) / call.group);
-        parallel_for(channels_piece, &call, 0, chunks, pieces_for(chunks, threads), threads);
-        parallel_for(project_piece, &call, 0, panels, pieces_for(panels, threads), threads);
+        /* each item its own piece: items of one size, claimed one at a time, the threads end at most an item apart
+         * (pieces_for's few pieces of 2 or 3 items each left one thread up to 3 items behind) */
+        parallel_for(channels_piece, &call, 0, chunks, chunks, threads);
+        parallel_for(project_piece, &call, 0, panels, panels, threads);
         return 0;
     }
     const int64_t items = n * bands;
