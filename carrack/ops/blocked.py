@@ -10,10 +10,10 @@ import numpy as np
 
 from carrack import native
 from carrack.native import blockconv
+from carrack.onnx.tensors import aligned_empty
 from carrack.ops import registry
 from carrack.ops.fused import _activation, _epilogue
 from carrack.ops.registry import Kernel, bound_or_run_into, register
-from carrack.onnx.tensors import aligned_empty
 
 CARRACK = "carrack"
 _F32 = np.dtype(np.float32)
