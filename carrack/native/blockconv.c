@@ -5,7 +5,8 @@
  *
  *     y[n, ob, oh, ow, :] = act(bias + sum_{ib, kh, kw, ic} w[ob, ib, kh, kw, ic, :] * x[n, ib, ih, iw, ic] + z)
  *
- * - weights are packed once (carrack/native/blockconv.py) as [OC/16, IC/16, KH, KW, 16 ic, 16 oc];
+ * - weights are packed once (carrack/native/blockconv.py) by groups of up to 4 output blocks, each group one
+ *   contiguous stream read in order by its tiles: [group][IC/16][KH][KW][16 ic][blocks of the group x 16 oc];
  * - a tile is up to 4 output blocks (64 channels) x up to 6 pixels of one output row (fewer pixels where fewer
  *   blocks: 24 accumulators); for each input channel it loads one weight vector per output block and broadcasts the
  *   input channel of each pixel;
@@ -18,6 +19,7 @@
  * the item order or the thread count: results are the same bits at any thread count.
  * The portable build runs the same loops in scalar C (blockconv_vectorized() says which).
  */
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -43,7 +45,7 @@ typedef struct {
     float *y;       /* output at the first pixel, first output block */
     int64_t in_blocks, rows, cols;                     /* input blocks, kernel rows and columns to sum */
     int64_t x_block, x_row, x_col, x_pixel;            /* input strides in floats */
-    int64_t w_out_block, w_in_block, w_row;            /* weight strides in floats (a column is 256) */
+    int64_t w_ic, w_in_block, w_row, w_col;            /* weight strides in floats (output blocks are adjacent) */
     int64_t y_block;                                   /* floats between output blocks (z alike) */
     act_t act;
 } tile_t;
@@ -106,7 +108,7 @@ static inline __attribute__((always_inline)) void tile_body(const tile_t *t, con
     const __m512 b2 = t->b && fb > 2 ? _mm512_loadu_ps(t->b + 2 * BLOCK) : zero;
     const __m512 b3 = t->b && fb > 3 ? _mm512_loadu_ps(t->b + 3 * BLOCK) : zero;
     FOR_PIXELS(INIT)
-    const int64_t x_pixel = t->x_pixel, w_out = t->w_out_block;
+    const int64_t x_pixel = t->x_pixel, w_ic = t->w_ic;
     for (int64_t ib = 0; ib < t->in_blocks; ib++) {
         const float *xb = t->x + ib * t->x_block;
         const float *wb = t->w + ib * t->w_in_block;
@@ -115,13 +117,13 @@ static inline __attribute__((always_inline)) void tile_body(const tile_t *t, con
             const float *wr = wb + r * t->w_row;
             for (int64_t c = 0; c < t->cols; c++) {
                 const float *xc = xr + c * t->x_col;
-                const float *wc = wr + c * (BLOCK * BLOCK);
+                const float *wc = wr + c * t->w_col;
                 for (int ic = 0; ic < BLOCK; ic++) {
-                    const float *wi = wc + ic * BLOCK;
+                    const float *wi = wc + ic * w_ic;
                     const __m512 w0 = _mm512_loadu_ps(wi);
-                    const __m512 w1 = fb > 1 ? _mm512_loadu_ps(wi + w_out) : zero;
-                    const __m512 w2 = fb > 2 ? _mm512_loadu_ps(wi + 2 * w_out) : zero;
-                    const __m512 w3 = fb > 3 ? _mm512_loadu_ps(wi + 3 * w_out) : zero;
+                    const __m512 w1 = fb > 1 ? _mm512_loadu_ps(wi + BLOCK) : zero;
+                    const __m512 w2 = fb > 2 ? _mm512_loadu_ps(wi + 2 * BLOCK) : zero;
+                    const __m512 w3 = fb > 3 ? _mm512_loadu_ps(wi + 3 * BLOCK) : zero;
                     FOR_PIXELS(STEP)
                 }
             }
@@ -143,13 +145,13 @@ static inline void tile_body(const tile_t *t, const int fb, const int pixels) {
         for (int64_t r = 0; r < t->rows; r++)
             for (int64_t c = 0; c < t->cols; c++) {
                 const float *xc = t->x + ib * t->x_block + r * t->x_row + c * t->x_col;
-                const float *wc = t->w + ib * t->w_in_block + r * t->w_row + c * (BLOCK * BLOCK);
+                const float *wc = t->w + ib * t->w_in_block + r * t->w_row + c * t->w_col;
                 for (int ic = 0; ic < BLOCK; ic++)
                     for (int p = 0; p < pixels; p++) {
                         const float v = xc[p * t->x_pixel + ic];
                         for (int f = 0; f < fb; f++)
                             for (int o = 0; o < BLOCK; o++)
-                                acc[f][p][o] += wc[f * t->w_out_block + ic * BLOCK + o] * v;
+                                acc[f][p][o] += wc[ic * t->w_ic + f * BLOCK + o] * v;
                     }
             }
     for (int f = 0; f < fb; f++)
@@ -221,15 +223,17 @@ static void run_item(const conv_t *c, int64_t image, int64_t row, int64_t group)
     const int64_t ob = group * MAX_BLOCKS;
     const int fb = (int)(c->out_blocks - ob < MAX_BLOCKS ? c->out_blocks - ob : MAX_BLOCKS);
     const int64_t in_plane = c->h * c->w_in * BLOCK, out_plane = c->oh * c->ow * BLOCK;
-    const int64_t w_tap = BLOCK * BLOCK, w_row = c->kw * w_tap, w_in_block = c->kh * w_row;
+    /* the group's weights start after the full groups before it (each MAX_BLOCKS blocks wide) */
+    const int64_t w_tap = BLOCK * BLOCK * fb, w_row = c->kw * w_tap, w_in_block = c->kh * w_row;
     tile_t t = {
-        .w = c->w + ob * c->in_blocks * w_in_block,
+        .w = c->w + ob * c->in_blocks * c->kh * c->kw * BLOCK * BLOCK,
         .b = c->b ? c->b + ob * BLOCK : NULL,
         .in_blocks = c->in_blocks,
         .x_block = in_plane,
-        .w_out_block = c->in_blocks * w_in_block,
+        .w_ic = fb * BLOCK,
         .w_in_block = w_in_block,
         .w_row = w_row,
+        .w_col = w_tap,
         .y_block = out_plane,
         .act = c->act,
     };
@@ -311,7 +315,7 @@ static void conv_task(void *context, int64_t begin, int64_t end, int64_t slot) {
 #define GROUP_MAJOR_BYTES (128 * 1024)
 
 /* y = act(conv(x, w) + b + z) on blocked tensors: x [n, ic/16, h, w, 16], y and z [n, oc/16, oh, ow, 16], w packed
- * [oc/16, ic/16, kh, kw, 16, 16]; b (oc floats) and z may be NULL. Pads: top ph and left pw (the bottom and right
+ * by pack_weights' groups; b (oc floats) and z may be NULL. Pads: top ph and left pw (the bottom and right
  * ones follow from oh and ow). Returns 0, or -1 for sizes it does not take. */
 int64_t blockconv_f32_threads(const float *x, const float *w, const float *b, const float *z, float *y, int64_t n,
                               int64_t in_channels, int64_t h, int64_t w_in, int64_t out_channels, int64_t oh,
@@ -355,13 +359,31 @@ static void reorder_task(void *context, int64_t begin, int64_t end, int64_t slot
         if (r->to_blocked) {
             const float *s = r->src + plain;
             float *d = r->dst + blocked;
-            for (int64_t p = 0; p < r->pixels; p++)
+            int64_t p = 0;
+#if defined(__AVX512F__)
+            if (r->pixels * BLOCK <= INT32_MAX) { /* one gather a pixel: its 16 channels, `pixels` floats apart */
+                const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+                                                                           2, 1, 0),
+                                                          _mm512_set1_epi32((int)r->pixels));
+                for (; p < r->pixels; p++) _mm512_storeu_ps(d + p * BLOCK, _mm512_i32gather_ps(across, s + p, 4));
+            }
+#endif
+            for (; p < r->pixels; p++)
                 for (int k = 0; k < BLOCK; k++) d[p * BLOCK + k] = s[k * r->pixels + p];
         } else {
             const float *s = r->src + blocked;
             float *d = r->dst + plain;
-            for (int k = 0; k < BLOCK; k++)
-                for (int64_t p = 0; p < r->pixels; p++) d[k * r->pixels + p] = s[p * BLOCK + k];
+            for (int k = 0; k < BLOCK; k++) {
+                int64_t p = 0;
+#if defined(__AVX512F__)
+                const __m512i along = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                                          1, 0),
+                                                         _mm512_set1_epi32(BLOCK));
+                for (; p + BLOCK <= r->pixels; p += BLOCK) /* 16 pixels of channel k, 16 floats apart */
+                    _mm512_storeu_ps(d + k * r->pixels + p, _mm512_i32gather_ps(along, s + p * BLOCK + k, 4));
+#endif
+                for (; p < r->pixels; p++) d[k * r->pixels + p] = s[p * BLOCK + k];
+            }
         }
     }
 }

@@ -21,6 +21,8 @@ from carrack.onnx.tensors import aligned_empty
 
 #: channels of a block (the vector lanes of one pixel)
 BLOCK = 16
+#: output blocks a tile computes (and a packed weight group holds)
+GROUP_BLOCKS = 4
 _F32 = np.dtype(np.float32)
 
 
@@ -57,11 +59,17 @@ def from_blocked(x: np.ndarray) -> np.ndarray:
 
 
 def pack_weights(w: np.ndarray) -> np.ndarray:
-    """[OC, IC, KH, KW] float32 -> [OC/16, IC/16, KH, KW, 16 ic, 16 oc], 64-byte aligned (channels multiples of 16)."""
+    """[OC, IC, KH, KW] float32 (channels multiples of 16) as blockconv.c reads it, 64-byte aligned: groups of up to
+    GROUP_BLOCKS output blocks, each [IC/16, KH, KW, 16 ic, blocks x 16 oc] (one contiguous stream per group)."""
     oc, ic, kh, kw = w.shape
-    packed = aligned_empty((oc // BLOCK, ic // BLOCK, kh, kw, BLOCK, BLOCK), _F32)
-    packed[...] = w.astype(_F32, copy=False).reshape(oc // BLOCK, BLOCK, ic // BLOCK, BLOCK, kh, kw
-                                                     ).transpose(0, 2, 4, 5, 3, 1)
+    packed = aligned_empty((w.size,), _F32)
+    w = w.astype(_F32, copy=False)
+    start = 0
+    for first in range(0, oc, GROUP_BLOCKS * BLOCK):
+        rows = w[first:first + GROUP_BLOCKS * BLOCK]
+        part = rows.reshape(rows.shape[0], ic // BLOCK, BLOCK, kh, kw).transpose(1, 3, 4, 2, 0)
+        packed[start:start + rows.size] = part.reshape(-1)
+        start += rows.size
     return packed
 
 
