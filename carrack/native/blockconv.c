@@ -27,7 +27,9 @@
 #include "activations.h"
 #include "threadpool.h"
 
-#if defined(__AVX512F__)
+/* CARRACK_PORTABLE builds the plain C versions on any machine, for testing */
+#if defined(__AVX512F__) && !defined(CARRACK_PORTABLE)
+#define BLOCKCONV_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -50,7 +52,7 @@ typedef struct {
     act_t act;
 } tile_t;
 
-#if defined(__AVX512F__)
+#if defined(BLOCKCONV_AVX512)
 
 int64_t blockconv_vectorized(void) { return 1; }
 
@@ -360,7 +362,7 @@ static void reorder_task(void *context, int64_t begin, int64_t end, int64_t slot
             const float *s = r->src + plain;
             float *d = r->dst + blocked;
             int64_t p = 0;
-#if defined(__AVX512F__)
+#if defined(BLOCKCONV_AVX512)
             if (r->pixels * BLOCK <= INT32_MAX) { /* one gather a pixel: its 16 channels, `pixels` floats apart */
                 const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
                                                                            2, 1, 0),
@@ -375,7 +377,7 @@ static void reorder_task(void *context, int64_t begin, int64_t end, int64_t slot
             float *d = r->dst + plain;
             for (int k = 0; k < BLOCK; k++) {
                 int64_t p = 0;
-#if defined(__AVX512F__)
+#if defined(BLOCKCONV_AVX512)
                 const __m512i along = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
                                                                           1, 0),
                                                          _mm512_set1_epi32(BLOCK));

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from carrack import native
-from carrack.native import data_address
-from carrack.native.convolution import MIN_TASK_WORK, Activation, _untyped
+from carrack.native import convolution, data_address
+from carrack.native.convolution import Activation, _untyped
 from carrack.onnx.tensors import aligned_empty
 
 #: channels of a block (the vector lanes of one pixel)
@@ -120,8 +120,8 @@ def geometry(x_shape: tuple[int, ...], out_channels: int, kernel: tuple[int, int
 
 
 def threads_for(work: int, allowed: int) -> int:
-    """Threads worth using for `work` multiply-adds (each at least MIN_TASK_WORK)."""
-    return max(1, min(allowed, work // MIN_TASK_WORK))
+    """Threads worth using for `work` multiply-adds (each at least the convolutions' MIN_TASK_WORK)."""
+    return max(1, min(allowed, work // convolution.MIN_TASK_WORK))
 
 
 def convolve(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, bias: np.ndarray | None,
