@@ -50,6 +50,8 @@ typedef struct {
     int64_t w_ic, w_in_block, w_row, w_col;            /* weight strides in floats (output blocks are adjacent) */
     int64_t y_block;                                   /* floats between output blocks (z alike) */
     act_t act;
+    const char *fetch;    /* weights of the next group to prefetch into L2 while this tile runs, or NULL */
+    int64_t fetch_lines;  /* how many 64-byte lines of them */
 } tile_t;
 
 #if defined(BLOCKCONV_AVX512)
@@ -111,6 +113,13 @@ static inline __attribute__((always_inline)) void tile_body(const tile_t *t, con
     const __m512 b3 = t->b && fb > 3 ? _mm512_loadu_ps(t->b + 3 * BLOCK) : zero;
     FOR_PIXELS(INIT)
     const int64_t x_pixel = t->x_pixel, w_ic = t->w_ic;
+    const char *fetch = t->fetch;
+    int64_t fetch_left = fetch ? t->fetch_lines : 0;
+    const int64_t taps = t->in_blocks * t->rows * t->cols;
+    const int64_t fetch_per_tap = taps > 0 ? (fetch_left + taps - 1) / taps : 0;
+    if (t->z) /* the residual lines, while the sums run */
+        for (int f = 0; f < fb; f++)
+            for (int p = 0; p < pixels; p++) _mm_prefetch((const char *)(t->z + f * t->y_block + p * BLOCK), _MM_HINT_T0);
     for (int64_t ib = 0; ib < t->in_blocks; ib++) {
         const float *xb = t->x + ib * t->x_block;
         const float *wb = t->w + ib * t->w_in_block;
@@ -120,6 +129,11 @@ static inline __attribute__((always_inline)) void tile_body(const tile_t *t, con
             for (int64_t c = 0; c < t->cols; c++) {
                 const float *xc = xr + c * t->x_col;
                 const float *wc = wr + c * t->w_col;
+                for (int64_t k = fetch_left < fetch_per_tap ? fetch_left : fetch_per_tap; k > 0; k--) {
+                    _mm_prefetch(fetch, _MM_HINT_T1);
+                    fetch += 64;
+                    fetch_left--;
+                }
                 for (int ic = 0; ic < BLOCK; ic++) {
                     const float *wi = wc + ic * w_ic;
                     const __m512 w0 = _mm512_loadu_ps(wi);
@@ -208,16 +222,24 @@ static void run_pixels(const conv_t *c, tile_t *t, int fb, int64_t first, int64_
     const int widest = TILE_PIXELS[fb];
     float *y0 = t->y;
     const float *z0 = t->z;
+    const char *fetch = t->fetch;
+    const int64_t tiles = (last - first + widest - 1) / widest, fetch_lines = t->fetch_lines;
+    const int64_t per_tile = fetch ? (fetch_lines + tiles - 1) / tiles : 0;
+    int64_t fetched = 0;
     for (int64_t p = first; p < last;) {
         const int count = (int)(last - p < widest ? last - p : widest);
         t->x = x_first + (p - first) * t->x_pixel;
         t->y = y0 + (p - first) * BLOCK;
         t->z = z0 ? z0 + (p - first) * BLOCK : NULL;
+        t->fetch = fetch && fetched < fetch_lines ? fetch + 64 * fetched : NULL;
+        t->fetch_lines = fetch_lines - fetched < per_tile ? fetch_lines - fetched : per_tile;
+        fetched += t->fetch_lines;
         TILES[fb][count](t);
         p += count;
     }
     t->y = y0;
     t->z = z0;
+    t->fetch = NULL;
 }
 
 /* one item: output row (or flat segment) `row` of image `image`, output blocks [group * 4, +fb) */
@@ -239,6 +261,25 @@ static void run_item(const conv_t *c, int64_t image, int64_t row, int64_t group)
         .y_block = out_plane,
         .act = c->act,
     };
+    /* the next group's weights come from memory while this group's tiles run: in group-major order each row of
+     * the group fetches its share, in row-major order the image's first row fetches them */
+    const int64_t group_floats = MAX_BLOCKS * BLOCK * c->in_blocks * BLOCK * c->kh * c->kw;
+    if (group + 1 < c->groups) {
+        const int64_t next_floats = (group + 2 < c->groups ? MAX_BLOCKS : c->out_blocks - ob - MAX_BLOCKS) * BLOCK
+                                    * c->in_blocks * BLOCK * c->kh * c->kw;
+        const int64_t lines = next_floats / 16;
+        const char *next = (const char *)(c->w + (group + 1) * group_floats);
+        if (c->group_major) {
+            const int64_t share = (lines + c->rows - 1) / c->rows, start = row * share;
+            if (start < lines) {
+                t.fetch = next + 64 * start;
+                t.fetch_lines = start + share < lines ? share : lines - start;
+            }
+        } else if (row == 0) {
+            t.fetch = next;
+            t.fetch_lines = lines;
+        }
+    }
     const float *x_image = c->x + image * c->in_blocks * in_plane;
     const int64_t y_image = (image * c->out_blocks + ob) * out_plane;
     if (c->flat) {
@@ -265,6 +306,8 @@ static void run_item(const conv_t *c, int64_t image, int64_t row, int64_t group)
     const float *w_rows = t.w + r0 * w_row;
     float *y_row = c->y + y_image + row * c->ow * BLOCK;
     const float *z_row = c->z ? c->z + y_image + row * c->ow * BLOCK : NULL;
+    const char *fetch = t.fetch; /* the interior's tiles fetch */
+    const int64_t fetch_lines = t.fetch_lines;
     /* interior pixels [inner0, inner1): every kernel column inside the image */
     const int64_t span = (c->kw - 1) * c->dw;
     int64_t inner0 = (c->pw + c->sw - 1) / c->sw;
@@ -274,6 +317,8 @@ static void run_item(const conv_t *c, int64_t image, int64_t row, int64_t group)
     if (inner1 < inner0) inner1 = inner0;
     for (int64_t p = 0; p < c->ow; p++) {
         if (p == inner0 && inner1 > inner0) {
+            t.fetch = fetch;
+            t.fetch_lines = fetch_lines;
             t.cols = c->kw;
             t.w = w_rows;
             t.y = y_row + p * BLOCK;
@@ -286,6 +331,7 @@ static void run_item(const conv_t *c, int64_t image, int64_t row, int64_t group)
         int64_t k0 = 0, k1 = c->kw;
         while (k0 < k1 && left + k0 * c->dw < 0) k0++;
         while (k1 > k0 && left + (k1 - 1) * c->dw >= c->w_in) k1--;
+        t.fetch = NULL;
         t.cols = k1 - k0;
         t.w = w_rows + k0 * w_tap;
         t.x = x_row + (left + k0 * c->dw) * BLOCK;

@@ -11,8 +11,11 @@ each chain value read by anything else (a pool, a graph output). A convolution w
 it is (a reorder on each side would cost more than it saves), and so is every model with channel counts that are not
 multiples of 16.
 
-It runs in an InferenceSession's plan where blockconv.c has its AVX-512 tile (`session_blocked_layout`), unless
-the session's options turn it off: ``add_session_config_entry("carrack.blocked_layout", "0")``.
+It runs in an InferenceSession's plan where blockconv.c has its AVX-512 tile (`session_blocked_layout`) when the
+session's options ask for it: ``add_session_config_entry("carrack.blocked_layout", "1")``. It is off by default:
+inside resnet50 the blocked convolutions lose to packconv.c where a layer's weights come from memory (the 14x14 and
+7x7 stages: packconv.c streams the next panel's weights while its 64-pixel tiles run, a blocked tile reuses a
+weight load over at most 6 pixels), so the whole model is slower with it (see the notes of issue 14).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from carrack.passes.facts import Fact, tensor_fact
 from carrack.passes.shape_inference import rule
 from carrack.passes.shape_rules import window_dims
 
-#: SessionOptions config entry: "1" (default: the pass runs where blockconv.c is vectorized) or "0"
+#: SessionOptions config entry: "1" (the pass runs where blockconv.c is vectorized) or "0" (the default)
 CONFIG_KEY = "carrack.blocked_layout"
 CARRACK = "carrack"
 MS = "com.microsoft"
@@ -42,9 +45,9 @@ _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("carrack_blocked
 
 
 def enabled_by(options) -> bool:
-    """Whether a session with these SessionOptions asks for the pass (its config entry, default on)."""
+    """Whether a session with these SessionOptions asks for the pass (its config entry, default off)."""
     entries = getattr(options, "_configs", None) or {}
-    value = str(entries.get(CONFIG_KEY, "1")).strip().lower()
+    value = str(entries.get(CONFIG_KEY, "0")).strip().lower()
     if value not in ("0", "1", "true", "false", "on", "off"):
         from carrack.errors import InvalidArgument
 

@@ -1,7 +1,7 @@
 """The channel-blocked layout pass (carrack/passes/blocked_layout.py): a torch-exported CNN with residual blocks
 gives onnxruntime's outputs with its convolution chains blocked (reorders only at the chain's ends), the same bits at
 1, 2 and 4 threads and on the bound second run; channel counts that are not multiples of 16, lone convolutions and
-sessions that turn it off keep the NCHW convolutions; the numpy fallback and bad inputs."""
+sessions that do not turn it on (the default) keep the NCHW convolutions; the numpy fallback and bad inputs."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _export(net: torch.nn.Module, shape: tuple[int, ...]) -> bytes:
     return buffer.getvalue()
 
 
-def _session(model, threads: int = 1, blocked: str | None = None, bind: bool = True) -> carrack.InferenceSession:
+def _session(model, threads: int = 1, blocked: str | None = "1", bind: bool = True) -> carrack.InferenceSession:
     options = carrack.SessionOptions()
     options.intra_op_num_threads = threads
     if blocked is not None:
@@ -176,6 +176,7 @@ def test_chain_output_is_a_graph_output_and_matches():
 def test_lone_convolution_and_config_entry_keep_nchw(resnet):
     assert "BlockedConv" not in _ops(_session(_conv_chain((16, 32))))
     assert "BlockedConv" not in _ops(_session(resnet, blocked="0"))
+    assert "BlockedConv" not in _ops(_session(resnet, blocked=None))  # off by default
     with pytest.raises(CarrackError, match=CONFIG_KEY):
         _session(resnet, blocked="sometimes")
 
