@@ -12,7 +12,8 @@ it is (a reorder on each side would cost more than it saves), and so is every mo
 multiples of 16.
 
 It runs in an InferenceSession's plan where blockconv.c has its AVX-512 tile (`session_blocked_layout`) when the
-session's options ask for it: ``add_session_config_entry("carrack.blocked_layout", "1")``. It is off by default:
+session's options ask for it: ``add_session_config_entry("carrack.blocked_layout", "1")`` (or, for every session
+of a process, the environment variable CARRACK_BLOCKED_LAYOUT=1). It is off by default:
 inside resnet50 the blocked convolutions lose to packconv.c where a layer's weights come from memory (the 14x14 and
 7x7 stages: packconv.c streams the next panel's weights while its 64-pixel tiles run, a blocked tile reuses a
 weight load over at most 6 pixels), so the whole model is slower with it (see the notes of issue 14).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -35,6 +37,8 @@ from carrack.passes.shape_rules import window_dims
 
 #: SessionOptions config entry: "1" (the pass runs where blockconv.c is vectorized) or "0" (the default)
 CONFIG_KEY = "carrack.blocked_layout"
+#: environment variable giving the default of CONFIG_KEY for every session of the process
+ENV_KEY = "CARRACK_BLOCKED_LAYOUT"
 CARRACK = "carrack"
 MS = "com.microsoft"
 BLOCK = 16
@@ -45,9 +49,10 @@ _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("carrack_blocked
 
 
 def enabled_by(options) -> bool:
-    """Whether a session with these SessionOptions asks for the pass (its config entry, default off)."""
+    """Whether a session with these SessionOptions asks for the pass (its config entry, else the environment's
+    CARRACK_BLOCKED_LAYOUT, else off)."""
     entries = getattr(options, "_configs", None) or {}
-    value = str(entries.get(CONFIG_KEY, "0")).strip().lower()
+    value = str(entries.get(CONFIG_KEY, os.environ.get(ENV_KEY, "0"))).strip().lower()
     if value not in ("0", "1", "true", "false", "on", "off"):
         from carrack.errors import InvalidArgument
 

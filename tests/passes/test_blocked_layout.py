@@ -177,6 +177,13 @@ def test_lone_convolution_and_config_entry_keep_nchw(resnet):
     assert "BlockedConv" not in _ops(_session(_conv_chain((16, 32))))
     assert "BlockedConv" not in _ops(_session(resnet, blocked="0"))
     assert "BlockedConv" not in _ops(_session(resnet, blocked=None))  # off by default
+
+
+@needs_vector_kernel
+def test_environment_turns_it_on_for_sessions_without_the_entry(resnet, monkeypatch):
+    monkeypatch.setenv("CARRACK_BLOCKED_LAYOUT", "1")
+    assert "BlockedConv" in _ops(_session(resnet, blocked=None))
+    assert "BlockedConv" not in _ops(_session(resnet, blocked="0"))
     with pytest.raises(CarrackError, match=CONFIG_KEY):
         _session(resnet, blocked="sometimes")
 
