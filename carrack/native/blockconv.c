@@ -90,19 +90,26 @@ static inline __m512 activate(__m512 v, act_t f) {
         if (fb > 2) a2_##p = _mm512_fmadd_ps(w2, v, a2_##p);                                                        \
         if (fb > 3) a3_##p = _mm512_fmadd_ps(w3, v, a3_##p);                                                        \
     }
-#define FINISH_ONE(f, p)                                                                                            \
+#define FINISH_ONE(f, p, ACT)                                                                                       \
     {                                                                                                               \
         __m512 v = a##f##_##p;                                                                                      \
         if (t->z) v = _mm512_add_ps(v, _mm512_loadu_ps(t->z + f * t->y_block + p * BLOCK));                         \
-        _mm512_storeu_ps(t->y + f * t->y_block + p * BLOCK, activate(v, t->act));                                   \
+        _mm512_storeu_ps(t->y + f * t->y_block + p * BLOCK, ACT(v));                                                \
     }
-#define FINISH(p)                                                                                                   \
+#define FINISH(p, ACT)                                                                                              \
     if (pixels > p) {                                                                                               \
-        FINISH_ONE(0, p)                                                                                            \
-        if (fb > 1) FINISH_ONE(1, p)                                                                                \
-        if (fb > 2) FINISH_ONE(2, p)                                                                                \
-        if (fb > 3) FINISH_ONE(3, p)                                                                                \
+        FINISH_ONE(0, p, ACT)                                                                                       \
+        if (fb > 1) FINISH_ONE(1, p, ACT)                                                                           \
+        if (fb > 2) FINISH_ONE(2, p, ACT)                                                                           \
+        if (fb > 3) FINISH_ONE(3, p, ACT)                                                                           \
     }
+/* the finish for each activation (one switch a tile, not one a store) */
+#define AS_IS(v) (v)
+#define RELU(v) _mm512_max_ps(v, zero)
+#define ANY(v) activate(v, t->act)
+#define FINISH_AS_IS(p) FINISH(p, AS_IS)
+#define FINISH_RELU(p) FINISH(p, RELU)
+#define FINISH_ANY(p) FINISH(p, ANY)
 
 static inline __attribute__((always_inline)) void tile_body(const tile_t *t, const int fb, const int pixels) {
     FOR_PIXELS(DECLARE)
@@ -145,7 +152,11 @@ static inline __attribute__((always_inline)) void tile_body(const tile_t *t, con
             }
         }
     }
-    FOR_PIXELS(FINISH)
+    switch (t->act.act) {
+    case ACT_NONE: FOR_PIXELS(FINISH_AS_IS) break;
+    case ACT_RELU: FOR_PIXELS(FINISH_RELU) break;
+    default: FOR_PIXELS(FINISH_ANY) break;
+    }
 }
 
 #else
