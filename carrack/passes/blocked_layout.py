@@ -4,12 +4,12 @@ onnxruntime reorders chains of convolutions into NCHWc (each pixel's channels in
 that no convolution packs its input, maps have no pixel tails and each pixel's channel block is one cache line.
 This pass does the same for carrack, after the fusions (so residual Adds and activations are already inside
 FusedConv): every 2-D Conv / FusedConv of group 1 with a constant float32 weight whose input and output channel
-counts are multiples of 16 (and, with a residual, a residual of the output's shape), connected to another such
-convolution through its input or residual, becomes a carrack.BlockedConv node (blockconv.c). A chain of them
-exchanges blocked tensors; a carrack.BlockChannels node converts a value entering the chain, an UnblockChannels node
-each chain value read by anything else (a pool, a graph output). A convolution with no blocked neighbour is left as
-it is (a reorder on each side would cost more than it saves), and so is every model with channel counts that are not
-multiples of 16.
+counts are multiples of 16, output rows at least MIN_OUTPUT_WIDTH wide (and, with a residual, a residual of the
+output's shape), connected to another such convolution through its input or residual, becomes a
+carrack.BlockedConv node (blockconv.c). A chain of them exchanges blocked tensors; a carrack.BlockChannels node
+converts a value entering the chain, an UnblockChannels node each chain value read by anything else (a pool, a
+graph output). A convolution with no blocked neighbour is left as it is (a reorder on each side would cost more
+than it saves), and so is every model with channel counts that are not multiples of 16.
 
 It runs in an InferenceSession's plan where blockconv.c has its AVX-512 tile (`session_blocked_layout`) when the
 session's options ask for it: ``add_session_config_entry("carrack.blocked_layout", "1")`` (or, for every session
@@ -42,6 +42,10 @@ ENV_KEY = "CARRACK_BLOCKED_LAYOUT"
 CARRACK = "carrack"
 MS = "com.microsoft"
 BLOCK = 16
+#: output rows narrower than this stay NCHW: a row of 7 runs as a 6-pixel tile and a 1-pixel one (two tiles each
+#: loading every weight for 7 pixels), which packconv.c's 64-pixel panels over the whole map beat (resnet50's 7x7
+#: stage: 1.2-1.4x packconv's time blocked)
+MIN_OUTPUT_WIDTH = 8
 #: suffix of a blocked value's name (the NCHW value it holds keeps its own name)
 SUFFIX = "__nchw16c"
 
@@ -109,6 +113,8 @@ def _blockable(node: Node, constants: Mapping[str, np.ndarray], facts: Mapping[s
     if x is None or y is None or x.shape is None or y.shape is None or len(x.shape) != 4 or len(y.shape) != 4:
         return False
     if x.tensor.elem_type != TensorProto.FLOAT or x.shape[1] != w.shape[1]:
+        return False
+    if not isinstance(y.shape[3], int) or y.shape[3] < MIN_OUTPUT_WIDTH:
         return False
     if len(inputs) > 3 and inputs[3]:
         z = facts.get(inputs[3])

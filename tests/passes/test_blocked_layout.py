@@ -162,6 +162,12 @@ def test_channels_not_multiples_of_16_are_left_alone():
 
 
 @needs_vector_kernel
+def test_narrow_maps_are_left_alone():
+    assert "BlockedConv" not in _ops(_session(_conv_chain((16, 32, 16), size=7)))  # rows of 7: packconv.c's
+    assert _ops(_session(_conv_chain((16, 32, 16), size=8))).count("BlockedConv") == 2
+
+
+@needs_vector_kernel
 def test_chain_output_is_a_graph_output_and_matches():
     model = _conv_chain((16, 32, 16, 48), size=9)
     session = _session(model)
