@@ -7,6 +7,7 @@ registered with ``@register(op_type, since=version, domain=...)``; see `carrack.
 from carrack.ops import (  # noqa: F401
     activations,
     attention,
+    blocked,
     cast,
     contrib,
     contrib_quant,

@@ -30,6 +30,7 @@ from carrack.ir.order import node_reads
 from carrack.ir.symbolic import DimLike, Expr, symbols
 from carrack.ir.types import TensorType
 from carrack.ops import registry
+from carrack.passes import blocked_layout
 from carrack.passes.facts import Fact, numpy_dtype
 from carrack.passes.graph_view import GraphView
 from carrack.passes.optimizer import (
@@ -40,6 +41,7 @@ from carrack.passes.optimizer import (
     reads_by_name,
     remove_dead_nodes,
 )
+from carrack.passes.rewrite import EXTENDED
 from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan import select
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
@@ -328,6 +330,11 @@ def build_plan(model: Model, level: int, arena: bool = True, in_place: bool = Fa
             remove_dead_nodes(view, stats)
             view.commit()
             optimize_graph(graph, Context(optimized.opsets), level, stats)
+            facts = infer(graph, optimized.opsets, _input_facts(graph))
+    if level >= EXTENDED and not numpy_only and blocked_layout.active() and not reads_by_name(graph):
+        blocked = blocked_layout.apply_blocked_layout(graph, facts)
+        if blocked:
+            stats["blocked_layout"] = blocked
             facts = infer(graph, optimized.opsets, _input_facts(graph))
     derived_dims: list[DimLike] = []
     derived: list[Derived] = []

@@ -20,6 +20,7 @@ from carrack.native.intra_op import intra_op_threads
 from carrack.onnx.exporter import save_model
 from carrack.onnx.importer import ModelSource, load_model
 from carrack.onnx.tensors import EXTERNAL_DATA_ROOT_KEY, seal_constants
+from carrack.passes.blocked_layout import enabled_by, session_blocked_layout
 from carrack.passes.fusions import session_block_fusion
 from carrack.passes.memory_plan import MemoryPlan, plan_memory
 from carrack.passes.optimizer import optimize
@@ -91,7 +92,9 @@ class InferenceSession(OrtSessionApi):
         # the graph's nodes are consumed by the plan unless runs may override its initializers (then they run the
         # source graph); its inputs and outputs, which the session reports, are lists the plan does not touch
         numpy_only = select.force_numpy(options)
-        with session_block_fusion(not numpy_only):  # a session's plan runs MobileNetV2's blocks as one node (invres.c)
+        # a session's plan runs MobileNetV2's blocks as one node (invres.c) and, where enabled, chains of
+        # convolutions on channel-blocked tensors (blockconv.c)
+        with session_block_fusion(not numpy_only), session_blocked_layout(enabled_by(options)):
             plan = build_plan(frozen, level, arena=options.enable_mem_pattern, in_place=not overridable,
                               numpy_only=numpy_only)
         self._start(plan, options, source_model if overridable else None, source)
