@@ -71,6 +71,26 @@ typedef struct {
     int64_t n, groups, mg, cg, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl;
 } geom_t;
 
+/* Whether a 1x1 convolution that could read its image in place (unit strides, no padding) copies each pixel panel's
+ * depth block into the aligned buffer instead, for a piece of `row_panels` weight panels. In place, a tile's loads
+ * are unaligned wherever the plane is not a multiple of 16 floats (squeezenet's 13x13, 27x27 and 55x55 maps), and a
+ * block's 128 rows, a plane apart, fall on few L1 sets where the plane is a multiple of 1 KiB (32x32, 64x64: half
+ * the speed). The copy costs a store per vector once per pixel panel and block, paid back over the row panels: by
+ * 16 of them (conv10's 1000 outputs on 169 pixels: 9 % faster), by 8 on maps of 512 pixels or more; with fewer
+ * (squeeze layers of 16 to 64 outputs on small maps) it cost up to a quarter more. */
+static inline int pointwise_copies(int64_t plane, int64_t row_panels) {
+    return row_panels >= 16 || (row_panels >= 8 && plane >= 512);
+}
+
+/* Whether pixel panels whose vectors cross output rows read by row segments (pack_columns_rows) */
+static inline int row_segments(int64_t sw, int64_t ow) { return sw == 2 && ow >= 8; }
+
+/* The two choices above, for tests: bit 0 a 1x1 convolution's columns copied (plane, row panels per piece), bit 1
+ * row segments (stride, output width) */
+int64_t packconv_column_reads(int64_t plane, int64_t row_panels, int64_t sw, int64_t ow) {
+    return pointwise_copies(plane, row_panels) | row_segments(sw, ow) << 1;
+}
+
 #if defined(__AVX512F__)
 
 int64_t packconv_vectorized(void) { return 1; }
@@ -177,6 +197,60 @@ static inline __m512 read_vector(const float *plane, const vread_t *r) {
     }
 }
 
+/* Panels whose vectors cross output rows, for a stride of 2 and rows of at least 8 outputs (squeezenet's 3x3/2 stem
+ * on 111-wide rows): a vector's lanes in one output row are a segment (at most 3) that reads every other input
+ * float, two masked loads and a permute merged into the vector, where tap_reads would gather. The same floats as
+ * pack_columns' other paths: the convolution's bits do not change. (For a stride of 1 the gathers measured
+ * faster than segments.) */
+#define SEGMENTS 3
+static void pack_columns_rows(const geom_t *G, const float *img, int64_t p0, int64_t k0, int64_t kc, float *buf) {
+    const int64_t pixels = G->oh * G->ow, plane = G->h * G->w;
+    int32_t seg_row[4 * SEGMENTS], seg_col[4 * SEGMENTS], seg_first[4 * SEGMENTS], seg_vector[4 * SEGMENTS];
+    __mmask16 seg_lanes[4 * SEGMENTS];
+    int segs = 0;
+    for (int v = 0; v < 4; v++) { /* lanes [first, first + n) of vector v: one output row from column col */
+        const int64_t p = p0 + 16 * v, outputs = pixels - p < 16 ? pixels - p : 16;
+        int64_t row = p / G->ow, col = p % G->ow;
+        for (int64_t l = 0, n; l < outputs; l += n, row++, col = 0, segs++) {
+            n = G->ow - col < outputs - l ? G->ow - col : outputs - l;
+            seg_row[segs] = (int32_t)row, seg_col[segs] = (int32_t)col, seg_first[segs] = (int32_t)l;
+            seg_vector[segs] = v, seg_lanes[segs] = lanes_between(l, l + n);
+        }
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    int64_t c = k0 % G->cg, i = k0 / G->cg / G->kw, j = k0 / G->cg % G->kw;
+    for (int64_t kk = 0; kk < kc; c = 0, j = j + 1 == G->kw ? 0 : j + 1, i += j == 0) {
+        const int64_t end = kc < kk + G->cg - c ? kc : kk + G->cg - c;
+        /* this tap's reads: lane l of read r goes to vector vec[r] from base[r] + 2 l */
+        int32_t base[4 * SEGMENTS], vec[4 * SEGMENTS];
+        __mmask16 lanes[4 * SEGMENTS], lo[4 * SEGMENTS], hi[4 * SEGMENTS];
+        int reads = 0;
+        for (int s = 0; s < segs; s++) {
+            const int64_t ih = seg_row[s] * G->sh + i * G->dh - G->pt;
+            const int64_t iw0 = seg_col[s] * G->sw + j * G->dw - G->pl, first = seg_first[s];
+            const __mmask16 m = ih >= 0 && ih < G->h ? (__mmask16)(seg_lanes[s] & (lanes_inside(iw0, 2, G->w) << first))
+                                                     : 0;
+            if (!m) continue;
+            base[reads] = (int32_t)(ih * G->w + iw0 - 2 * first), vec[reads] = seg_vector[s], lanes[reads] = m;
+            lo[reads] = (__mmask16)_pdep_u32(m & 0xFFu, 0x5555u), hi[reads] = (__mmask16)_pdep_u32(m >> 8, 0x5555u);
+            reads++;
+        }
+        const float *src = img + c * plane;
+        float *dst = buf + kk * PW;
+        for (; kk < end; kk++, src += plane, dst += PW) {
+            __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int r = 0; r < reads; r++) {
+                const float *at = src + base[r];
+                const __m512 v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo[r], at), even,
+                                                        _mm512_maskz_loadu_ps(hi[r], at + 16));
+                x[vec[r]] = _mm512_mask_mov_ps(x[vec[r]], lanes[r], v);
+            }
+            _mm512_store_ps(dst, x[0]), _mm512_store_ps(dst + 16, x[1]);
+            _mm512_store_ps(dst + 32, x[2]), _mm512_store_ps(dst + 48, x[3]);
+        }
+    }
+}
+
 /* buf[kk][0..64) = the columns of depth steps [k0, k0 + kc) for pixel panel p0 of image plane set `img` (the
  * group's Cg planes) */
 static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t k0, int64_t kc, float *buf) {
@@ -190,6 +264,10 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
         row0[v] = (int32_t)(p / G->ow), col0[v] = (int32_t)(p % G->ow);
         one_row &= col0[v] + (pixels - p < 16 ? pixels - p : 16) <= G->ow;
         valid[v] = tail_mask(pixels - p);
+    }
+    if (!one_row && row_segments(G->sw, G->ow)) {
+        pack_columns_rows(G, img, p0, k0, kc, buf);
+        return;
     }
     for (int v = 0; v < 4 && !one_row; v++) { /* each lane's output row and column, for tap_reads */
         int32_t r[16], c[16], ri = row0[v], ci = col0[v];
@@ -454,6 +532,19 @@ static inline void prefetch_l2(const float *p, int64_t count) {
     for (int64_t i = 0; i < count; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
 }
 
+/* buf[kk][0..64) = src[kk * plane + 0..pixels) for kk < kc, pixels <= PW (0 past them): a 1x1 convolution's columns,
+ * which are rows of its image */
+static void copy_pointwise_columns(const float *src, int64_t plane, int64_t kc, int64_t pixels, float *buf) {
+    const __mmask16 m0 = tail_mask(pixels), m1 = tail_mask(pixels - 16), m2 = tail_mask(pixels - 32);
+    const __mmask16 m3 = tail_mask(pixels - 48);
+    for (int64_t kk = 0; kk < kc; kk++, src += plane, buf += PW) {
+        _mm512_store_ps(buf, _mm512_maskz_loadu_ps(m0, src));
+        _mm512_store_ps(buf + 16, _mm512_maskz_loadu_ps(m1, src + 16));
+        _mm512_store_ps(buf + 32, _mm512_maskz_loadu_ps(m2, src + 32));
+        _mm512_store_ps(buf + 48, _mm512_maskz_loadu_ps(m3, src + 48));
+    }
+}
+
 /* Pixel panels [pa, pb) of image n, group g, row panels [ta, tb): every depth block, panel by panel, all the row
  * panels over it. */
 static void run_panels(const geom_t *G, const float *x, const float *wp, const float *bias, float *y,
@@ -463,6 +554,7 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
     const int64_t row_panels = (G->mg + PR - 1) / PR;
     const int in_place = G->kh == 1 && G->kw == 1 && G->sh == 1 && G->sw == 1 && G->pt == 0 && G->pl == 0
                          && G->oh == G->h && G->ow == G->w;
+    const int copy_pointwise = in_place && pointwise_copies(plane, tb - ta);
     const float *img = x + (n * G->groups + g) * G->cg * plane;
     const int64_t out0 = (n * G->groups * G->mg + g * G->mg) * pixels;
     float *tail_columns = buf + KC * PW; /* TAIL_MAX columns of KC */
@@ -479,8 +571,10 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                                     tail_mask(count - 48)};
             const float *cols = buf;
             int64_t ldb = PW;
-            if (in_place)
+            if (in_place && !copy_pointwise)
                 cols = img + k0 * plane + p0, ldb = plane;
+            else if (in_place)
+                copy_pointwise_columns(img + k0 * plane + p0, plane, kc, all, buf);
             else
                 pack_columns(G, img, p0, k0, kc, buf);
             for (int64_t j = 0; j < tails; j++)
