@@ -14,7 +14,8 @@
  *   a vector's 16 outputs read 16 consecutive or every other input, a gather where they cross output rows), then
  *   every row panel runs over it: a 6 x 64 tile in 24 vector registers, started from the bias (first block) or
  *   from the partial sums stored by the previous block, finished with the residual and the activation in the
- *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer);
+ *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer), or, over many
+ *   row panels, copies its rows into the buffer (pointwise_copies: aligned loads, no L1 set conflicts);
  * - a panel's one pixel past its whole vectors (7x7 maps: 49 = 3 x 16 + 1) is a dot product instead (tail_dot);
  * - while a chunk's first pixel panel runs a row panel, the next row panel's weights are prefetched into the L2
  *   cache a few lines at a time (tile_next);
@@ -82,14 +83,8 @@ static inline int pointwise_copies(int64_t plane, int64_t row_panels) {
     return row_panels >= 16 || (row_panels >= 8 && plane >= 512);
 }
 
-/* Whether pixel panels whose vectors cross output rows read by row segments (pack_columns_rows) */
-static inline int row_segments(int64_t sw, int64_t ow) { return sw == 2 && ow >= 8; }
-
-/* The two choices above, for tests: bit 0 a 1x1 convolution's columns copied (plane, row panels per piece), bit 1
- * row segments (stride, output width) */
-int64_t packconv_column_reads(int64_t plane, int64_t row_panels, int64_t sw, int64_t ow) {
-    return pointwise_copies(plane, row_panels) | row_segments(sw, ow) << 1;
-}
+/* pointwise_copies, for tests */
+int64_t packconv_pointwise_copies(int64_t plane, int64_t row_panels) { return pointwise_copies(plane, row_panels); }
 
 #if defined(__AVX512F__)
 
@@ -197,60 +192,6 @@ static inline __m512 read_vector(const float *plane, const vread_t *r) {
     }
 }
 
-/* Panels whose vectors cross output rows, for a stride of 2 and rows of at least 8 outputs (squeezenet's 3x3/2 stem
- * on 111-wide rows): a vector's lanes in one output row are a segment (at most 3) that reads every other input
- * float, two masked loads and a permute merged into the vector, where tap_reads would gather. The same floats as
- * pack_columns' other paths: the convolution's bits do not change. (For a stride of 1 the gathers measured
- * faster than segments.) */
-#define SEGMENTS 3
-static void pack_columns_rows(const geom_t *G, const float *img, int64_t p0, int64_t k0, int64_t kc, float *buf) {
-    const int64_t pixels = G->oh * G->ow, plane = G->h * G->w;
-    int32_t seg_row[4 * SEGMENTS], seg_col[4 * SEGMENTS], seg_first[4 * SEGMENTS], seg_vector[4 * SEGMENTS];
-    __mmask16 seg_lanes[4 * SEGMENTS];
-    int segs = 0;
-    for (int v = 0; v < 4; v++) { /* lanes [first, first + n) of vector v: one output row from column col */
-        const int64_t p = p0 + 16 * v, outputs = pixels - p < 16 ? pixels - p : 16;
-        int64_t row = p / G->ow, col = p % G->ow;
-        for (int64_t l = 0, n; l < outputs; l += n, row++, col = 0, segs++) {
-            n = G->ow - col < outputs - l ? G->ow - col : outputs - l;
-            seg_row[segs] = (int32_t)row, seg_col[segs] = (int32_t)col, seg_first[segs] = (int32_t)l;
-            seg_vector[segs] = v, seg_lanes[segs] = lanes_between(l, l + n);
-        }
-    }
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    int64_t c = k0 % G->cg, i = k0 / G->cg / G->kw, j = k0 / G->cg % G->kw;
-    for (int64_t kk = 0; kk < kc; c = 0, j = j + 1 == G->kw ? 0 : j + 1, i += j == 0) {
-        const int64_t end = kc < kk + G->cg - c ? kc : kk + G->cg - c;
-        /* this tap's reads: lane l of read r goes to vector vec[r] from base[r] + 2 l */
-        int32_t base[4 * SEGMENTS], vec[4 * SEGMENTS];
-        __mmask16 lanes[4 * SEGMENTS], lo[4 * SEGMENTS], hi[4 * SEGMENTS];
-        int reads = 0;
-        for (int s = 0; s < segs; s++) {
-            const int64_t ih = seg_row[s] * G->sh + i * G->dh - G->pt;
-            const int64_t iw0 = seg_col[s] * G->sw + j * G->dw - G->pl, first = seg_first[s];
-            const __mmask16 m = ih >= 0 && ih < G->h ? (__mmask16)(seg_lanes[s] & (lanes_inside(iw0, 2, G->w) << first))
-                                                     : 0;
-            if (!m) continue;
-            base[reads] = (int32_t)(ih * G->w + iw0 - 2 * first), vec[reads] = seg_vector[s], lanes[reads] = m;
-            lo[reads] = (__mmask16)_pdep_u32(m & 0xFFu, 0x5555u), hi[reads] = (__mmask16)_pdep_u32(m >> 8, 0x5555u);
-            reads++;
-        }
-        const float *src = img + c * plane;
-        float *dst = buf + kk * PW;
-        for (; kk < end; kk++, src += plane, dst += PW) {
-            __m512 x[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int r = 0; r < reads; r++) {
-                const float *at = src + base[r];
-                const __m512 v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo[r], at), even,
-                                                        _mm512_maskz_loadu_ps(hi[r], at + 16));
-                x[vec[r]] = _mm512_mask_mov_ps(x[vec[r]], lanes[r], v);
-            }
-            _mm512_store_ps(dst, x[0]), _mm512_store_ps(dst + 16, x[1]);
-            _mm512_store_ps(dst + 32, x[2]), _mm512_store_ps(dst + 48, x[3]);
-        }
-    }
-}
-
 /* buf[kk][0..64) = the columns of depth steps [k0, k0 + kc) for pixel panel p0 of image plane set `img` (the
  * group's Cg planes) */
 static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t k0, int64_t kc, float *buf) {
@@ -264,10 +205,6 @@ static void pack_columns(const geom_t *G, const float *img, int64_t p0, int64_t 
         row0[v] = (int32_t)(p / G->ow), col0[v] = (int32_t)(p % G->ow);
         one_row &= col0[v] + (pixels - p < 16 ? pixels - p : 16) <= G->ow;
         valid[v] = tail_mask(pixels - p);
-    }
-    if (!one_row && row_segments(G->sw, G->ow)) {
-        pack_columns_rows(G, img, p0, k0, kc, buf);
-        return;
     }
     for (int v = 0; v < 4 && !one_row; v++) { /* each lane's output row and column, for tap_reads */
         int32_t r[16], c[16], ri = row0[v], ci = col0[v];
