@@ -77,10 +77,11 @@ typedef struct {
  * are unaligned wherever the plane is not a multiple of 16 floats (squeezenet's 13x13, 27x27 and 55x55 maps), and a
  * block's 128 rows, a plane apart, fall on few L1 sets where the plane is a multiple of 1 KiB (32x32, 64x64: half
  * the speed). The copy costs a store per vector once per pixel panel and block, paid back over the row panels: by
- * 16 of them (conv10's 1000 outputs on 169 pixels: 9 % faster), by 8 on maps of 512 pixels or more; with fewer
- * (squeeze layers of 16 to 64 outputs on small maps) it cost up to a quarter more. */
+ * 24 of them on small maps (conv10's 1000 outputs on 169 pixels: 9-13 % faster; 96 outputs on 14x14: 4 % slower),
+ * by 8 on maps of 512 pixels or more (resnet50's 1x1 layers on 56x56 and 28x28: 5-25 % faster); with fewer
+ * (squeeze layers of 16 to 64 outputs) it cost up to a quarter more. */
 static inline int pointwise_copies(int64_t plane, int64_t row_panels) {
-    return row_panels >= 16 || (row_panels >= 8 && plane >= 512);
+    return row_panels >= 24 || (row_panels >= 8 && plane >= 512);
 }
 
 /* pointwise_copies, for tests */

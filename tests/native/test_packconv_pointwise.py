@@ -41,6 +41,8 @@ def _row_panels(outputs: int) -> int:
     (13 * 13, 256, True),    # fire8/9 expand1x1
     (13 * 13, 64, False),    # fire8/9 squeeze: 11 row panels on a small map
     (13 * 13, 48, False),    # fire6/7 squeeze
+    (13 * 13, 192, True),    # fire6/7 expand1x1
+    (14 * 14, 96, False),    # mobilenetv2's 14x14 projections: 16 row panels on a small map
     (55 * 55, 64, True),     # fire2/3 expand1x1: 11 row panels on a large map
     (55 * 55, 16, False),    # fire2/3 squeeze: 3 row panels
     (27 * 27, 32, False),    # fire4/5 squeeze
@@ -54,11 +56,11 @@ def test_copy_rule_on_small_cnn_shapes(plane, outputs, copies):
 
 #: (x shape, w shape, group): 1x1 convolutions whose whole-output pieces copy their columns
 COPIED = [
-    ((1, 40, 13, 13), (100, 40, 1, 1), 1),    # 169 pixels: 64 + 64 + 41
-    ((1, 20, 7, 7), (96, 20, 1, 1), 1),       # 49 pixels: a tail pixel (tail_dot) read from the copied buffer
-    ((1, 200, 9, 9), (100, 200, 1, 1), 1),    # two depth blocks
+    ((1, 40, 13, 13), (150, 40, 1, 1), 1),    # 169 pixels: 64 + 64 + 41
+    ((1, 20, 7, 7), (144, 20, 1, 1), 1),      # 49 pixels: a tail pixel (tail_dot) read from the copied buffer
+    ((1, 200, 9, 9), (160, 200, 1, 1), 1),    # two depth blocks
     ((1, 24, 32, 32), (48, 24, 1, 1), 1),     # a 1 KiB-multiple plane, 8 row panels
-    ((2, 64, 11, 13), (192, 32, 1, 1), 2),    # groups and batches
+    ((2, 64, 11, 13), (300, 32, 1, 1), 2),    # groups and batches
 ]
 
 
