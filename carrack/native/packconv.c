@@ -14,7 +14,8 @@
  *   a vector's 16 outputs read 16 consecutive or every other input, a gather where they cross output rows), then
  *   every row panel runs over it: a 6 x 64 tile in 24 vector registers, started from the bias (first block) or
  *   from the partial sums stored by the previous block, finished with the residual and the activation in the
- *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer);
+ *   last. A 1x1 convolution with unit strides and no padding reads its image in place (no buffer), or, over many
+ *   row panels, copies its rows into the buffer (pointwise_copies: aligned loads, no L1 set conflicts);
  * - a panel's one pixel past its whole vectors (7x7 maps: 49 = 3 x 16 + 1) is a dot product instead (tail_dot);
  * - while a chunk's first pixel panel runs a row panel, the next row panel's weights are prefetched into the L2
  *   cache a few lines at a time (tile_next);
@@ -70,6 +71,21 @@ void packconv_pack_weights(const float *w, float *wp, int64_t groups, int64_t mg
 typedef struct {
     int64_t n, groups, mg, cg, h, w, kh, kw, oh, ow, sh, sw, dh, dw, pt, pl;
 } geom_t;
+
+/* Whether a 1x1 convolution that could read its image in place (unit strides, no padding) copies each pixel panel's
+ * depth block into the aligned buffer instead, for a piece of `row_panels` weight panels. In place, a tile's loads
+ * are unaligned wherever the plane is not a multiple of 16 floats (squeezenet's 13x13, 27x27 and 55x55 maps), and a
+ * block's 128 rows, a plane apart, fall on few L1 sets where the plane is a multiple of 1 KiB (32x32, 64x64: half
+ * the speed). The copy costs a store per vector once per pixel panel and block, paid back over the row panels: by
+ * 24 of them on small maps (conv10's 1000 outputs on 169 pixels: 9-13 % faster; 96 outputs on 14x14: 4 % slower),
+ * by 8 on maps of 512 pixels or more (resnet50's 1x1 layers on 56x56 and 28x28: 5-25 % faster); with fewer
+ * (squeeze layers of 16 to 64 outputs) it cost up to a quarter more. */
+static inline int pointwise_copies(int64_t plane, int64_t row_panels) {
+    return row_panels >= 24 || (row_panels >= 8 && plane >= 512);
+}
+
+/* pointwise_copies, for tests */
+int64_t packconv_pointwise_copies(int64_t plane, int64_t row_panels) { return pointwise_copies(plane, row_panels); }
 
 #if defined(__AVX512F__)
 
@@ -454,6 +470,19 @@ static inline void prefetch_l2(const float *p, int64_t count) {
     for (int64_t i = 0; i < count; i += 16) _mm_prefetch((const char *)(p + i), _MM_HINT_T1);
 }
 
+/* buf[kk][0..64) = src[kk * plane + 0..pixels) for kk < kc, pixels <= PW (0 past them): a 1x1 convolution's columns,
+ * which are rows of its image */
+static void copy_pointwise_columns(const float *src, int64_t plane, int64_t kc, int64_t pixels, float *buf) {
+    const __mmask16 m0 = tail_mask(pixels), m1 = tail_mask(pixels - 16), m2 = tail_mask(pixels - 32);
+    const __mmask16 m3 = tail_mask(pixels - 48);
+    for (int64_t kk = 0; kk < kc; kk++, src += plane, buf += PW) {
+        _mm512_store_ps(buf, _mm512_maskz_loadu_ps(m0, src));
+        _mm512_store_ps(buf + 16, _mm512_maskz_loadu_ps(m1, src + 16));
+        _mm512_store_ps(buf + 32, _mm512_maskz_loadu_ps(m2, src + 32));
+        _mm512_store_ps(buf + 48, _mm512_maskz_loadu_ps(m3, src + 48));
+    }
+}
+
 /* Pixel panels [pa, pb) of image n, group g, row panels [ta, tb): every depth block, panel by panel, all the row
  * panels over it. */
 static void run_panels(const geom_t *G, const float *x, const float *wp, const float *bias, float *y,
@@ -463,6 +492,7 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
     const int64_t row_panels = (G->mg + PR - 1) / PR;
     const int in_place = G->kh == 1 && G->kw == 1 && G->sh == 1 && G->sw == 1 && G->pt == 0 && G->pl == 0
                          && G->oh == G->h && G->ow == G->w;
+    const int copy_pointwise = in_place && pointwise_copies(plane, tb - ta);
     const float *img = x + (n * G->groups + g) * G->cg * plane;
     const int64_t out0 = (n * G->groups * G->mg + g * G->mg) * pixels;
     float *tail_columns = buf + KC * PW; /* TAIL_MAX columns of KC */
@@ -479,8 +509,10 @@ static void run_panels(const geom_t *G, const float *x, const float *wp, const f
                                     tail_mask(count - 48)};
             const float *cols = buf;
             int64_t ldb = PW;
-            if (in_place)
+            if (in_place && !copy_pointwise)
                 cols = img + k0 * plane + p0, ldb = plane;
+            else if (in_place)
+                copy_pointwise_columns(img + k0 * plane + p0, plane, kc, all, buf);
             else
                 pack_columns(G, img, p0, k0, kc, buf);
             for (int64_t j = 0; j < tails; j++)
