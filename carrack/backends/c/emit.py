@@ -116,6 +116,7 @@ class _Emitter:
     panel_width: int = 0  # > 0: constant matrix-product B written as panels of this many columns (cr_bsrc)
     native_kernels: bool = False  # convolutions and pools through the session's kernels (emit_native)
     uses_native: bool = False  # a step calls one
+    uses_blocks: bool = False  # a step calls invres.c (a fused inverted-residual block)
     elided: set[str] = field(default_factory=set)  # Concat outputs whose parts were written in place
 
     # dims ------------------------------------------------------------------------------------------------------
@@ -666,6 +667,31 @@ def _emit_conv(em, step, node, shapes, out_shape):
             f"          {', '.join(args[12:])});"]
 
 
+def _emit_inverted_residual(em, step, node, shapes, out_shape):
+    """carrack.InvertedResidual (MobileNetV2's fused block, in plans made for native libraries with the session
+    kernels): one invres.c call, or where it does not take the node its three convolutions, the two intermediate
+    maps in blocks of their own."""
+    from carrack.passes.fusions import inverted_residual_parts
+
+    x = node.inputs[0]
+    _require_float(em, node, [name for name in node.inputs if name])
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    lines = emit_native.block_lines(em, step, node, tuple(shapes[x]), y.pointer) if em.native_kernels else None
+    if lines:
+        em.uses_native = em.uses_blocks = True
+        return lines
+    lines, x_shape = [], tuple(shapes[x])
+    for part in inverted_residual_parts(node):
+        w_shape = np.shape(_const(em, part.inputs[1]))
+        if not w_shape:
+            raise _Unsupported("weights that are not a constant")
+        expansion = part.inputs[0] == x and list(part.attrs["kernel_shape"]) == [1, 1]
+        part_shape = (x_shape[0], w_shape[0], *(x_shape[2:] if expansion else out_shape[2:]))
+        known = {i: em.values[i].shape for i in part.inputs if i in em.values}
+        lines += _emit_conv(em, step, part, {**known, **shapes}, part_shape)
+    return lines
+
+
 def _emit_batchnorm(em, step, node, shapes, out_shape):
     x = node.inputs[0]
     params = [_const(em, name) for name in node.inputs[1:5]]
@@ -966,6 +992,7 @@ _EMITTERS = {
     ("com.microsoft", "Gelu"): _emit_unary, ("", "Gelu"): _emit_unary, ("com.microsoft", "BiasGelu"): _emit_bias_gelu,
     **{("*", op): _emit_binary for op in _BINARY},
     ("", "Conv"): _emit_conv, ("com.microsoft", "FusedConv"): _emit_conv, ("carrack", "FusedConv"): _emit_conv,
+    ("carrack", "InvertedResidual"): _emit_inverted_residual,
     ("", "BatchNormalization"): _emit_batchnorm, ("carrack", "FusedBatchNormalization"): _emit_batchnorm,
     ("", "MaxPool"): _emit_pool, ("", "AveragePool"): _emit_pool,
     ("", "GlobalAveragePool"): _emit_global_pool, ("", "GlobalMaxPool"): _emit_global_pool,
@@ -1116,7 +1143,7 @@ def _assemble(em: _Emitter, embed_weights: bool = False) -> Emitted:
         "run_errors": {str(k): v for k, v in RUN_ERRORS.items()},
         "steps": len(em.steps),
     }
-    sources = emit_native.KERNEL_SOURCES if em.uses_native else ()
+    sources = emit_native.kernel_sources(em.uses_blocks) if em.uses_native else ()
     return Emitted("\n".join(lines) + "\n", bytes(em.weights), manifest, sources)
 
 

@@ -2,6 +2,8 @@
 ones of ``runtime/carrack_rt.h``: packconv.c's convolutions on weights packed at compile time, dwconv.c's
 depthwise convolutions and pools. The kernel sources are copied beside model.c and built into the library with
 the session's flags (``KERNEL_SOURCES``); ``runtime/carrack_native.h`` declares the entry points model.c calls.
+MobileNetV2's fused inverted-residual blocks (carrack.InvertedResidual) call invres.c, which includes packconv.c
+whole: a library with such a block builds invres.c in packconv.c's place (``kernel_sources``).
 
 Each emitter returns the step's C lines, or None where the session kernel does not take the node (the portable
 kernel is emitted instead). A kernel that runs out of memory (dwconv.c's scratch rows) stops the run with
@@ -18,6 +20,8 @@ from carrack.plan.arena import Block
 KERNEL_SOURCES = ("packconv.c", "dwconv.c")
 #: headers those sources include, copied beside them
 KERNEL_HEADERS = ("threadpool.h",)
+#: invres.c includes packconv.c whole (its 6 x 64 tile): the library builds it instead of packconv.c
+BLOCK_SOURCE, INCLUDED_BY_BLOCK = "invres.c", "packconv.c"
 #: model.c's declarations of the kernels it calls
 NATIVE_HEADER = "carrack_native.h"
 #: model_run's error code when a session kernel could not allocate its scratch memory
@@ -86,6 +90,79 @@ def pool_lines(em, x: str, y: str, planes, h, wd, oh, ow, kernel, strides, dilat
     args = [x, y, *(em.c_dim(d) for d in (h, wd)), *kernel, *(em.c_dim(d) for d in (oh, ow)), *strides, *dilations,
             *pads, 0, em.c_dim(planes), mode]
     return _checked("pool2d_f32", args)
+
+
+def kernel_sources(uses_blocks: bool) -> tuple[str, ...]:
+    """The sources a library is built from: invres.c (packconv.c included in it) when a step runs a fused
+    inverted-residual block, packconv.c otherwise."""
+    if not uses_blocks:
+        return KERNEL_SOURCES
+    return tuple(BLOCK_SOURCE if name == INCLUDED_BY_BLOCK else name for name in KERNEL_SOURCES)
+
+
+def copied_sources(sources: tuple[str, ...]) -> tuple[str, ...]:
+    """Every carrack/native file the build of `sources` reads: them, the sources they include whole, the headers."""
+    included = (INCLUDED_BY_BLOCK,) if BLOCK_SOURCE in sources else ()
+    return (*sources, *included, *KERNEL_HEADERS)
+
+
+#: invres.c's limits: output rows of at most MAX_VECTORS vectors of 16 floats
+_BLOCK_MAX_OUT_WIDTH = 64 * 16
+#: invres.c's SMALL_MAP_PIXELS and CHUNK (8 panels of packconv's PR rows)
+_BLOCK_SMALL_MAP, _BLOCK_CHUNK = 256, 8 * PACK_ROWS
+
+
+def block_scratch_floats(n, ce: int, h: int, w: int, stride: int, band: int):
+    """invres_scratch_floats(n, ce, h, w, stride, band, 1) of invres.c: one thread's band (or channel chunk)
+    scratch, and for maps of at most 256 output pixels the depthwise maps of the n images (n may be a dim)."""
+    from carrack.ir import symbolic
+
+    oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
+    round16 = lambda v: -(-v // 16) * 16  # noqa: E731
+    if oh * ow <= _BLOCK_SMALL_MAP:  # a run-time n: n rounded maps, at least round16(n * maps)
+        maps = round16(n * ce * oh * ow) if isinstance(n, int) else symbolic.mul(n, round16(ce * oh * ow))
+        return symbolic.add(round16(_BLOCK_CHUNK * h * w), maps)
+    return ce * (round16(((band - 1) * stride + 3) * w) + round16(band * ow))
+
+
+def block_lines(em, step: int, node, x_shape: tuple, y: str) -> list[str] | None:
+    """A carrack.InvertedResidual node through invres.c, one thread: its two 1x1 weights packed into packconv's
+    panels at compile time, its band scratch a block of the arena live at this step only (so model_arena_bytes
+    counts it). None where invres.c does not take the node (spatial dims fixed only at run time, a map wider than
+    it vectorizes, weights that are not constants): the caller emits its convolutions."""
+    from carrack.backends.c.emit import _activation, _const, _f, _itemsize, _pointer
+    from carrack.ir import symbolic
+    from carrack.ir.graph import Node
+    from carrack.native.invres import Geometry, plan_bands
+    from carrack.passes.fusions import BLOCK_PARTS
+
+    n, c, h, w = x_shape
+    stride = int(node.attrs.get("stride", 1))
+    names = list(node.inputs[1:7])
+    weights = [_const(em, name) if name else None for name in names]
+    w_expand, w_depthwise, w_project = weights[0], weights[2], weights[4]
+    if (not all(isinstance(d, int) for d in (c, h, w)) or (w - 1) // stride + 1 > _BLOCK_MAX_OUT_WIDTH
+            or any(v is None for v in weights[2:]) or (names[0] and w_expand is None)):
+        return None
+    ce, co = w_depthwise.shape[0], w_project.shape[0]
+    band, _ = plan_bands(Geometry(em.at_maxima(n), c, ce, co, h, w, stride), 1)
+    scratch = symbolic.mul(_itemsize("float32"), block_scratch_floats(n, ce, h, w, stride, band))
+    em.extra_blocks.append(Block(f"{node.outputs[0]}::invres.scratch", scratch, step, step))
+    index = len(em.plan.arena.blocks if em.plan.arena else ()) + len(em.extra_blocks) - 1
+    expand = "NULL" if w_expand is None else em.constant(f"{names[0]}::packconv.1", packed_conv_weights(w_expand, 1))
+    project = em.constant(f"{names[4]}::packconv.1", packed_conv_weights(w_project, 1))
+    x, (be, wd, bd, bp) = _pointer(em, node.inputs[0]), (_pointer(em, k) if k else "NULL" for k in
+                                                         (names[1], names[2], names[3], names[5]))
+    args = [x, expand, be, wd, bd, project, bp, y, f"(float *)(r->arena + r->off[{index}])", em.c_dim(n), c, ce, co,
+            h, w, stride, int(node.attrs.get("residual", 0)), band]
+    for part in BLOCK_PARTS:
+        attrs = {"activation": node.attrs.get(f"{part}_activation", ""),
+                 "activation_params": list(node.attrs.get(f"{part}_activation_params", []))}
+        act, a, b = _activation(Node("FusedConv", [], [], attrs))
+        args += [act, _f(a), _f(b)]
+    return [f"invres_f32_threads({', '.join(map(str, args[:9]))},",
+            f"                   {', '.join(map(str, args[9:18]))},",
+            f"                   {', '.join(map(str, args[18:]))}, 1);"]
 
 
 def _product(em, dim, factor: int) -> str:
