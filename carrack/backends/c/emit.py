@@ -118,6 +118,8 @@ class _Emitter:
     uses_native: bool = False  # a step calls one
     uses_blocks: bool = False  # a step calls invres.c (a fused inverted-residual block)
     elided: set[str] = field(default_factory=set)  # Concat outputs whose parts were written in place
+    replaced: dict[int, Node] = field(default_factory=dict)  # steps emitted as another node (emit_native)
+    skipped: set[int] = field(default_factory=set)  # steps another step's kernel does (emit_native)
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -213,6 +215,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
     if native_kernels:
+        emit_native.fuse_epilogues(em)
         emit_native.elide_concats(em)
     for k, node in enumerate(graph.nodes):
         _emit_node(em, k, node, facts)
@@ -344,6 +347,26 @@ def _known_value(em: _Emitter, name: str, facts) -> np.ndarray | None:
     return array
 
 
+def _known_or_folded(em: _Emitter, name: str) -> np.ndarray | None:
+    """A constant, or the value a Constant/ConstantOfShape node of constant inputs makes (worked out ahead of its
+    step, which _fold does later)."""
+    array = _const(em, name)
+    if array is not None:
+        return array
+    node = next((n for n in em.plan.graph.nodes if name in n.outputs), None)
+    if node is None or node.domain or node.op_type not in ("Constant", "ConstantOfShape"):
+        return None
+    from carrack.ops.registry import resolve
+
+    inputs = [_known_value(em, i, em.facts) for i in node.inputs if i]
+    kernel_class, version = resolve("", node.op_type, em.plan.model.opsets.get("", 1))
+    if kernel_class is None or any(v is None for v in inputs):
+        return None
+    value = kernel_class(node, version).run(*inputs)
+    value = value[0] if isinstance(value, tuple) else value
+    return np.asarray(value) if node.outputs[0] == name else None
+
+
 def _fold(em: _Emitter, node: Node, facts) -> bool:
     """Evaluate a node whose inputs are all known at compile time with carrack's own kernel (a mask built from
     the fixed sequence length, a class token expanded to the fixed batch): its outputs become constants, and only
@@ -369,6 +392,9 @@ def _fold(em: _Emitter, node: Node, facts) -> bool:
 
 
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
+    if step in em.skipped:
+        return
+    node = em.replaced.get(step, node)
     op = node.op_type
     if op != "Constant" and _fold(em, node, facts):
         return

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from carrack.ir.graph import Node
 from carrack.plan.arena import Block
 
 #: the session kernels' sources (carrack/native) a library with native kernels is built from
@@ -132,7 +133,6 @@ def block_lines(em, step: int, node, x_shape: tuple, y: str) -> list[str] | None
     it vectorizes, weights that are not constants): the caller emits its convolutions."""
     from carrack.backends.c.emit import _activation, _const, _f, _itemsize, _pointer
     from carrack.ir import symbolic
-    from carrack.ir.graph import Node
     from carrack.native.invres import Geometry, plan_bands
     from carrack.passes.fusions import BLOCK_PARTS
 
@@ -189,7 +189,8 @@ def elide_concats(em) -> None:
     from carrack.passes.graph_view import GraphView
 
     graph = em.plan.graph
-    producer = {o: (k, node) for k, node in enumerate(graph.nodes) for o in node.outputs if o}
+    producer = {o: (k, em.replaced.get(k, node)) for k, node in enumerate(graph.nodes) if k not in em.skipped
+                for o in em.replaced.get(k, node).outputs if o}  # a fused chain's value: its convolution's
     view = GraphView(graph)  # who reads each value (subgraph bodies included)
     for step, node in enumerate(graph.nodes):
         parts = node.inputs
@@ -220,3 +221,118 @@ def elide_concats(em) -> None:
             em.values[name] = _Value(name, tuple(fact.shape), f"({whole} + {offset})")
             offset += _elements(tuple(fact.shape))
         em.elided.add(out)
+
+
+#: element-wise nodes after a convolution that its store can apply: a per-channel affine, one residual, then one
+#: activation
+_NORMALIZATIONS = frozenset({("", "BatchNormalization"), ("carrack", "FusedBatchNormalization")})
+_RESIDUALS = frozenset({("", "Add"), ("", "Sum")})
+_ACTIVATION_NODES = frozenset({"Relu"})
+
+
+def fuse_epilogues(em) -> None:
+    """Convolution -> BatchNormalization -> Add/Sum of a residual of the output's shape -> Relu chains (each step
+    optional but the convolution, each intermediate read by the next one alone; shufflenet's units, whose
+    normalizations the model keeps) become one FusedConv step: the normalization folded into the weights and bias
+    at compile time, the residual and the activation applied as the kernel stores. The chain's last value gets a
+    block of its own from the convolution's step (the plan placed it from its own step); the other nodes' steps
+    go (em.skipped)."""
+    from carrack.passes.graph_view import GraphView
+
+    graph = em.plan.graph
+    view = GraphView(graph)
+    step_of = {id(node): k for k, node in enumerate(graph.nodes)}
+    produced_at = {o: k for k, node in enumerate(graph.nodes) for o in node.outputs if o}
+    for step, conv in enumerate(graph.nodes):
+        weights = _plain_conv_weights(em, conv)
+        if weights is None:
+            continue
+        chain, z, activation, scale, shift = _epilogue_chain(em, view, conv, produced_at, step)
+        if not chain or (scale is None and not z and activation is None):
+            continue
+        final = chain[-1].outputs[0]
+        w, bias = weights
+        if scale is not None:
+            w = (w.astype(np.float64) * scale.reshape(-1, *(1,) * (w.ndim - 1))).astype(np.float32)
+            bias = (np.zeros(scale.size) if bias is None else bias.astype(np.float64)) * scale + shift
+        inputs = [conv.inputs[0], _registered(em, f"{final}::epilogue.w", w)]
+        inputs.append(_registered(em, f"{final}::epilogue.b", np.asarray(bias, np.float32)) if bias is not None
+                      else "")
+        inputs.append(z or "")
+        attrs = {k: v for k, v in conv.attrs.items()}
+        if activation is not None:
+            attrs["activation"], attrs["activation_params"] = activation
+        em.replaced[step] = Node("FusedConv", inputs, [final], attrs, domain="carrack", name=conv.name)
+        em.skipped.update(step_of[id(node)] for node in chain)
+        if final not in view.outputs:
+            em.values.pop(final, None)  # a block of its own from this step on (the plan's starts later)
+
+
+def _plain_conv_weights(em, conv) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """A 2-D Conv's constant float32 weight and bias (None for none), or None when it is not one."""
+    from carrack.backends.c.emit import _known_or_folded
+
+    if conv.op_type != "Conv" or conv.domain or len(conv.inputs) not in (2, 3) or not conv.outputs[0]:
+        return None
+    w = _known_or_folded(em, conv.inputs[1])
+    bias = _known_or_folded(em, conv.inputs[2]) if len(conv.inputs) == 3 and conv.inputs[2] else None
+    if w is None or w.dtype != np.float32 or w.ndim != 4 or (len(conv.inputs) == 3 and conv.inputs[2] and (
+            bias is None or bias.shape != (w.shape[0],))):
+        return None
+    return w, bias
+
+
+def _epilogue_chain(em, view, conv, produced_at: dict, step: int):
+    """(nodes after `conv` its store applies, residual input, activation (name, params), scale, shift)."""
+    from carrack.backends.c.emit import _known_or_folded
+
+    chain, z, activation, scale, shift = [], "", None, None, None
+    value, channels = conv.outputs[0], _known_or_folded(em, conv.inputs[1]).shape[0]
+    node = view.single_consumer(value)
+    if node is not None and (node.domain, node.op_type) in _NORMALIZATIONS and node.inputs[0] == value:
+        folded = _normalization(em, node, channels)
+        if folded is not None:
+            (scale, shift), activation = folded
+            chain.append(node)
+            value = node.outputs[0]
+            node = view.single_consumer(value)
+            if activation is not None:
+                return chain, z, activation, scale, shift
+    if node is not None and (node.domain, node.op_type) in _RESIDUALS and len(node.inputs) == 2:
+        other = node.inputs[1] if node.inputs[0] == value else node.inputs[0]
+        fact, out = em.facts.get(other), em.facts.get(value)
+        if (other != value and fact is not None and out is not None and fact.shape is not None
+                and tuple(fact.shape) == tuple(out.shape) and fact.elem_type == 1
+                and produced_at.get(other, -1) < step):
+            z, chain = other, [*chain, node]
+            value = node.outputs[0]
+            node = view.single_consumer(value)
+    if node is not None and not node.domain and node.op_type in _ACTIVATION_NODES:
+        activation, chain = (node.op_type, []), [*chain, node]
+    return chain, z, activation, scale, shift
+
+
+def _normalization(em, node, channels: int):
+    """((scale, shift), activation or None) of an inference BatchNormalization with constant parameters."""
+    from carrack.backends.c.emit import _known_or_folded
+
+    if len(node.inputs) != 5 or any(node.outputs[1:]) or node.attrs.get("training_mode", 0):
+        return None
+    params = [_known_or_folded(em, name) for name in node.inputs[1:5]]
+    if any(p is None or p.shape != (channels,) for p in params):
+        return None
+    scale_b, shift_b, mean, var = (p.astype(np.float64) for p in params)
+    factor = scale_b / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
+    activation = None
+    if node.op_type == "FusedBatchNormalization" and node.attrs.get("activation", ""):
+        activation = (node.attrs["activation"], list(node.attrs.get("activation_params", [])))
+    return (factor, shift_b - mean * factor), activation
+
+
+def _registered(em, name: str, array: np.ndarray) -> str:
+    """`array` as a constant value `name` of the emitter (its pointer made on first use)."""
+    from carrack.backends.c.emit import _Value
+
+    em.constants[name] = array
+    em.values[name] = _Value(name, tuple(array.shape), "", "float32")
+    return name
