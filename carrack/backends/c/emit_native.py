@@ -248,7 +248,8 @@ def fuse_epilogues(em) -> None:
         if weights is None:
             continue
         chain, z, activation, scale, shift = _epilogue_chain(em, view, conv, produced_at, step)
-        if not chain or (scale is None and not z and activation is None):
+        steps = {step_of[id(node)] for node in chain}
+        if not chain or steps & (em.skipped | set(em.replaced)) or step in em.skipped:
             continue
         final = chain[-1].outputs[0]
         w, bias = weights
@@ -263,7 +264,7 @@ def fuse_epilogues(em) -> None:
         if activation is not None:
             attrs["activation"], attrs["activation_params"] = activation
         em.replaced[step] = Node("FusedConv", inputs, [final], attrs, domain="carrack", name=conv.name)
-        em.skipped.update(step_of[id(node)] for node in chain)
+        em.skipped.update(steps)
         if final not in view.outputs:
             em.values.pop(final, None)  # a block of its own from this step on (the plan's starts later)
 
