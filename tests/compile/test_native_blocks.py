@@ -1,5 +1,6 @@
 """Native libraries with the session kernels run MobileNetV2's inverted-residual blocks fused, as the session does:
-one invres.c call a block, its two 1x1 weights packed at compile time, its band scratch a block of the arena
+one invres.c call a block whose expanded map is large (BLOCK_MIN_EXPANDED_BYTES; the tests set it to 0 to fuse
+every block of a small network), its two 1x1 weights packed at compile time, its band scratch a block of the arena
 (model_arena_bytes counts it); the results equal the session's, at fixed and run-time batch sizes. Portable
 libraries and WebAssembly modules keep the three convolutions."""
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import carrack
+from carrack.backends.c import emit_native
 from carrack.backends.c.build import compile_model, library_name, plan_for_build
 from carrack.backends.c.emit import emit
 from carrack.backends.c.emit_native import BLOCK_SOURCE, INCLUDED_BY_BLOCK, block_scratch_floats
@@ -80,8 +82,13 @@ def _feed(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"x": np.random.default_rng(seed).standard_normal((batch, *INPUT[1:])).astype(np.float32)}
 
 
+@pytest.fixture
+def fuse_every_block(monkeypatch):
+    monkeypatch.setattr(emit_native, "BLOCK_MIN_EXPANDED_BYTES", 0)
+
+
 @needs_avx512
-def test_every_block_is_one_invres_call_equal_to_the_session(network, tmp_path):
+def test_every_block_is_one_invres_call_equal_to_the_session(network, tmp_path, fuse_every_block):
     compile_model(network, tmp_path, "native", dims={"batch": 1})
     source = (tmp_path / "model.c").read_text()
     assert source.count("invres_f32_threads(") == len(BLOCKS)
@@ -95,7 +102,7 @@ def test_every_block_is_one_invres_call_equal_to_the_session(network, tmp_path):
 
 
 @needs_avx512
-def test_the_arena_holds_each_blocks_scratch_at_every_batch_size(network, tmp_path):
+def test_the_arena_holds_each_blocks_scratch_at_every_batch_size(network, tmp_path, fuse_every_block):
     """--max-dim batch=3: the small maps' scratch grows with the batch; the layout gives each call the bytes
     invres.c's invres_scratch_floats asks at one thread, and every batch size equals the session."""
     compile_model(network, tmp_path, "native", max_dims={"batch": 3})
@@ -123,6 +130,20 @@ def test_the_arena_holds_each_blocks_scratch_at_every_batch_size(network, tmp_pa
         assert _scratch_blocks((fixed / "model.c").read_text()) == expected
 
 
+@needs_avx512
+def test_blocks_with_small_expanded_maps_run_as_three_calls(network, tmp_path):
+    """At batch 8 the first two blocks' expanded maps (48 x 29 x 25 floats an image) pass 1 MiB: fused; the
+    later, smaller ones run their convolutions through packconv.c and dwconv.c."""
+    compile_model(network, tmp_path, "native", dims={"batch": 8})
+    source = (tmp_path / "model.c").read_text()
+    assert source.count("invres_f32_threads(") == 2
+    small = len(BLOCKS) - 2
+    assert source.count("packconv_f32_threads(") == 2 + 2 * small and source.count("dwconv2d_f32(") == small
+    feed = _feed(8, seed=4)
+    got = carrack.CompiledModel(tmp_path).run(None, feed)[0]
+    np.testing.assert_allclose(got, session_outputs(network, feed)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(invres.library() is None, reason="invres.c needs AVX-512 (not in this build)")
 @pytest.mark.parametrize("n, ce, h, w, stride, band", [
     (1, 48, 57, 50, 1, 5), (2, 36, 29, 25, 2, 3), (1, 48, 29, 25, 1, 29),  # bands
@@ -132,7 +153,7 @@ def test_scratch_size_is_invres_scratch_floats_at_one_thread(n, ce, h, w, stride
         n, ce, h, w, stride, band, 1)
 
 
-def test_plans_without_the_session_kernels_keep_the_convolutions(network):
+def test_plans_without_the_session_kernels_keep_the_convolutions(network, fuse_every_block):
     """WebAssembly modules and portable libraries (native_kernels False) plan the three convolutions, also from a
     model that holds the fused nodes (a session's plan); the fused plan's source is reproducible."""
     fused = plan_for_build(load_model(network), 99, native_kernels=True)

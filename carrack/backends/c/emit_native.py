@@ -107,6 +107,11 @@ def copied_sources(sources: tuple[str, ...]) -> tuple[str, ...]:
     return (*sources, *included, *KERNEL_HEADERS)
 
 
+#: the expanded map's bytes (all the images at the maxima) from which a block runs fused: below, the two
+#: intermediates stay in the L2 cache between three calls anyway, and packconv.c's and dwconv.c's own calls on
+#: them are faster than invres.c's bands and channel chunks (mobilenetv2 at one thread: its 112x112 and 56x56
+#: blocks 0.5-0.9x the three calls, the 28x28 and smaller ones 1.05-1.3x)
+BLOCK_MIN_EXPANDED_BYTES = 1 << 20
 #: invres.c's limits: output rows of at most MAX_VECTORS vectors of 16 floats
 _BLOCK_MAX_OUT_WIDTH = 64 * 16
 #: invres.c's SMALL_MAP_PIXELS and CHUNK (8 panels of packconv's PR rows)
@@ -130,7 +135,8 @@ def block_lines(em, step: int, node, x_shape: tuple, y: str) -> list[str] | None
     """A carrack.InvertedResidual node through invres.c, one thread: its two 1x1 weights packed into packconv's
     panels at compile time, its band scratch a block of the arena live at this step only (so model_arena_bytes
     counts it). None where invres.c does not take the node (spatial dims fixed only at run time, a map wider than
-    it vectorizes, weights that are not constants): the caller emits its convolutions."""
+    it vectorizes, weights that are not constants) or is not the faster (BLOCK_MIN_EXPANDED_BYTES): the caller
+    emits its convolutions."""
     from carrack.backends.c.emit import _activation, _const, _f, _itemsize, _pointer
     from carrack.ir import symbolic
     from carrack.native.invres import Geometry, plan_bands
@@ -145,6 +151,8 @@ def block_lines(em, step: int, node, x_shape: tuple, y: str) -> list[str] | None
             or any(v is None for v in weights[2:]) or (names[0] and w_expand is None)):
         return None
     ce, co = w_depthwise.shape[0], w_project.shape[0]
+    if 4 * em.at_maxima(n) * ce * h * w < BLOCK_MIN_EXPANDED_BYTES:
+        return None
     band, _ = plan_bands(Geometry(em.at_maxima(n), c, ce, co, h, w, stride), 1)
     scratch = symbolic.mul(_itemsize("float32"), block_scratch_floats(n, ce, h, w, stride, band))
     em.extra_blocks.append(Block(f"{node.outputs[0]}::invres.scratch", scratch, step, step))
