@@ -362,7 +362,10 @@ def _known_or_folded(em: _Emitter, name: str) -> np.ndarray | None:
     kernel_class, version = resolve("", node.op_type, em.plan.model.opsets.get("", 1))
     if kernel_class is None or any(v is None for v in inputs):
         return None
-    value = kernel_class(node, version).run(*inputs)
+    try:
+        value = kernel_class(node, version).run(*inputs)
+    except Exception:  # a malformed node: left to its own step, whose emitter names it
+        return None
     value = value[0] if isinstance(value, tuple) else value
     return np.asarray(value) if node.outputs[0] == name else None
 
