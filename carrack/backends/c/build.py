@@ -12,6 +12,7 @@ version everywhere. The module is built as a reactor with no imports; its memory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -19,7 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,8 +82,6 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if target not in TARGETS:
         raise CarrackError(f"carrack compile: unknown target '{target}'; targets are {list(TARGETS)}")
     from carrack.onnx.importer import load_model
-    from carrack.passes.fusions import lower_inverted_residuals
-    from carrack.plan import build_plan
 
     if isinstance(model, (str, os.PathLike)):
         model = load_model(str(model))
@@ -90,9 +89,7 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     if panel_width is None:
         panel_width = native_panel_width(compiler, native_arch) if target == "native" else WASM_PANEL_WIDTH
     native_kernels = _native_kernels(target, compiler, native_arch, native_kernels)
-    # a session's plan (the compiled executor) may hold carrack.InvertedResidual nodes: the emitters know their
-    # convolutions
-    emitted = emit(build_plan(lower_inverted_residuals(model), level), dims, max_dims, panel_width, embed_weights,
+    emitted = emit(plan_for_build(model, level, native_kernels), dims, max_dims, panel_width, embed_weights,
                    native_kernels)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,6 +99,30 @@ def compile_model(model, directory: str | os.PathLike, target: str = "native", d
     else:
         files += _build_wasm(compiler, out, emitted)
     return Compiled(out, target, files)
+
+
+def plan_for_build(model, level: int, native_kernels: bool):
+    """The plan a build emits. MobileNetV2's inverted-residual blocks become carrack.InvertedResidual nodes (run by
+    invres.c) in libraries with the session kernels; elsewhere (wasm32, the portable kernels) they stay, or a
+    session's plan holding such nodes (the compiled executor's) is lowered back to, their convolutions."""
+    from carrack.passes.fusions import lower_inverted_residuals
+    from carrack.plan import build_plan
+
+    with _block_fusion(native_kernels):
+        return build_plan(model if native_kernels else lower_inverted_residuals(model), level)
+
+
+@contextlib.contextmanager
+def _block_fusion(fused: bool) -> Iterator[None]:
+    """Plans made inside fuse MobileNetV2's inverted-residual blocks when `fused` (a native library with the
+    session kernels builds invres.c in), and never otherwise (the portable kernels know the convolutions)."""
+    from carrack.passes import fusions
+
+    token = fusions._BLOCK_FUSION.set(fused)  # the rule's switch (session_block_fusion's, for sessions)
+    try:
+        yield
+    finally:
+        fusions._BLOCK_FUSION.reset(token)
 
 
 def write_sources(emitted: Emitted, out: Path) -> list[str]:
@@ -115,9 +136,10 @@ def write_sources(emitted: Emitted, out: Path) -> list[str]:
     headers = [RUNTIME_HEADER, VALUES_HEADER, QUANT_HEADER, ACTIVATIONS_HEADER.name]
     if emitted.kernel_sources:
         shutil.copyfile(RUNTIME_DIR / emit_native.NATIVE_HEADER, out / emit_native.NATIVE_HEADER)
-        for name in (*emitted.kernel_sources, *emit_native.KERNEL_HEADERS):
+        copied = emit_native.copied_sources(emitted.kernel_sources)
+        for name in copied:
             shutil.copyfile(NATIVE_KERNELS_DIR / name, out / name)
-        headers += [emit_native.NATIVE_HEADER, *emitted.kernel_sources, *emit_native.KERNEL_HEADERS]
+        headers += [emit_native.NATIVE_HEADER, *copied]
     return ["model.c", *headers, "weights.bin", "model.json"]
 
 

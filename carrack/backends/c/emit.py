@@ -116,7 +116,10 @@ class _Emitter:
     panel_width: int = 0  # > 0: constant matrix-product B written as panels of this many columns (cr_bsrc)
     native_kernels: bool = False  # convolutions and pools through the session's kernels (emit_native)
     uses_native: bool = False  # a step calls one
+    uses_blocks: bool = False  # a step calls invres.c (a fused inverted-residual block)
     elided: set[str] = field(default_factory=set)  # Concat outputs whose parts were written in place
+    replaced: dict[int, Node] = field(default_factory=dict)  # steps emitted as another node (emit_native)
+    skipped: set[int] = field(default_factory=set)  # steps another step's kernel does (emit_native)
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -212,6 +215,7 @@ def emit(plan: Plan, fixed: Mapping[str, int] | None = None, maxima: Mapping[str
     em.missing.extend(_check_inputs_outputs(plan, facts))  # listed with the nodes' own, all at once
     _place_inputs_outputs(em, facts)
     if native_kernels:
+        emit_native.fuse_epilogues(em)
         emit_native.elide_concats(em)
     for k, node in enumerate(graph.nodes):
         _emit_node(em, k, node, facts)
@@ -343,6 +347,29 @@ def _known_value(em: _Emitter, name: str, facts) -> np.ndarray | None:
     return array
 
 
+def _known_or_folded(em: _Emitter, name: str) -> np.ndarray | None:
+    """A constant, or the value a Constant/ConstantOfShape node of constant inputs makes (worked out ahead of its
+    step, which _fold does later)."""
+    array = _const(em, name)
+    if array is not None:
+        return array
+    node = next((n for n in em.plan.graph.nodes if name in n.outputs), None)
+    if node is None or node.domain or node.op_type not in ("Constant", "ConstantOfShape"):
+        return None
+    from carrack.ops.registry import resolve
+
+    inputs = [_known_value(em, i, em.facts) for i in node.inputs if i]
+    kernel_class, version = resolve("", node.op_type, em.plan.model.opsets.get("", 1))
+    if kernel_class is None or any(v is None for v in inputs):
+        return None
+    try:
+        value = kernel_class(node, version).run(*inputs)
+    except Exception:  # a malformed node: left to its own step, whose emitter names it
+        return None
+    value = value[0] if isinstance(value, tuple) else value
+    return np.asarray(value) if node.outputs[0] == name else None
+
+
 def _fold(em: _Emitter, node: Node, facts) -> bool:
     """Evaluate a node whose inputs are all known at compile time with carrack's own kernel (a mask built from
     the fixed sequence length, a class token expanded to the fixed batch): its outputs become constants, and only
@@ -368,6 +395,9 @@ def _fold(em: _Emitter, node: Node, facts) -> bool:
 
 
 def _emit_node(em: _Emitter, step: int, node: Node, facts) -> None:
+    if step in em.skipped:
+        return
+    node = em.replaced.get(step, node)
     op = node.op_type
     if op != "Constant" and _fold(em, node, facts):
         return
@@ -664,6 +694,31 @@ def _emit_conv(em, step, node, shapes, out_shape):
             *map(str, (*g["k"], *g["s"], *g["d"], g["p"][0], g["p"][1], groups)), act, _f(a), _f(b)]
     return [f"{kernel}({', '.join(args[:5])},", f"          {', '.join(args[5:12])},",
             f"          {', '.join(args[12:])});"]
+
+
+def _emit_inverted_residual(em, step, node, shapes, out_shape):
+    """carrack.InvertedResidual (MobileNetV2's fused block, in plans made for native libraries with the session
+    kernels): one invres.c call, or where it does not take the node its three convolutions, the two intermediate
+    maps in blocks of their own."""
+    from carrack.passes.fusions import inverted_residual_parts
+
+    x = node.inputs[0]
+    _require_float(em, node, [name for name in node.inputs if name])
+    y = _output_value(em, step, node.outputs[0], out_shape)
+    lines = emit_native.block_lines(em, step, node, tuple(shapes[x]), y.pointer) if em.native_kernels else None
+    if lines:
+        em.uses_native = em.uses_blocks = True
+        return lines
+    lines, x_shape = [], tuple(shapes[x])
+    for part in inverted_residual_parts(node):
+        w_shape = np.shape(_const(em, part.inputs[1]))
+        if not w_shape:
+            raise _Unsupported("weights that are not a constant")
+        expansion = part.inputs[0] == x and list(part.attrs["kernel_shape"]) == [1, 1]
+        part_shape = (x_shape[0], w_shape[0], *(x_shape[2:] if expansion else out_shape[2:]))
+        known = {i: em.values[i].shape for i in part.inputs if i in em.values}
+        lines += _emit_conv(em, step, part, {**known, **shapes}, part_shape)
+    return lines
 
 
 def _emit_batchnorm(em, step, node, shapes, out_shape):
@@ -966,6 +1021,7 @@ _EMITTERS = {
     ("com.microsoft", "Gelu"): _emit_unary, ("", "Gelu"): _emit_unary, ("com.microsoft", "BiasGelu"): _emit_bias_gelu,
     **{("*", op): _emit_binary for op in _BINARY},
     ("", "Conv"): _emit_conv, ("com.microsoft", "FusedConv"): _emit_conv, ("carrack", "FusedConv"): _emit_conv,
+    ("carrack", "InvertedResidual"): _emit_inverted_residual,
     ("", "BatchNormalization"): _emit_batchnorm, ("carrack", "FusedBatchNormalization"): _emit_batchnorm,
     ("", "MaxPool"): _emit_pool, ("", "AveragePool"): _emit_pool,
     ("", "GlobalAveragePool"): _emit_global_pool, ("", "GlobalMaxPool"): _emit_global_pool,
@@ -1116,7 +1172,7 @@ def _assemble(em: _Emitter, embed_weights: bool = False) -> Emitted:
         "run_errors": {str(k): v for k, v in RUN_ERRORS.items()},
         "steps": len(em.steps),
     }
-    sources = emit_native.KERNEL_SOURCES if em.uses_native else ()
+    sources = emit_native.kernel_sources(em.uses_blocks) if em.uses_native else ()
     return Emitted("\n".join(lines) + "\n", bytes(em.weights), manifest, sources)
 
 

@@ -27,4 +27,14 @@ int64_t pool2d_f32(const float *x, float *y, int64_t h, int64_t w, int64_t kh, i
                    int64_t sh, int64_t sw, int64_t dh, int64_t dw, int64_t pt, int64_t pl, int64_t pb, int64_t pr,
                    int64_t begin, int64_t end, int64_t mode);
 
+/* MobileNetV2's inverted-residual block (invres.c, which includes packconv.c): y = act_p(project(act_d(depthwise_3x3(
+ * act_e(expand(x) + be)) + bd)) + bp [+ x]) over images [0, n), output rows in bands of `band` (or channel chunks on
+ * maps of at most 256 pixels) whose intermediates stay in `scratch` (invres_scratch_floats of it); we and wp
+ * packed as packconv_pack_weights packs them (we and be NULL: no expansion). Returns 0, -1 without vector code. */
+int64_t invres_f32_threads(const float *x, const float *we, const float *be, const float *wd, const float *bd,
+                           const float *wp, const float *bp, float *y, float *scratch, int64_t n, int64_t c,
+                           int64_t ce, int64_t co, int64_t h, int64_t w, int64_t stride, int64_t residual,
+                           int64_t band, int64_t act_e, float ae, float be_, int64_t act_d, float ad, float bd_,
+                           int64_t act_p, float ap, float bp_, int64_t threads);
+
 #endif
