@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import carrack
-from carrack.ir.symbolic import symbols
+from carrack.ir.dims import Sym
+from carrack.ir.symbolic import add, dmax, floordiv, mod, mul, symbols
+from carrack.plan.exprs import function_source, symbols_of_dims
 from tests.plan.decoder import export_gpt2_with_past
 
 pytest.importorskip("transformers")
@@ -94,3 +96,23 @@ def test_placed_values_outside_those_reading_a_changed_symbol_keep_their_shapes(
         for k, (p, q) in enumerate(zip(first.places, second.places)):
             assert k in reading or p[2] == q[2], (plan.placed[k].name, changed)
     assert plan.placed_reading(()) == ()
+
+
+def test_symbols_of_dims_finds_the_symbols_inside_every_kind_of_expression():
+    a, b, c = Sym("a"), Sym("b"), Sym("c")
+    dims = [7, a, add(mul(a, b), 3), floordiv(c, 2), mod(b, 3), dmax(a, c), mul(floordiv(add(a, c), 4), 64)]
+    source = function_source([a, b, c], dims)
+    assert symbols_of_dims(source) == [set(), {0}, {0, 1}, {2}, {1}, {0, 2}, {0, 2}]
+    with pytest.raises(ValueError, match="not a dims function"):
+        symbols_of_dims("1 + 2")
+
+
+def test_symbols_read_by_derived_and_placed_values_are_their_expressions_symbols(plan):
+    position = {name: k for k, name in enumerate(plan.symbols)}
+    for d in plan.derived:
+        assert plan.symbols_read(d) == {position[s.name] for x in d.values for s in symbols(x)}, d.name
+    reads = [plan.symbols_read(p) for p in plan.placed]
+    past = position["past_seq"]
+    batch, seq = position["batch"], position["seq"]
+    assert {batch} in reads and {batch, seq, past} in reads  # a mask's batch row; attention over the cache
+    assert plan.placed_reading((past,)) == tuple(k for k, r in enumerate(reads) if past in r)
