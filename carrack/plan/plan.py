@@ -247,8 +247,9 @@ class Plan:
         return tuple(k for k, v in enumerate(values) if not self.symbols_read(v).isdisjoint(changed))
 
     def _compile_places(self) -> Callable[..., tuple[list, int]]:
-        """`ArenaOrder.offsets` and each placed value's (offset, bytes, shape, dtype) as one function of the dims
-        and the placed dtypes, compiled from straight-line source (evaluated for every new set of sizes)."""
+        """The arena's offsets (`ArenaOrder.offsets_lines`) and each placed value's (offset, bytes, shape, dtype) as
+        one function of the dims and the placed dtypes, compiled from straight-line source (evaluated for every new
+        set of sizes)."""
         lines = self.arena.offsets_lines(self.n_derived_dims)
         entries = []
         for k, p in enumerate(self.placed):

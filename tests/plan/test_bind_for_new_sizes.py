@@ -14,6 +14,7 @@ import carrack
 from carrack.ir.dims import Sym
 from carrack.ir.symbolic import add, dmax, floordiv, mod, mul, symbols
 from carrack.plan.exprs import function_source, symbols_of_dims
+from tests.plan.arena_offsets import reference_offsets
 from tests.plan.decoder import export_gpt2_with_past
 
 pytest.importorskip("transformers")
@@ -27,12 +28,12 @@ def plan(tmp_path_factory):
 
 
 def _reference(plan, sizes: tuple[int, ...]) -> tuple[list[np.ndarray], list[tuple], int]:
-    """The derived values and places computed from the dims function and `ArenaOrder.offsets` directly."""
+    """The derived values and places computed from the dims function and the arena order read directly."""
     flat = plan._function(*sizes)
     derived = [np.array(flat[d.first:d.first + math.prod(d.shape)], np.int64).reshape(d.shape).astype(d.dtype)
                for d in plan.derived]
     blocks = flat[plan.n_derived_dims:plan.n_derived_dims + len(plan.arena.blocks)]
-    offsets, total = plan.arena.offsets(blocks)
+    offsets, total = reference_offsets(plan.arena, blocks)
     places = []
     for p in plan.placed:
         shape = tuple(flat[p.first:p.first + p.rank])

@@ -19,6 +19,7 @@ from carrack.ir.dims import Sym
 from carrack.ir.symbolic import evaluate, mul
 from carrack.passes import optimizer
 from carrack.plan.arena import Block, align, order_blocks
+from tests.plan.arena_offsets import compiled_offsets, reference_offsets
 from tests.plan.decoder import export_gpt2_with_past, greedy_decode
 
 ort = pytest.importorskip("onnxruntime")
@@ -125,7 +126,8 @@ def test_arena_order_never_overlaps_live_blocks(seed):
     order = order_blocks(blocks, [a, b])
     for sizes in [(1, 1), (3, 100), (100, 3), (0, 7), (64, 64)]:
         nbytes = [int(evaluate(blk.size, dict(zip([a, b], sizes)))) for blk in order.blocks]
-        offsets, total = order.offsets(nbytes)
+        offsets, total = compiled_offsets(order, nbytes)
+        assert (offsets, total) == reference_offsets(order, nbytes)
         for i, x in enumerate(order.blocks):
             assert offsets[i] % 64 == 0 and offsets[i] + align(nbytes[i]) <= total
             for j, y in enumerate(order.blocks[:i]):
