@@ -69,3 +69,16 @@ def first_output_module(model):
             return self.model(input_ids=ids, attention_mask=mask)[0]
 
     return FirstOutput(model)
+
+
+def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
+    """Replace `owner.name` (for the test, through `monkeypatch`) by a wrapper counting its calls in ["n"]."""
+    counter = {"n": 0}
+    real = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        counter["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return counter

@@ -9,7 +9,6 @@ one class can still branch on ``self.version`` for small differences.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -18,7 +17,7 @@ import onnx
 
 from carrack.errors import InvalidModel
 from carrack.ir.graph import Node, canonical_domain
-from carrack.runtime.allocator import CHECK_THRESHOLD, check_shape
+from carrack.runtime.allocator import check_shape
 
 if TYPE_CHECKING:
     from carrack.runtime.program import BuildContext
@@ -100,11 +99,11 @@ class Kernel:
     def check_output(self, shape: Sequence[int], dtype: Any, index: int = 0) -> None:
         """Before allocating output `index` of `shape`: refuse it when it is beyond the session's memory limit or
         the machine's memory (see carrack.runtime.allocator.check_shape), naming this node and the value."""
-        if len(shape) <= 64 and min(shape, default=0) >= 0 and (
-                math.prod(shape) * np.dtype(dtype).itemsize < CHECK_THRESHOLD):
-            return  # what check_shape passes without a look, without naming the value (a few us a call)
+        check_shape(shape, dtype, lambda: self._output_label(index))
+
+    def _output_label(self, index: int) -> str:
         name = self.node.outputs[index] if index < len(self.node.outputs) else f"#{index}"
-        check_shape(shape, dtype, f"{self.node.label()} output {name!r}")
+        return f"{self.node.label()} output {name!r}"
 
     def prepare(self, constants: Sequence[Any]) -> None:
         """Called once by the executor when it is built, with the node's constant input values (None where an

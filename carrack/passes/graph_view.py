@@ -16,6 +16,37 @@ from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 
 
+class Readers:
+    """The nodes reading one value, in the order they started reading it, each once. Adding or removing one costs
+    the same however many there are (thousands of duplicates read one value before CSE merges them)."""
+
+    __slots__ = ("_nodes",)
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, Node] = {}
+
+    def add(self, node: Node) -> None:
+        self._nodes.setdefault(id(node), node)
+
+    def discard(self, node: Node) -> None:
+        self._nodes.pop(id(node), None)
+
+    def first(self) -> Node:
+        return next(iter(self._nodes.values()))
+
+    def __contains__(self, node: object) -> bool:
+        return self._nodes.get(id(node)) is node
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __repr__(self) -> str:
+        return f"Readers({[n.label() for n in self]})"
+
+
 class GraphView:
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -23,7 +54,7 @@ class GraphView:
         self._live: dict[int, Node] = {}
         self._position: dict[int, float] = {}
         self.producer: dict[str, Node] = {}
-        self.consumers: dict[str, list[Node]] = {}
+        self.consumers: dict[str, Readers] = {}
         self.outputs = {o.name for o in graph.outputs}
         self.input_names = {v.name for v in graph.inputs}
         self._taken = {v.name for v in graph.inputs} | set(graph.initializers) | self.outputs
@@ -47,7 +78,10 @@ class GraphView:
                 self.producer[o] = node
                 self._taken.add(o)
         for i in set(self._reads(node)):
-            self.consumers.setdefault(i, []).append(node)
+            readers = self.consumers.get(i)
+            if readers is None:
+                readers = self.consumers[i] = Readers()
+            readers.add(node)
             self._taken.add(i)
 
     def _drop(self, node: Node) -> None:
@@ -61,7 +95,7 @@ class GraphView:
         for i in set(self._reads(node)):
             readers = self.consumers.get(i)
             if readers is not None:
-                readers[:] = [r for r in readers if r is not node]
+                readers.discard(node)
                 if not readers:
                     del self.consumers[i]
 
@@ -101,11 +135,12 @@ class GraphView:
 
     def single_consumer(self, name: str) -> Node | None:
         """The only node reading `name`, if it is not also a graph output."""
-        readers = self.consumers.get(name, [])
-        return readers[0] if len(readers) == 1 and name not in self.outputs else None
+        readers = self.consumers.get(name)
+        return readers.first() if readers is not None and len(readers) == 1 and name not in self.outputs else None
 
     def n_uses(self, name: str) -> int:
-        return len(self.consumers.get(name, [])) + (name in self.outputs)
+        readers = self.consumers.get(name)
+        return (0 if readers is None else len(readers)) + (name in self.outputs)
 
     # edits ------------------------------------------------------------------------------------------------------------
     def fresh_name(self, base: str) -> str:
@@ -133,18 +168,18 @@ class GraphView:
     def redirect(self, old: str, new: str) -> None:
         """Make every reader of `old` read `new` instead, names read inside subgraph bodies included. Only the
         index entries of `old` and `new` change, so a reader with many inputs (a wide Concat) is not re-indexed."""
-        readers = self.consumers.pop(old, [])
-        targets = self.consumers.setdefault(new, []) if readers else []
-        present = {id(r) for r in targets}
+        readers = self.consumers.pop(old, None)
+        if not readers:
+            return
+        targets = self.consumers.get(new)
+        if targets is None:
+            targets = self.consumers[new] = Readers()
         for reader in readers:
             reader.inputs = [new if i == old else i for i in reader.inputs]
             for g in reader.subgraphs():
                 _rename_free(g, old, new)
-            if id(reader) not in present:
-                targets.append(reader)
-                present.add(id(reader))
-        if readers:
-            self._taken.add(new)
+            targets.add(reader)
+        self._taken.add(new)
 
     def remove(self, nodes: Iterable[Node]) -> None:
         for node in nodes:

@@ -39,21 +39,10 @@ class ArenaOrder:
     blocks: list[Block]
     below: list[tuple[int, ...]]
 
-    def offsets(self, sizes: Sequence[int]) -> tuple[list[int], int]:
-        """Byte offsets of every block (in `blocks` order) and the arena size, for these block sizes."""
-        offsets: list[int] = []
-        ends: list[int] = []
-        end_of = ends.__getitem__  # evaluated for every new set of sizes (a decoder's every token): kept lean
-        for under, size in zip(self.below, sizes):
-            offset = max(map(end_of, under)) if under else 0
-            offsets.append(offset)
-            ends.append(offset + ((size + ALIGNMENT - 1) & -ALIGNMENT))  # align(size): ALIGNMENT is a power of 2
-        return offsets, max(ends, default=0)
-
     def offsets_lines(self, first: int) -> list[str]:
-        """`offsets` as straight-line Python over the dims `f` (block k's size is f[first + k]): assigns o<k>, the
-        offset of block k, and `arena_bytes`; for a function compiled once per plan (a decoder evaluates its plan
-        every token)."""
+        """The layout as straight-line Python over the dims `f` (block k's size is f[first + k]): assigns o<k>, the
+        offset of block k (the highest aligned end of the blocks `below` it, or 0), e<k> its end, and
+        `arena_bytes`; for a function compiled once per plan (a decoder evaluates its plan every token)."""
         lines = []
         for k, under in enumerate(self.below):
             offset = "0" if not under else f"e{under[0]}" if len(under) == 1 else \

@@ -6,6 +6,7 @@ size and shape-arithmetic value of a model for a new set of input sizes is then 
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Sequence
 
 from carrack.ir.dims import Sym
@@ -47,6 +48,21 @@ def function_source(symbols: Sequence[Sym], dims: Sequence[DimLike]) -> str:
     names = {s: f"s{k}" for k, s in enumerate(symbols)}
     body = ", ".join(dim_source(d, names) for d in dims)
     return f"lambda {', '.join(names.values())}: ({body}{',' if len(dims) == 1 else ''})"
+
+
+def symbols_of_dims(source: str) -> list[frozenset[int]]:
+    """Per dim of a dims function's source (`function_source`), the positions of the symbols it reads (`s<k>`
+    is the k-th symbol), whether as a term or inside min, max, floordiv or mod."""
+    body = ast.parse(source, mode="eval").body
+    dims = body.body.elts if isinstance(body, ast.Lambda) and isinstance(body.body, ast.Tuple) else None
+    if dims is None:
+        raise ValueError(f"not a dims function: {source[:60]!r}")
+    return [frozenset(int(n.id[1:]) for n in ast.walk(d) if isinstance(n, ast.Name) and _is_symbol_name(n.id))
+            for d in dims]
+
+
+def _is_symbol_name(name: str) -> bool:
+    return name[:1] == "s" and name[1:].isdigit()
 
 
 def compile_function(source: str) -> Callable[..., tuple[int, ...]]:

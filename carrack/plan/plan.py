@@ -14,10 +14,9 @@ one set of symbol sizes in microseconds, and executors are built from it (`carra
 
 from __future__ import annotations
 
-import ast
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,7 @@ from carrack.passes.rewrite import EXTENDED
 from carrack.passes.shape_inference import infer, input_facts
 from carrack.plan import select
 from carrack.plan.arena import ArenaOrder, Block, order_blocks
-from carrack.plan.exprs import compile_function, function_source
+from carrack.plan.exprs import compile_function, function_source, symbols_of_dims
 from carrack.runtime.allocator import CHECK_THRESHOLD, check_allocation
 
 #: how many distinct input-size combinations a plan keeps evaluated
@@ -62,6 +61,11 @@ class Derived:
     first: int
     values: tuple[DimLike, ...] = ()  # the expressions, flattened (for facts about the plan's graph)
 
+    @property
+    def dims(self) -> range:
+        """Its positions in the dims function's result (one per element)."""
+        return range(self.first, self.first + math.prod(self.shape))
+
 
 @dataclass(frozen=True)
 class Placed:
@@ -72,6 +76,11 @@ class Placed:
     first: int
     rank: int
     dtype: str
+
+    @property
+    def dims(self) -> range:
+        """Its shape's positions in the dims function's result."""
+        return range(self.first, self.first + self.rank)
 
 
 @dataclass(frozen=True)
@@ -128,14 +137,14 @@ class Plan:
         self._last_derived: tuple[tuple[int, ...], list[np.ndarray]] | None = None
         self._derived_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> derived to remake
         self._placed_reading: dict[tuple[int, ...], tuple[int, ...]] = {}  # changed symbols -> placed reshaped
-        self._dim_names: list[set[str]] | None = None  # per dim of the dims function, the symbols it reads
+        self._dim_symbols: list[frozenset[int]] | None = None  # per dim of the dims function, the symbols it reads
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_lock"]
         state["_function"], state["_bound"], state["_facts"], state["_on_bind"] = None, {}, None, []
         state["_dtypes"], state["_places_function"], state["_last_derived"] = None, None, None
-        state["_derived_reading"], state["_placed_reading"], state["_dim_names"] = {}, {}, None
+        state["_derived_reading"], state["_placed_reading"], state["_dim_symbols"] = {}, {}, None
         return state
 
     def on_bind(self, prepare: Callable[[Bound], None]) -> None:
@@ -203,7 +212,9 @@ class Plan:
         else:
             changed = tuple(k for k, (a, b) in enumerate(zip(sizes, last[0])) if a != b)
             values = list(last[1])
-            remake = self._derived_reading.get(changed) or self._derived_depending(changed)
+            remake = self._derived_reading.get(changed)
+            if remake is None:
+                remake = self._derived_reading[changed] = self._reading(self.derived, changed)
         numbers = None
         for k in remake:
             if numbers is None:  # one array of every derived number: the values are read-only views of it
@@ -218,33 +229,29 @@ class Plan:
         self._last_derived = (sizes, values)
         return values
 
-    def _derived_depending(self, changed: tuple[int, ...]) -> tuple[int, ...]:
-        """The derived values whose expressions read a symbol at one of the `changed` positions (all of a value
-        whose expressions the plan does not hold)."""
-        names = {self.symbols[k] for k in changed}
-        found = tuple(k for k, d in enumerate(self.derived)
-                      if len(d.values) != math.prod(d.shape) or any(
-                          sym.name in names for x in d.values for sym in symbols(x)))
-        self._derived_reading[changed] = found
-        return found
-
     def placed_reading(self, changed: tuple[int, ...]) -> tuple[int, ...]:
         """The placed values whose shape reads a symbol at one of the `changed` positions (of `symbols`): the
         others have the same shape at any sizes differing only there."""
         found = self._placed_reading.get(changed)
         if found is None:
-            names = {f"s{k}" for k in changed}
-            if self._dim_names is None:
-                self._dim_names = _dim_names(self.dims_source)
-            dims = self._dim_names
-            found = self._placed_reading[changed] = tuple(
-                k for k, p in enumerate(self.placed)
-                if any(names.intersection(dims[i]) for i in range(p.first, p.first + p.rank)))
+            found = self._placed_reading[changed] = self._reading(self.placed, changed)
         return found
 
+    def symbols_read(self, value: Derived | Placed) -> frozenset[int]:
+        """The symbols (positions in `symbols`) that a derived value's numbers or a placed value's shape read,
+        whether directly or through shape arithmetic: its dims' expressions are over the input symbols alone."""
+        if self._dim_symbols is None:
+            self._dim_symbols = symbols_of_dims(self.dims_source)
+        return frozenset().union(*(self._dim_symbols[i] for i in value.dims))
+
+    def _reading(self, values: Sequence[Derived | Placed], changed: tuple[int, ...]) -> tuple[int, ...]:
+        """The positions in `values` of those that read a symbol at one of the `changed` positions."""
+        return tuple(k for k, v in enumerate(values) if not self.symbols_read(v).isdisjoint(changed))
+
     def _compile_places(self) -> Callable[..., tuple[list, int]]:
-        """`ArenaOrder.offsets` and each placed value's (offset, bytes, shape, dtype) as one function of the dims
-        and the placed dtypes, compiled from straight-line source (evaluated for every new set of sizes)."""
+        """The arena's offsets (`ArenaOrder.offsets_lines`) and each placed value's (offset, bytes, shape, dtype) as
+        one function of the dims and the placed dtypes, compiled from straight-line source (evaluated for every new
+        set of sizes)."""
         lines = self.arena.offsets_lines(self.n_derived_dims)
         entries = []
         for k, p in enumerate(self.placed):
@@ -278,15 +285,6 @@ class Plan:
         if missing:
             raise KeyError(f"no size given for dim(s) {missing}")
         return tuple(int(dims[s]) for s in self.symbols)
-
-
-def _dim_names(source: str) -> list[set[str]]:
-    """Per dim of a dims function's source (`lambda s0, s1: (d0, d1, ...)`), the symbol variables it reads."""
-    body = ast.parse(source, mode="eval").body
-    dims = body.body.elts if isinstance(body, ast.Lambda) and isinstance(body.body, ast.Tuple) else None
-    if dims is None:
-        raise ValueError(f"not a dims function: {source[:60]!r}")
-    return [{n.id for n in ast.walk(d) if isinstance(n, ast.Name)} for d in dims]
 
 
 def prepare_kernels(plan: Plan, kernels: Iterable[Any]) -> None:

@@ -106,11 +106,17 @@ def check_allocation(nbytes: int, what: str, limit: int | None = None) -> None:
                               f"physical memory ({_human(physical)})")
 
 
-def check_shape(shape: Sequence[int], dtype: Any, what: str) -> None:
+def check_shape(shape: Sequence[int], dtype: Any, what: str | Callable[[], str]) -> None:
     """check_allocation for an array of `shape` and `dtype`, in exact integers (no numpy overflow); shapes with a
-    negative dim are refused too, and small arrays pass without a look at the limit."""
+    negative dim are refused too, and small arrays pass without a look at the limit. `what` names the value in the
+    errors; a kernel passes a function that makes the name, so that its many small results never format one."""
+    if len(shape) <= 64 and min(shape, default=0) >= 0:
+        # in Python ints: a product of numpy integer dims may wrap around to a small size
+        if math.prod(map(int, shape)) * np.dtype(dtype).itemsize < CHECK_THRESHOLD:
+            return
     from carrack.errors import InvalidArgument
 
+    what = what if isinstance(what, str) else what()
     dims = [int(d) for d in shape]
     if len(dims) > 64:
         raise InvalidArgument(f"{what} would have rank {len(dims)}; arrays have at most 64 dims")

@@ -19,7 +19,6 @@ import numpy as np
 import onnx
 
 from carrack.errors import CarrackError, InvalidModel, RunFailure, RunTerminated
-from carrack.ir import symbolic
 from carrack.ir.graph import Graph, Node
 from carrack.ir.order import topological_order
 from carrack.onnx.tensors import aligned_empty
@@ -106,7 +105,8 @@ class Program:
         #: (bound, arena, views, bound steps, staged inputs, its _Resizable) of a finished run, for the next one
         self._spare_arenas: list[tuple] = []
         self._layout_plan: Plan | None = None  # the plan that lays arenas out for capacity sizes (attach)
-        self._symbols_of_slot: dict[int, frozenset[int]] = {}  # derived input slot -> the symbols it depends on
+        #: derived input slot -> the symbols it reads (Plan.symbols_read), made when a run first needs it
+        self._symbols_of_slot: dict[int, frozenset[int]] | None = None
         self._slot_of_placed: list[int] = []  # placed value -> the slot of the step output written into it
         self._constant_ids = frozenset(id(v) for v in self.constants.values())
         self._env_start: list[Any] = [None] * (self.n_slots + 1)  # the extra last slot: omitted optional inputs
@@ -393,8 +393,11 @@ class Program:
         found = resizable.plans.get(key)
         if found is None:
             seeds = {self._slot_of_placed[k] for k in resizable.changed_views} | set(unstaged)
-            seeds.update(s for s, _ in resizable.binding_derived
-                         if changed is None or self._symbols_of_slot.get(s, frozenset()).intersection(changed))
+            if changed is not None:
+                reads = self._derived_symbols()
+                seeds.update(s for s, _ in resizable.binding_derived if not reads[s].isdisjoint(changed))
+            else:
+                seeds.update(s for s, _ in resizable.binding_derived)
             if memo_changed:
                 seeds.update(self._memo_slots)
             substitutes = [(s, v) for s, v in resizable.binding_derived if s not in seeds]
@@ -405,6 +408,14 @@ class Program:
         for s, v in substitutes:
             env[s] = v
         return segments if segmented else resized_plan
+
+    def _derived_symbols(self) -> dict[int, frozenset[int]]:
+        """Per slot of a derived value of the attached plan, the symbols it reads (Plan.symbols_read)."""
+        if self._symbols_of_slot is None:
+            plan = self._layout_plan
+            self._symbols_of_slot = {self.slot_of[d.name]: plan.symbols_read(d)
+                                     for d in plan.derived if d.name in self.slot_of}
+        return self._symbols_of_slot
 
     def memoize_size_only(self, derived: Sequence[str]) -> None:
         """Find the steps whose results depend only on constants and on `derived` values (the plan's shape
@@ -467,11 +478,7 @@ class Program:
         self._slot_of_placed = [-1] * len(plan.placed)
         for k, p in self._placed.items():
             self._slot_of_placed[p] = self.steps[k].outs[0]
-        position = {name: k for k, name in enumerate(plan.symbols)}
-        self._symbols_of_slot = {
-            self.slot_of[d.name]: frozenset(position[sym.name] for x in d.values for sym in symbolic.symbols(x)
-                                            if sym.name in position)
-            for d in plan.derived if d.name in self.slot_of}
+        self._symbols_of_slot = None
         self._views = {name for st in self.steps for name in st.node.outputs if type(st.kernel).view}
         self._plan = self._compile_plan()
         self._plan_after_memo = self._without_memo_steps()

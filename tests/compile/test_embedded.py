@@ -3,24 +3,18 @@ bytes aligned), runs with no weights.bin beside it and gives the same bits as th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
-
-import numpy as np
-import pytest
+from pathlib import Path
 
 import carrack
 from carrack.backends.c.build import compile_model, library_name
 from carrack.cli import main
+from tests.compile.helpers import needs_compiler, needs_wasm, run_in_node
 from tests.compile.models import feeds
 
 MODEL = "small_cnn"
-needs_cc = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
-                              reason="no C compiler (apt-get install gcc)")
-needs_wasm = pytest.mark.skipif(shutil.which("node") is None or importlib.util.find_spec("ziglang") is None,
-                                reason="needs node (apt-get install nodejs) and ziglang (pip install 'carrack[wasm]')")
 
 
 def _without_weights_file(directory) -> int:
@@ -31,7 +25,7 @@ def _without_weights_file(directory) -> int:
     return size
 
 
-@needs_cc
+@needs_compiler
 def test_native_library_runs_without_weights_file(exported, tmp_path):
     path, maxima = exported[MODEL]
     loaded, embedded = tmp_path / "loaded", tmp_path / "embedded"
@@ -48,7 +42,7 @@ def test_native_library_runs_without_weights_file(exported, tmp_path):
             assert want.tobytes() == got.tobytes()
 
 
-@needs_cc
+@needs_compiler
 def test_embedded_symbol_is_aligned_and_holds_the_file(exported, tmp_path):
     """The symbol model_init(NULL) uses starts on a 64-byte boundary and holds weights.bin's bytes."""
     import ctypes
@@ -70,19 +64,6 @@ def test_embedded_symbol_is_aligned_and_holds_the_file(exported, tmp_path):
     assert ctypes.string_at(address, len(weights)) == weights
 
 
-NODE_DRIVER = r"""
-import fs from "node:fs";
-import { pathToFileURL } from "node:url";
-const [dir, input, shape, out] = process.argv.slice(2);
-const { load } = await import(pathToFileURL(`${dir}/model.mjs`).href);
-const m = await load(pathToFileURL(`${dir}/model.wasm`));
-const bytes = fs.readFileSync(input);
-const data = new Float32Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength));
-const result = Object.values(m.run({ x: { data, shape: JSON.parse(shape) } }))[0];
-fs.writeFileSync(out, new Uint8Array(result.buffer, result.byteOffset, result.byteLength));
-"""
-
-
 @needs_wasm
 def test_wasm_module_runs_without_weights_file(exported, tmp_path):
     path, maxima = exported[MODEL]
@@ -91,14 +72,10 @@ def test_wasm_module_runs_without_weights_file(exported, tmp_path):
     compile_model(path, embedded, "wasm32", max_dims=maxima, embed_weights=True)
     size = _without_weights_file(embedded)
     assert (embedded / "model.wasm").stat().st_size > size
-    (tmp_path / "driver.mjs").write_text(NODE_DRIVER)
-    feed = feeds(MODEL)[0]
-    (x,) = feed.values()
-    x.astype(np.float32).tofile(tmp_path / "x.bin")
     outputs = []
-    for directory in (loaded, embedded):
-        out = tmp_path / f"{directory.name}.out"
-        subprocess.run(["node", str(tmp_path / "driver.mjs"), str(directory), str(tmp_path / "x.bin"),
-                        json.dumps(list(x.shape)), str(out)], check=True, capture_output=True, timeout=120)
-        outputs.append(out.read_bytes())
-    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+    for directory in (loaded, embedded):  # the same feed through each module in Node: every output's bytes
+        work = tmp_path / f"{directory.name}_node"
+        work.mkdir()
+        run = run_in_node(directory, work, feeds(MODEL)[:1])["runs"][0]
+        outputs.append([Path(entry["file"]).read_bytes() for entry in run["outputs"].values()])
+    assert outputs[0] == outputs[1] and outputs[0] and all(outputs[0])

@@ -15,10 +15,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-import carrack
 from carrack.backends.c.build import compile_model
 from carrack.backends.c.emit import UnsupportedOperators
-from tests.compile.test_values import needs_compiler, needs_wasm, node_outputs, run_in_node
+from tests.compile.helpers import assert_compiled_equals_session, needs_compiler, needs_wasm
 
 
 class PerChannelFakeQuant(nn.Module):
@@ -98,49 +97,19 @@ def _save_ties(tmp_path):
     return path
 
 
-def _assert_compiled_equals_session(path, feeds, run) -> None:
-    session = carrack.InferenceSession(str(path))
-    for feed in feeds:
-        wants, gots = session.run(None, feed), run(feed)
-        assert len(gots) == len(wants)
-        for got, want in zip(gots, wants):
-            assert got.dtype == want.dtype and got.shape == want.shape
-            np.testing.assert_array_equal(got, want)
-
-
-def _assert_per_axis_kernels(directory) -> None:
-    source = (directory / "model.c").read_text()
-    assert "cr_quantize_axis(" in source and "cr_dequantize_axis(" in source
-
-
-@needs_compiler
+@pytest.mark.parametrize("target", [pytest.param("native", marks=needs_compiler),
+                                    pytest.param("wasm32", marks=needs_wasm)])
 @pytest.mark.parametrize("model", ["fake_quant", "ties"])
-def test_per_axis_quantization_is_bit_exact(tmp_path, model):
+def test_per_axis_quantization_is_bit_exact(tmp_path, model, target):
     path = _fake_quant_model(tmp_path) if model == "fake_quant" else _save_ties(tmp_path)
     feeds = _fake_quant_feeds() if model == "fake_quant" else _ties_feeds()
-    compile_model(path, tmp_path / "out", "native", max_dims={"batch" if model == "fake_quant" else "n": 3})
-    _assert_per_axis_kernels(tmp_path / "out")
-    compiled = carrack.CompiledModel(tmp_path / "out")
-    _assert_compiled_equals_session(path, feeds, lambda feed: compiled.run(None, feed))
+    wants = assert_compiled_equals_session(path, tmp_path / "out", target, feeds,
+                                           {"batch" if model == "fake_quant" else "n": 3},
+                                           kernels=("cr_quantize_axis", "cr_dequantize_axis"))
     if model == "ties":  # the ties are really there, and mostly not saturated
         x = feeds[1]["x"]
         assert np.any(np.abs(x / np.float32(0.25) % 1) == 0.5)
-        assert 0.5 < np.mean((compiled.run(None, feeds[1])[0] > 0) & (compiled.run(None, feeds[1])[0] < 255))
-
-
-@needs_wasm
-@pytest.mark.parametrize("model", ["fake_quant", "ties"])
-def test_per_axis_quantization_in_node_is_bit_exact(tmp_path, model):
-    path = _fake_quant_model(tmp_path) if model == "fake_quant" else _save_ties(tmp_path)
-    feeds = _fake_quant_feeds() if model == "fake_quant" else _ties_feeds()
-    compile_model(path, tmp_path / "out", "wasm32", max_dims={"batch" if model == "fake_quant" else "n": 3})
-    _assert_per_axis_kernels(tmp_path / "out")
-    report = run_in_node(tmp_path / "out", tmp_path, feeds)
-    session = carrack.InferenceSession(str(path))
-    for feed, run in zip(feeds, report["runs"]):
-        wants = session.run(None, feed)
-        for got, want in zip(node_outputs(run, wants), wants):
-            np.testing.assert_array_equal(got, want)
+        assert 0.5 < np.mean((wants[1][0] > 0) & (wants[1][0] < 255))
 
 
 @needs_compiler

@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import carrack
 from carrack.backends.c.build import compile_model
+from tests.compile.helpers import needs_compiler
 from tests.compile.test_quantized import _skip_unless_cpu_runs
-from tests.compile.test_values import needs_compiler
 
 
 def _qdq_matmul(k: int, n: int, activation: str, zero_point: int, weights: np.ndarray, scale: float = 1.0

@@ -21,8 +21,8 @@ from torch import nn
 
 import carrack
 from carrack.backends.c.build import compile_model
+from tests.compile.helpers import assert_compiled_equals_session, needs_compiler, needs_wasm, node_outputs, run_in_node
 from tests.compile.test_native import ARCHES, _cpu_flags
-from tests.compile.test_values import needs_compiler, needs_wasm, node_outputs, run_in_node
 
 pytest.importorskip("onnxruntime.quantization")
 
@@ -241,31 +241,21 @@ def _ties_graph() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _check_ties(tmp_path, target: str) -> None:
+    wants = _compiled_equals_session(tmp_path, target, _ties_graph(), ("cr_qconv2d", "cr_qlinear_add_flat"),
+                                     _ties_feeds())
+    for want in wants:  # mostly inside the range: the roundings are not all saturated
+        assert 0.1 < np.mean(np.abs(want[0]) < 250)
+
+
 @needs_compiler
 def test_rounding_ties_are_bit_exact(tmp_path):
-    path = tmp_path / "ties.onnx"
-    onnx.save(_ties_graph(), str(path))
-    compile_model(path, tmp_path / "out", "native", max_dims={"n": 3})
-    assert all(k in (tmp_path / "out" / "model.c").read_text() for k in ("cr_qconv2d(", "cr_qlinear_add_flat("))
-    model = carrack.CompiledModel(tmp_path / "out")
-    session = carrack.InferenceSession(str(path))
-    for feed in _ties_feeds():
-        want = session.run(None, feed)[0]
-        assert 0.1 < np.mean(np.abs(want) < 250)  # mostly inside the range: the roundings are not all saturated
-        np.testing.assert_array_equal(model.run(None, feed)[0], want)
+    _check_ties(tmp_path, "native")
 
 
 @needs_wasm
 def test_rounding_ties_in_node_are_bit_exact(tmp_path):
-    path = tmp_path / "ties.onnx"
-    onnx.save(_ties_graph(), str(path))
-    compile_model(path, tmp_path / "out", "wasm32", max_dims={"n": 3})
-    feeds = _ties_feeds()
-    report = run_in_node(tmp_path / "out", tmp_path, feeds)
-    session = carrack.InferenceSession(str(path))
-    for feed, run in zip(feeds, report["runs"]):
-        want = session.run(None, feed)
-        np.testing.assert_array_equal(node_outputs(run, want)[0], want[0])
+    _check_ties(tmp_path, "wasm32")
 
 
 def _ties_feeds() -> list[dict[str, np.ndarray]]:
@@ -290,31 +280,19 @@ def _broadcast_add_graph() -> onnx.ModelProto:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _compiled_equals_session(tmp_path, target: str, graph: onnx.ModelProto, kernel: str,
+def _compiled_equals_session(tmp_path, target: str, graph: onnx.ModelProto, kernels: tuple[str, ...],
                              feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
-    """Compiles `graph` for `target` (its code must call `kernel`) and checks that the library, or the module in
+    """Compiles `graph` for `target` (its code must call `kernels`) and checks that the library, or the module in
     Node, gives the session's bits on every feed; returns the session's outputs."""
     path = tmp_path / "graph.onnx"
     onnx.save(graph, str(path))
-    compile_model(path, tmp_path / "out", target, max_dims={"n": 3})
-    assert f"{kernel}(" in (tmp_path / "out" / "model.c").read_text()
-    session = carrack.InferenceSession(str(path))
-    wants = [session.run(None, feed) for feed in feeds]
-    if target == "native":
-        model = carrack.CompiledModel(tmp_path / "out")
-        got = [model.run(None, feed)[0] for feed in feeds]
-    else:
-        report = run_in_node(tmp_path / "out", tmp_path, feeds)
-        got = [node_outputs(run, want)[0] for run, want in zip(report["runs"], wants)]
-    for g, want in zip(got, wants):
-        np.testing.assert_array_equal(g, want[0])
-    return wants
+    return assert_compiled_equals_session(path, tmp_path / "out", target, feeds, {"n": 3}, kernels=kernels)
 
 
 def _check_broadcast_add(tmp_path, target: str) -> None:
     feeds = [{"x": (np.random.default_rng(n).integers(-40, 40, (n, 4, 3, 3)) * 0.25).astype(np.float32)}
              for n in (1, 3)]
-    _compiled_equals_session(tmp_path, target, _broadcast_add_graph(), "cr_qlinear_add", feeds)
+    _compiled_equals_session(tmp_path, target, _broadcast_add_graph(), ("cr_qlinear_add",), feeds)
 
 
 @needs_compiler
@@ -350,7 +328,7 @@ def _pointwise_graph() -> onnx.ModelProto:
 def _check_pointwise(tmp_path, target: str) -> None:
     feeds = [{"x": (np.random.default_rng(seed).standard_normal((rows, 5, 7, 7)) * 12).astype(np.float32)}
              for rows, seed in ((1, 0), (3, 1))]
-    wants = _compiled_equals_session(tmp_path, target, _pointwise_graph(), "cr_qconv2d", feeds)
+    wants = _compiled_equals_session(tmp_path, target, _pointwise_graph(), ("cr_qconv2d",), feeds)
     assert 0.1 < np.mean((wants[1][0] > -390) & (wants[1][0] < 610))  # mostly not saturated
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
 
 import numpy as np
@@ -15,12 +14,8 @@ import pytest
 
 from carrack.backends.c import build
 from carrack.backends.c.build import ToolchainMissing, compile_model
+from tests.compile.helpers import NODE, needs_wasm
 from tests.compile.models import MODELS, SHAPES, feeds, session_outputs
-
-NODE = shutil.which("node")
-needs_toolchain = pytest.mark.skipif(
-    NODE is None or importlib.util.find_spec("ziglang") is None,
-    reason="needs node (apt-get install nodejs) and ziglang (pip install 'carrack[wasm]')")
 
 DRIVER = r"""
 import fs from "node:fs";
@@ -144,7 +139,7 @@ def relaxed_reports(wasm_builds, tmp_path_factory):
             for name, directory in wasm_builds.items()}
 
 
-@needs_toolchain
+@needs_wasm
 @pytest.mark.parametrize("name", list(MODELS))
 def test_node_outputs_equal_the_session(exported, wasm_reports, name):
     path, _ = exported[name]
@@ -159,7 +154,7 @@ def test_node_outputs_equal_the_session(exported, wasm_reports, name):
     assert report["simd"] == "simd128"
 
 
-@needs_toolchain
+@needs_wasm
 @pytest.mark.parametrize("name", list(MODELS))
 def test_relaxed_simd_build_equals_the_session(exported, relaxed_reports, name):
     """model.relaxed.wasm (fused multiply-adds) gives the session's results within float32 rounding, any layout
@@ -175,7 +170,7 @@ def test_relaxed_simd_build_equals_the_session(exported, relaxed_reports, name):
     assert set(report["memory"]) == {report["memoryBytes"]}
 
 
-@needs_toolchain
+@needs_wasm
 @pytest.mark.parametrize("name", list(MODELS))
 def test_inputs_in_any_layout_give_the_same_bytes(wasm_reports, name):
     for run in wasm_reports[name]["runs"]:
@@ -183,7 +178,7 @@ def test_inputs_in_any_layout_give_the_same_bytes(wasm_reports, name):
                                    "odd_strided_swapped": True}
 
 
-@needs_toolchain
+@needs_wasm
 def test_bad_feeds_raise_errors_naming_the_input(wasm_reports):
     errors = wasm_reports["small_cnn"]["errors"]
     assert errors["name"] == "Error: carrack: unknown input 'image'; expected inputs: x"
@@ -195,7 +190,7 @@ def test_bad_feeds_raise_errors_naming_the_input(wasm_reports):
                                  "maximum), got 100")
 
 
-@needs_toolchain
+@needs_wasm
 @pytest.mark.parametrize("name", list(MODELS))
 def test_memory_is_fixed_and_nothing_is_imported(exported, wasm_reports, name):
     report = wasm_reports[name]
@@ -210,7 +205,7 @@ def test_memory_is_fixed_and_nothing_is_imported(exported, wasm_reports, name):
     assert report["memoryBytes"] == build.wasm_memory_bytes(emitted)
 
 
-@needs_toolchain
+@needs_wasm
 def test_wasm_build_is_reproducible(exported, tmp_path):
     path, maxima = exported["sequence_mlp"]
     for run in ("a", "b"):
@@ -241,7 +236,7 @@ fs.writeFileSync(outPath, new Uint8Array(y.buffer));
 """
 
 
-@needs_toolchain
+@needs_wasm
 @pytest.mark.parametrize("name", ["shufflenet", "squeezenet"])
 def test_real_architecture_in_node(name, tmp_path):
     """A real architecture from the onnx wheel (grouped convolutions and channel shuffles; fire modules) compiles,

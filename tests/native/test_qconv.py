@@ -16,6 +16,7 @@ import carrack
 from carrack import native
 from carrack.native import qconv
 from carrack.ops import contrib_quant
+from tests.quant.helpers import ort_reference, output_step, quantize_static
 
 needs_native = pytest.mark.skipif(native.compiler() is None or not native.enabled(),
                                   reason="no C compiler on this machine, or CARRACK_NATIVE=0")
@@ -196,27 +197,18 @@ def test_small_blocks(case, threads, monkeypatch):
 
 
 @needs_native
-def test_weight_outside_int8_falls_back(monkeypatch):
-    """uint8 weights with zero point 0 shift to [0, 255]: not int8, so the numpy path runs (same answer)."""
+@pytest.mark.parametrize("zero_point, seed, y_scale, native_calls", [
+    (0, 5, 2.0, 0),  # uint8 weights with zero point 0 shift to [0, 255]: not int8, so the numpy path runs
+    (128, 6, 0.05 * 0.01 * 60 * 9, 1),  # with zero point 128 they shift into int8: native
+])
+def test_uint8_weights_native_where_they_shift_into_int8(zero_point, seed, y_scale, native_calls, monkeypatch):
     x, _, attrs, _ = _operands("3x3_pad", np.uint8, False)
-    w = np.random.default_rng(5).integers(0, 256, (16, 8, 3, 3)).astype(np.uint8)
-    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.uint8(0), None, attrs, np.uint8, y_scale=2.0)
+    w = np.random.default_rng(seed).integers(0, 256, (16, 8, 3, 3)).astype(np.uint8)
+    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.uint8(zero_point), None, attrs, np.uint8,
+                      y_scale=y_scale)
     got, calls = _run(model, x, monkeypatch, True)
     plain, _ = _run(model, x, monkeypatch, False)
-    assert calls == 0
-    np.testing.assert_array_equal(got, plain)
-
-
-@needs_native
-def test_uint8_weight_with_zero_point(monkeypatch):
-    """uint8 weights with zero point 128 shift into int8: native."""
-    x, _, attrs, _ = _operands("3x3_pad", np.uint8, False)
-    w = np.random.default_rng(6).integers(0, 256, (16, 8, 3, 3)).astype(np.uint8)
-    model = _qdq_conv(x.shape, np.uint8, w, np.float32(0.01), np.uint8(128), None, attrs, np.uint8,
-                      y_scale=0.05 * 0.01 * 60 * 9)
-    got, calls = _run(model, x, monkeypatch, True)
-    plain, _ = _run(model, x, monkeypatch, False)
-    assert calls == 1
+    assert calls == native_calls
     np.testing.assert_array_equal(got, plain)
 
 
@@ -333,25 +325,11 @@ def _float_cnn() -> onnx.ModelProto:
 @needs_native
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_static_model_against_onnxruntime(per_channel, tmp_path, monkeypatch):
-    ort = pytest.importorskip("onnxruntime")
-    quantization = pytest.importorskip("onnxruntime.quantization")
-
-    class Calibration(quantization.CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{"x": np.random.default_rng(i).normal(size=(1, 3, 20, 20)).astype(np.float32)}
-                                 for i in range(3)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
     source, target = tmp_path / "cnn.onnx", tmp_path / "cnn_qdq.onnx"
     onnx.save(_float_cnn(), str(source))
-    quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ,
-                                 per_channel=per_channel)
+    quantize_static(source, target, (1, 3, 20, 20), 3, quant_format="QDQ", per_channel=per_channel)
     x = np.random.default_rng(9).normal(size=(1, 3, 20, 20)).astype(np.float32)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort_reference(target, {"x": x}, optimized=False)
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("CARRACK_NATIVE", flag)
@@ -359,10 +337,7 @@ def test_quantize_static_model_against_onnxruntime(per_channel, tmp_path, monkey
         assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 3
         results[flag] = session.run(None, {"x": x})[0]
     np.testing.assert_array_equal(results["1"], results["0"])
-    model = onnx.load(str(target))
-    last = next(n for n in model.graph.node if n.output[0] == "y")
-    step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
-    np.testing.assert_allclose(results["1"], want, rtol=0, atol=step * 1.001)
+    np.testing.assert_allclose(results["1"], want, rtol=0, atol=output_step(target))
 
 
 def _wide_cnn() -> onnx.ModelProto:
@@ -388,25 +363,13 @@ def _wide_cnn() -> onnx.ModelProto:
 def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch, amx_restored):
     """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
     on and off (VNNI), within one quantization step of onnxruntime."""
-    ort = pytest.importorskip("onnxruntime")
-    quantization = pytest.importorskip("onnxruntime.quantization")
     from carrack.native import qgemm
-
-    class Calibration(quantization.CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{"x": np.random.default_rng(i).normal(size=(1, 64, 12, 12)).astype(np.float32)}
-                                 for i in range(3)])
-
-        def get_next(self):
-            return next(self.batches, None)
 
     source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
     onnx.save(_wide_cnn(), str(source))
-    quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ)
+    quantize_static(source, target, (1, 64, 12, 12), 3, quant_format="QDQ")
     x = np.random.default_rng(9).normal(size=(1, 64, 12, 12)).astype(np.float32)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    want = ort.InferenceSession(str(target), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort_reference(target, {"x": x}, optimized=False)
     monkeypatch.setenv("CARRACK_NATIVE", "1")
     results = []
     for amx in (True, False):
@@ -419,10 +382,7 @@ def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_pa
             results.append(session.run(None, {"x": x})[0])
     for got in results[1:]:
         np.testing.assert_array_equal(got, results[0])
-    model = onnx.load(str(target))
-    last = next(n for n in model.graph.node if n.output[0] == "y")
-    step = float(numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == last.input[1])))
-    np.testing.assert_allclose(results[0], want, rtol=0, atol=step * 1.001)
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=output_step(target))
     assert len(np.unique(results[0])) > 10
 
 

@@ -12,6 +12,7 @@ from carrack import native
 from carrack.native import qgemm
 from carrack.ops import quant
 from carrack.ops.contrib_quant import dynamic_quantize_shifted
+from tests.helpers import count_calls
 from tests.quant.helpers import one_node_model
 
 pytestmark = pytest.mark.skipif(qgemm.library() is None, reason="the native qgemm library is unavailable here")
@@ -226,15 +227,7 @@ def test_other_instruction_sets(variant, isa, monkeypatch):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts native GEMM calls."""
-    counter = {"n": 0}
-    real = qgemm.qgemm
-
-    def spy(*args, **kwargs):
-        counter["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(qgemm, "qgemm", spy)
-    return counter
+    return count_calls(monkeypatch, qgemm, "qgemm")
 
 
 def _both_paths(monkeypatch, model, feeds, calls, native_used: bool = True) -> np.ndarray:

@@ -15,9 +15,12 @@ import pytest
 from onnx import TensorProto, helper
 
 import carrack
+from carrack.ir.dims import Sym
+from carrack.ir.graph import Graph, Model, Node, ValueInfo
+from carrack.ir.types import TensorType
 from carrack.onnx.importer import load_model
 from carrack.passes.graph_view import GraphView
-from carrack.passes.optimizer import BASIC, optimize
+from carrack.passes.optimizer import BASIC, check_invariants, optimize
 from carrack.passes.shape_inference import infer
 
 torch = pytest.importorskip("torch")
@@ -143,6 +146,33 @@ def test_merged_nodes_keep_their_graph_output_names(tmp_path, first_is_output, s
     onnx.save(model, path)
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     _matches_onnxruntime(str(path), [{"x": x}])
+
+
+def test_thousands_of_duplicates_reading_one_value_merge_in_one_pass(monkeypatch):
+    """5,000 Relu(x), each read by its own Neg giving a graph output: CSE leaves one Relu and one Neg, and each
+    output an Identity of the Neg. Each merge drops one reader of x (then of the Relu's output) from the view's
+    reader index in constant time (CSE here: 1.4 s of CPU when removal filtered a reader list, 0.18 s now)."""
+    count = 5000
+    nodes = [Node("Relu", ["x"], [f"r{k}"]) for k in range(count)] + [
+        Node("Neg", [f"r{k}"], [f"y{k}"]) for k in range(count)]
+    graph = Graph("g", [ValueInfo("x", TensorType(TensorProto.FLOAT, (Sym("n"), 3)))],
+                  [ValueInfo(f"y{k}", TensorType(TensorProto.FLOAT, (Sym("n"), 3))) for k in range(count)], nodes)
+    model = Model(graph, {"": 17})
+    monkeypatch.setenv("CARRACK_CHECK_REWRITES", "0")  # a whole-graph check after each of 10,000 merges: quadratic
+    optimized, fired = optimize(model, BASIC, in_place=True)
+    assert fired["common_subexpression_elimination"] == 2 * (count - 1)
+    ops = Counter(n.op_type for n in optimized.graph.nodes)
+    assert ops == {"Relu": 1, "Neg": 1, "Identity": count - 1}
+    (relu,) = [n for n in optimized.graph.nodes if n.op_type == "Relu"]
+    (neg,) = [n for n in optimized.graph.nodes if n.op_type == "Neg"]
+    assert relu.inputs == ["x"] and neg.inputs == relu.outputs
+    produced = {o: n for n in optimized.graph.nodes for o in n.outputs}
+    for output in optimized.graph.outputs:
+        node = produced[output.name]
+        assert node is neg or (node.op_type == "Identity" and node.inputs == neg.outputs)
+    view = GraphView(optimized.graph)
+    check_invariants(view, "common_subexpression_elimination")  # once, at the end
+    assert view.n_uses("x") == 1 and view.single_consumer("x") is relu and view.n_uses(neg.outputs[0]) == count
 
 
 def test_random_draws_are_never_merged(tmp_path):

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 import carrack
-from carrack.ir.symbolic import symbols
+from carrack.ir.dims import Sym
+from carrack.ir.symbolic import add, dmax, floordiv, mod, mul, symbols
+from carrack.plan.exprs import function_source, symbols_of_dims
+from tests.plan.arena_offsets import reference_offsets
 from tests.plan.decoder import export_gpt2_with_past
 
 pytest.importorskip("transformers")
@@ -25,12 +28,12 @@ def plan(tmp_path_factory):
 
 
 def _reference(plan, sizes: tuple[int, ...]) -> tuple[list[np.ndarray], list[tuple], int]:
-    """The derived values and places computed from the dims function and `ArenaOrder.offsets` directly."""
+    """The derived values and places computed from the dims function and the arena order read directly."""
     flat = plan._function(*sizes)
     derived = [np.array(flat[d.first:d.first + math.prod(d.shape)], np.int64).reshape(d.shape).astype(d.dtype)
                for d in plan.derived]
     blocks = flat[plan.n_derived_dims:plan.n_derived_dims + len(plan.arena.blocks)]
-    offsets, total = plan.arena.offsets(blocks)
+    offsets, total = reference_offsets(plan.arena, blocks)
     places = []
     for p in plan.placed:
         shape = tuple(flat[p.first:p.first + p.rank])
@@ -94,3 +97,23 @@ def test_placed_values_outside_those_reading_a_changed_symbol_keep_their_shapes(
         for k, (p, q) in enumerate(zip(first.places, second.places)):
             assert k in reading or p[2] == q[2], (plan.placed[k].name, changed)
     assert plan.placed_reading(()) == ()
+
+
+def test_symbols_of_dims_finds_the_symbols_inside_every_kind_of_expression():
+    a, b, c = Sym("a"), Sym("b"), Sym("c")
+    dims = [7, a, add(mul(a, b), 3), floordiv(c, 2), mod(b, 3), dmax(a, c), mul(floordiv(add(a, c), 4), 64)]
+    source = function_source([a, b, c], dims)
+    assert symbols_of_dims(source) == [set(), {0}, {0, 1}, {2}, {1}, {0, 2}, {0, 2}]
+    with pytest.raises(ValueError, match="not a dims function"):
+        symbols_of_dims("1 + 2")
+
+
+def test_symbols_read_by_derived_and_placed_values_are_their_expressions_symbols(plan):
+    position = {name: k for k, name in enumerate(plan.symbols)}
+    for d in plan.derived:
+        assert plan.symbols_read(d) == {position[s.name] for x in d.values for s in symbols(x)}, d.name
+    reads = [plan.symbols_read(p) for p in plan.placed]
+    past = position["past_seq"]
+    batch, seq = position["batch"], position["seq"]
+    assert {batch} in reads and {batch, seq, past} in reads  # a mask's batch row; attention over the cache
+    assert plan.placed_reading((past,)) == tuple(k for k, r in enumerate(reads) if past in r)

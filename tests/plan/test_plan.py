@@ -19,6 +19,8 @@ from carrack.ir.dims import Sym
 from carrack.ir.symbolic import evaluate, mul
 from carrack.passes import optimizer
 from carrack.plan.arena import Block, align, order_blocks
+from tests.plan.arena_offsets import compiled_offsets, reference_offsets
+from tests.plan.cnn import export_small_cnn
 from tests.plan.decoder import export_gpt2_with_past, greedy_decode
 
 ort = pytest.importorskip("onnxruntime")
@@ -125,7 +127,8 @@ def test_arena_order_never_overlaps_live_blocks(seed):
     order = order_blocks(blocks, [a, b])
     for sizes in [(1, 1), (3, 100), (100, 3), (0, 7), (64, 64)]:
         nbytes = [int(evaluate(blk.size, dict(zip([a, b], sizes)))) for blk in order.blocks]
-        offsets, total = order.offsets(nbytes)
+        offsets, total = compiled_offsets(order, nbytes)
+        assert (offsets, total) == reference_offsets(order, nbytes)
         for i, x in enumerate(order.blocks):
             assert offsets[i] % 64 == 0 and offsets[i] + align(nbytes[i]) <= total
             for j, y in enumerate(order.blocks[:i]):
@@ -164,29 +167,8 @@ def test_a_cycle_is_reported_with_its_nodes():
 @pytest.fixture(scope="module")
 def cnn(tmp_path_factory) -> str:
     """A small CNN (conv + BN + ReLU, depthwise, residual, pooling) with dynamic batch, height and width."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    nn = torch.nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-            self.dw = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6(), nn.Conv2d(8, 8, 1))
-            self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
-            self.head = nn.Linear(16, 5)
-
-        def forward(self, x):
-            x = self.stem(x)
-            x = x + self.dw(x)
-            x = torch.relu(self.down(x))
-            return self.head(x.mean(dim=(2, 3)))
-
-    path = str(tmp_path_factory.mktemp("cnn") / "cnn.onnx")
-    with torch.no_grad():
-        torch.onnx.export(Net().eval(), (torch.randn(1, 3, 16, 16),), path, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}}, opset_version=17, dynamo=False)
-    return path
+    pytest.importorskip("torch")
+    return export_small_cnn(tmp_path_factory.mktemp("cnn") / "cnn.onnx", pooled=False)
 
 
 def test_cnn_at_many_sizes_in_one_session_equals_fresh_sessions(cnn):

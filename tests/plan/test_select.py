@@ -23,6 +23,8 @@ from carrack.native import rowops
 from carrack.ops.conv import Conv
 from carrack.passes.facts import Fact
 from carrack.plan import select
+from tests.helpers import first_output_module
+from tests.plan.cnn import export_small_cnn
 
 torch = pytest.importorskip("torch")
 needs_native = pytest.mark.skipif(native_conv.load() is None or rowops.library() is None,
@@ -39,29 +41,7 @@ def _numpy_options() -> carrack.SessionOptions:
 def cnn(tmp_path_factory) -> str:
     """Conv + BN + ReLU, depthwise, 1x1, residual, strided conv, max pool, global pool, Gemm, softmax; dynamic
     batch, height and width."""
-    torch.manual_seed(0)
-    nn = torch.nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-            self.dw = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6(), nn.Conv2d(8, 8, 1))
-            self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
-            self.head = nn.Linear(16, 5)
-
-        def forward(self, x):
-            x = self.stem(x)
-            x = x + self.dw(x)
-            x = nn.functional.max_pool2d(torch.relu(self.down(x)), 2, ceil_mode=True)
-            return torch.softmax(self.head(x.mean(dim=(2, 3))), -1)
-
-    path = str(tmp_path_factory.mktemp("cnn") / "cnn.onnx")
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Net().eval(), (torch.randn(1, 3, 16, 16),), path, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}}, opset_version=17, dynamo=False)
-    return path
+    return export_small_cnn(tmp_path_factory.mktemp("cnn") / "cnn.onnx", pooled=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +50,13 @@ def bert(tmp_path_factory) -> tuple[str, dict]:
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=37, max_position_embeddings=64, attn_implementation="eager")
-
-    class FirstOutput(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = transformers.BertModel(config).eval()
-
-        def forward(self, ids, mask):
-            return self.model(ids, mask, return_dict=False)[0]
-
     ids = torch.randint(0, 99, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.int64)
+    module = first_output_module(transformers.BertModel(config).eval())
     path = str(tmp_path_factory.mktemp("bert") / "bert.onnx")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(FirstOutput().eval(), (ids, mask), path, input_names=["ids", "mask"], output_names=["y"],
+        torch.onnx.export(module.eval(), (ids, mask), path, input_names=["ids", "mask"], output_names=["y"],
                           dynamic_axes={"ids": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq"}},
                           opset_version=17, dynamo=False)
     return path, {"ids": ids.numpy(), "mask": mask.numpy()}

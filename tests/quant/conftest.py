@@ -6,12 +6,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
 quantization = pytest.importorskip("onnxruntime.quantization")
+
+from tests.quant.helpers import quantize_static  # noqa: E402 - once onnxruntime is known to be there
 
 CNN_INPUT = (1, 3, 16, 16)
 SEQ_INPUT = (2, 8, 32)
@@ -43,14 +44,6 @@ def _export(module: torch.nn.Module, shape: tuple[int, ...], path: Path) -> Path
         torch.onnx.export(module, (torch.randn(*shape),), str(path), dynamo=False, opset_version=17,
                           input_names=["x"], output_names=["y"])
     return path
-
-
-class _Calibration(quantization.CalibrationDataReader):
-    def __init__(self, shape):
-        self.batches = iter([{"x": np.random.default_rng(i).normal(size=shape).astype(np.float32)} for i in range(4)])
-
-    def get_next(self):
-        return next(self.batches, None)
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +91,7 @@ def quantized_model(float_models, quant_dir):
                 quantizer.process()
                 quantizer.model.save_model_to_file(str(target))
             else:
-                kwargs = dict(STATIC_VARIANTS[variant])
-                kwargs["quant_format"] = getattr(quantization.QuantFormat, kwargs["quant_format"])
-                quantization.quantize_static(str(source), str(target), _Calibration(shape), **kwargs)
+                quantize_static(source, target, shape, 4, **STATIC_VARIANTS[variant])
             cache[key] = target
         return cache[key]
 

@@ -10,6 +10,7 @@ import pytest
 
 import carrack
 from carrack.native import qgemm
+from tests.helpers import count_calls
 
 pytestmark = pytest.mark.skipif(qgemm.library() is None, reason="the native qgemm library is unavailable here")
 
@@ -21,14 +22,7 @@ CASES = [("transformer", "dynamic"), ("transformer", "dynamic_per_channel_reduce
 def test_native_matches_numpy(model, variant, quantized_model, float_models, monkeypatch):
     path = quantized_model(model, variant)
     x = np.random.default_rng(5).normal(size=float_models[model][1]).astype(np.float32)
-    calls = {"n": 0}
-    real = qgemm.qgemm
-
-    def spy(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(qgemm, "qgemm", spy)
+    calls = count_calls(monkeypatch, qgemm, "qgemm")
     with monkeypatch.context() as off:
         off.setattr(qgemm, "library", lambda: None)
         want = carrack.InferenceSession(str(path)).run(None, {"x": x})[0]

@@ -14,32 +14,18 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 import carrack
 from tests.quant.conftest import STATIC_VARIANTS
+from tests.quant.helpers import ort_reference, output_step
 
 
 def _run_both(path, shape, optimize_reference: bool = True):
     x = np.random.default_rng(123).normal(size=shape).astype(np.float32)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    if not optimize_reference:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    want = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort_reference(path, {"x": x}, optimized=optimize_reference)
     session = carrack.InferenceSession(str(path))
     return session, session.run(None, {"x": x})[0], want
-
-
-def _output_tolerance(path) -> float:
-    """One output quantization step; float32 rounding when the model ends in float layers (LayerNormalization)."""
-    model = onnx.load(str(path))
-    last = next(n for n in reversed(model.graph.node) if n.output[0] == model.graph.output[0].name)
-    if last.op_type != "DequantizeLinear":
-        return 1e-4
-    scale = next(i for i in model.graph.initializer if i.name == last.input[1])
-    return float(onnx.numpy_helper.to_array(scale)) * 1.001
 
 
 @pytest.mark.parametrize("variant", list(STATIC_VARIANTS))
@@ -48,7 +34,7 @@ def test_static(model, variant, quantized_model, float_models):
     path = quantized_model(model, variant)
     session, got, want = _run_both(path, float_models[model][1], optimize_reference=False)
     assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, rtol=0, atol=_output_tolerance(path))
+    np.testing.assert_allclose(got, want, rtol=0, atol=output_step(path))
     if model == "cnn" and variant.startswith("qdq"):
         assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) >= 4
 

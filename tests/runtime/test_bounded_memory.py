@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 import carrack
 from carrack.errors import InvalidArgument, MemoryLimitExceeded, RunFailure
-from carrack.runtime.allocator import MEMORY_LIMIT, check_allocation, physical_memory_bytes
+from carrack.runtime.allocator import MEMORY_LIMIT, check_allocation, check_shape, physical_memory_bytes
 
 MiB = 1 << 20
 
@@ -37,6 +37,36 @@ def test_check_allocation_refuses_beyond_the_limit_and_the_machine():
         check_allocation(30 * MiB, "value 'v'", limit=20 * MiB)
     with pytest.raises(InvalidArgument, match="more than this machine's physical memory"):
         check_allocation(physical_memory_bytes() + 1, "value 'v'", limit=0)
+
+
+def test_check_shape_names_the_value_only_when_it_refuses():
+    named = []
+
+    def name() -> str:
+        named.append(1)
+        return "Expand node 'e' output 'y'"
+
+    check_shape([1, 64, 768], np.float32, name)
+    check_shape((), np.float64, name)
+    assert named == []
+    with pytest.raises(InvalidArgument, match=r"Expand node 'e' output 'y' would have a negative dim: shape \[2, -1\]"):
+        check_shape([2, -1], np.float32, name)
+    with pytest.raises(InvalidArgument, match="'y' would have rank 65; arrays have at most 64 dims"):
+        check_shape([1] * 65, np.float32, name)
+    with pytest.raises(MemoryLimitExceeded, match=r"value 'v' \(shape \[1024, 1024\], float32\) needs 4,194,304"):
+        token = MEMORY_LIMIT.set(2 * MiB)
+        try:
+            check_shape([1024, 1024], np.float32, "value 'v'")
+        finally:
+            MEMORY_LIMIT.reset(token)
+
+
+def test_check_shape_counts_numpy_integer_dims_exactly():
+    # 2**32 * 2**32 wraps to 0 in int64: the size must still be seen as 2**64 elements
+    wrapping = [np.int64(2**32), np.int64(2**32)]
+    with pytest.raises(InvalidArgument, match=r"'y' \(shape \[4294967296, 4294967296\], float32\).*physical"):
+        check_shape(wrapping, np.float32, "value 'y'")
+    check_shape([np.int64(3), np.int32(4)], np.float32, "value 'y'")
 
 
 def test_constant_of_shape_fed_a_huge_shape_names_the_node_and_value():

@@ -13,6 +13,7 @@ import pytest
 import carrack
 from carrack.runtime import program as program_module
 from tests.helpers import one_thread_session, run_in_threads
+from tests.plan.arena_offsets import compiled_offsets
 from tests.plan.decoder import TINY_HEADS, TINY_HIDDEN, TINY_PAST_NAMES, TINY_VOCAB, greedy_decode, tiny_gpt2_with_past
 
 torch = pytest.importorskip("torch")
@@ -161,7 +162,7 @@ def test_a_capacity_layout_keeps_blocks_alive_together_apart_at_every_smaller_si
     plan = one_thread_session(tiny_gpt2)._plan
     order = plan.arena
     capacity = plan.layout(tuple(32 if s in ("past_seq", "total_seq") else 1 for s in plan.symbols))
-    offsets, _ = order.offsets(capacity.block_sizes)
+    offsets, _ = compiled_offsets(order, capacity.block_sizes)
     assert capacity is not plan.bind(capacity.sizes)  # a layout is not one of the plan's cached evaluations
     for past in range(0, 32):
         sizes = tuple({"past_seq": past, "total_seq": past + 1}.get(s, 1) for s in plan.symbols)
