@@ -457,13 +457,19 @@ def session_block_fusion(allowed: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_block_fusion() -> Iterator[None]:
-    """Sessions made inside keep MobileNetV2's inverted-residual blocks as their convolutions."""
-    token = _BLOCK_FUSION.set(False)
+def block_fusion(enabled: bool) -> Iterator[None]:
+    """Plans made inside fuse MobileNetV2's inverted-residual blocks exactly when `enabled` (a native library built
+    with invres.c: yes; the portable kernels, which know the convolutions: no)."""
+    token = _BLOCK_FUSION.set(enabled)
     try:
         yield
     finally:
         _BLOCK_FUSION.reset(token)
+
+
+def without_block_fusion() -> contextlib.AbstractContextManager[None]:
+    """Sessions made inside keep MobileNetV2's inverted-residual blocks as their convolutions."""
+    return block_fusion(False)
 
 
 def _plain_conv(node: Node | None, view: GraphView, kernel: int, stride: int, pads: int,

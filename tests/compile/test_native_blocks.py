@@ -173,3 +173,25 @@ def test_portable_library_runs_the_convolutions(network, tmp_path):
     feed = _feed(2, seed=7)
     got = carrack.CompiledModel(tmp_path).run(None, feed)[0]
     np.testing.assert_allclose(got, session_outputs(network, feed)[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+def test_a_block_without_expansion_runs_fused(tmp_path, fuse_every_block):
+    """MobileNetV2's first block (depthwise 3x3 -> 1x1 projection, no expansion) is one invres call too, with no
+    expansion weights, and equals the session."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU6(),
+        torch.nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU6(),
+        torch.nn.Conv2d(16, 8, 1, bias=False), torch.nn.BatchNorm2d(8))
+    path = tmp_path / "separable.onnx"
+    torch.onnx.export(net.eval(), (torch.randn(*INPUT),), str(path), input_names=["x"], output_names=["y"],
+                      dynamo=False)
+    out = tmp_path / "lib"
+    compile_model(str(path), out, "native")
+    source = (out / "model.c").read_text()
+    assert source.count("invres_f32_threads(") == 1 and "dwconv2d_f32(" not in source
+    assert re.search(r"invres_f32_threads\(\s*[^,]+,\s*NULL,", source)
+    feed = _feed(1, seed=9)
+    got = carrack.CompiledModel(out).run(None, feed)[0]
+    np.testing.assert_allclose(got, session_outputs(str(path), feed)[0], rtol=1e-5, atol=1e-5)

@@ -12,7 +12,6 @@ version everywhere. The module is built as a reactor with no imports; its memory
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -20,7 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,24 +104,11 @@ def plan_for_build(model, level: int, native_kernels: bool):
     """The plan a build emits. MobileNetV2's inverted-residual blocks become carrack.InvertedResidual nodes (run by
     invres.c) in libraries with the session kernels; elsewhere (wasm32, the portable kernels) they stay, or a
     session's plan holding such nodes (the compiled executor's) is lowered back to, their convolutions."""
-    from carrack.passes.fusions import lower_inverted_residuals
+    from carrack.passes.fusions import block_fusion, lower_inverted_residuals
     from carrack.plan import build_plan
 
-    with _block_fusion(native_kernels):
+    with block_fusion(native_kernels):
         return build_plan(model if native_kernels else lower_inverted_residuals(model), level)
-
-
-@contextlib.contextmanager
-def _block_fusion(fused: bool) -> Iterator[None]:
-    """Plans made inside fuse MobileNetV2's inverted-residual blocks when `fused` (a native library with the
-    session kernels builds invres.c in), and never otherwise (the portable kernels know the convolutions)."""
-    from carrack.passes import fusions
-
-    token = fusions._BLOCK_FUSION.set(fused)  # the rule's switch (session_block_fusion's, for sessions)
-    try:
-        yield
-    finally:
-        fusions._BLOCK_FUSION.reset(token)
 
 
 def write_sources(emitted: Emitted, out: Path) -> list[str]:
