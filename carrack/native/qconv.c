@@ -19,6 +19,7 @@
 // carrack-cflags: -ffp-contract=off
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "threadpool.h"
 
@@ -607,4 +608,90 @@ void qconv_maxpool_threads(const uint8_t *x, const int64_t *g, int64_t p0, int64
                            uint8_t *scratch, int64_t stride, uint8_t *y, int64_t chunks, int64_t threads) {
     qconv_call_t c = {.x = x, .g = g, .scratch = scratch, .y = y, .stride = stride, .mask = mask};
     parallel_for(maxpool_piece, &c, p0, p1, chunks, threads);
+}
+
+/* -- a whole GEMM convolution as one parallel region ------------------------------------------------------------- *
+ * Items are (image, group, pixel tile, column tile), column tiles innermost. A piece builds its pixel tile's rows A
+ * (im2col, or the transpose of a 1x1 stride-1 convolution) into its participant's scratch, multiplies them by the
+ * group's packed weight with qgemm_run (requantizing into a [pixels, columns] block) and transposes the block into
+ * the NCHW output: no hand-off between the steps, and each output element is written by exactly one item (the same
+ * bytes for any split). A piece reuses its A while consecutive items share the pixel tile; a column split (small
+ * maps) builds the same A once per piece. qgemm.c is a library of its own: the caller passes qgemm_run. */
+typedef void (*qgemm_run_fn)(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_t n, const uint8_t *a,
+                             int64_t lda, const int8_t *packed, const int32_t *colsum, int32_t a_zero_point,
+                             const int32_t *bias_i32, int32_t mode, void *out, int64_t ldc_m, int64_t ldc_n,
+                             const float *scale, const float *bias_f32, int32_t y_zero_point);
+
+#define CONV_PANEL 64 /* qgemm.c's QGEMM_NR: column tiles start on its panels */
+#define CONV_ALIGN 64
+
+typedef struct {
+    const uint8_t *x;
+    const int64_t *g;
+    const int64_t *packed, *colsums; /* per group: addresses of the packed weight and of its column sums */
+    const int32_t *bias;
+    const float *multiplier;
+    qgemm_run_fn gemm;
+    uint8_t *y, *scratch;
+    int64_t groups, m, k, lda, ldc, rows, pixel_tiles, column_tiles, column_width, slot_bytes, c_offset, band_offset;
+    int32_t zp, mask, y_zp, mode, transpose_only;
+} conv_call_t;
+
+static inline int64_t align_up(int64_t bytes) { return (bytes + CONV_ALIGN - 1) / CONV_ALIGN * CONV_ALIGN; }
+
+static void conv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const conv_call_t *c = p;
+    const int64_t *g = c->g;
+    const int64_t pixels = g[G_OH] * g[G_OW], plane_in = g[G_H] * g[G_W], channels = g[G_C];
+    uint8_t *a = c->scratch + slot * c->slot_bytes, *block = a + c->c_offset, *band = a + c->band_offset;
+    int64_t built = -1;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t tile_id = item / c->column_tiles, unit = tile_id / c->pixel_tiles;
+        const int64_t group = unit % c->groups;
+        const int64_t p0 = tile_id % c->pixel_tiles * c->rows, p1 = p0 + c->rows < pixels ? p0 + c->rows : pixels;
+        const int64_t n0 = item % c->column_tiles * c->column_width;
+        const int64_t n1 = n0 + c->column_width < c->m ? n0 + c->column_width : c->m;
+        if (n0 >= n1 || p0 >= p1) continue;
+        if (tile_id != built) {
+            const uint8_t *x = c->x + unit * channels * plane_in; /* images hold groups x channels planes */
+            if (c->transpose_only)
+                qconv_transpose(x + p0, channels, p1 - p0, plane_in, a, c->lda, c->mask);
+            else
+                qconv_im2col(x, g, p0, p1, c->zp, c->mask, band, a, c->lda);
+            built = tile_id;
+        }
+        c->gemm(0, p1 - p0, n0, n1, c->k, c->m, a, c->lda, (const int8_t *)(intptr_t)c->packed[group],
+                (const int32_t *)(intptr_t)c->colsums[group], c->zp, c->bias + group * c->m, c->mode, block, c->ldc,
+                1, c->multiplier + group * c->m, NULL, c->y_zp);
+        qconv_transpose(block + n0, p1 - p0, n1 - n0, c->ldc, c->y + (unit * c->m + n0) * pixels + p0, pixels, 0);
+    }
+}
+
+/* The convolution of `images` images with `groups` groups of m output channels each (geometry g of one group),
+ * requantized to 8 bits (mode: qgemm.c's QGEMM_REQUANT_U8 or _S8). Output pixels go in tiles of `rows`, output
+ * columns in tiles of `column_width` (a multiple of 64); items are cut into `chunks` pieces over `threads`. lda,
+ * ldc: row strides of A and of the GEMM's result block. Returns 1 when the scratch cannot be allocated (nothing
+ * written), else 0. */
+int64_t qconv_gemm_threads(const uint8_t *x, const int64_t *g, int64_t images, int64_t groups, int64_t m,
+                           const int64_t *packed, const int64_t *colsums, const int32_t *bias, const float *multiplier,
+                           int32_t zp, int32_t mask, int32_t y_zp, int32_t mode, int32_t transpose_only, int64_t lda,
+                           int64_t ldc, int64_t rows, int64_t column_width, uint8_t *y, void *gemm, int64_t chunks,
+                           int64_t threads) {
+    const int64_t pixels = g[G_OH] * g[G_OW];
+    const int64_t pixel_tiles = (pixels + rows - 1) / rows, column_tiles = (m + column_width - 1) / column_width;
+    const int64_t items = images * groups * pixel_tiles * column_tiles;
+    const int64_t c_offset = align_up(rows * lda), band_offset = c_offset + align_up(rows * ldc);
+    const int64_t slot_bytes = band_offset + (transpose_only ? 0 : align_up(qconv_band_bytes(g, rows)));
+    if (threads < 1) threads = 1;
+    uint8_t *scratch = malloc((size_t)(slot_bytes * threads));
+    if (scratch == NULL) return 1;
+    conv_call_t c = {.x = x, .g = g, .packed = packed, .colsums = colsums, .bias = bias, .multiplier = multiplier,
+                     .gemm = (qgemm_run_fn)gemm, .y = y, .scratch = scratch, .groups = groups, .m = m,
+                     .k = g[G_KH] * g[G_KW] * g[G_C], .lda = lda, .ldc = ldc, .rows = rows,
+                     .pixel_tiles = pixel_tiles, .column_tiles = column_tiles, .column_width = column_width,
+                     .slot_bytes = slot_bytes, .c_offset = c_offset, .band_offset = band_offset, .zp = zp,
+                     .mask = mask, .y_zp = y_zp, .mode = mode, .transpose_only = transpose_only};
+    parallel_for(conv_piece, &c, 0, items, chunks < items ? chunks : items, threads);
+    free(scratch);
+    return 0;
 }

@@ -1,12 +1,14 @@
 """Native kernels of quantized models (over qconv.c, and qgemm's int8 GEMM for the convolutions):
 
 * QuantizedConv: 1-D/2-D convolution of 8-bit NCHW activations with a constant int8 weight, int32 accumulation and
-  the requantized 8-bit output. Per image and group, output pixels go in blocks (A stays near the L2 cache and
-  memory stays bounded): qconv.c writes the block's rows A[p, (i, j, c)] (a plain transpose for 1x1 stride-1
+  the requantized 8-bit output. Per image and group, output pixels go in tiles (A stays near the L2 cache and
+  memory stays bounded): qconv.c writes the tile's rows A[p, (i, j, c)] (a plain transpose for 1x1 stride-1
   convolutions), qgemm multiplies them by the packed weight [K, Cout] and requantizes in its epilogue into a
-  [pixels, Cout] block, and qconv.c transposes that into the NCHW output. Depthwise convolutions run qconv.c's
-  direct kernel instead. Bit for bit the numpy path's result: the accumulator is the exact integer (wrapping like
-  int32), requantized as clamp(rint(float32(acc) * multiplier) + zp).
+  [pixels, Cout] block, and qconv.c transposes that into the NCHW output. The whole convolution is one native
+  call and one parallel region (qconv_gemm_threads): each piece does all three steps for its tiles, so the threads
+  meet once per convolution. Depthwise convolutions run qconv.c's direct kernel instead. Bit for bit the numpy
+  path's result: the accumulator is the exact integer (wrapping like int32), requantized as
+  clamp(rint(float32(acc) * multiplier) + zp).
 * qlinear_add: QLinearAdd's float32 formula for same-shape operands, in one pass.
 * quantize_8bit: QuantizeLinear's float32 per-tensor formula to uint8/int8, in one pass.
 * maxpool_8bit: MaxPool on uint8/int8 values.
@@ -26,6 +28,10 @@ from carrack.native import data_address, qgemm
 #: spend less on Python per call
 BLOCK_BYTES = 1 << 20
 _ROW_ALIGN = 16  # block rows: whole 16-row tiles of the byte transposes
+#: with several threads: pixels per tile, at least (fewer pixels per thread split the output channels instead), and
+#: tiles per thread on big maps
+_MIN_SPLIT_ROWS = 64
+_TILES_PER_THREAD = 4
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -46,6 +52,8 @@ _SIGNATURES = {
     "qconv_qlinear_add_threads": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p, _i64,
                                    _i64], None),
     "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
+    "qconv_gemm_threads": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _i64, _i64, _i64,
+                            _i64, _p, _p, _i64, _i64], _i64),
 }
 _declare = native.signature_declarer(_SIGNATURES)
 #: elements per thread below which QLinearAdd stays on one thread
@@ -150,6 +158,10 @@ class QuantizedConv:
         for g in range(group):  # K ordered (i, j, c): a kernel row of a pixel is one contiguous copy in im2col
             w = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(kh * kw * per_group, m)
             self.packed.append(qgemm.PackedInt8Weight.pack(np.ascontiguousarray(w, np.int8)))
+        # what qconv_gemm_threads reads per group, and qgemm.c's entry point (a library of its own)
+        self.packed_addresses = np.array([data_address(p.data) for p in self.packed], np.int64)
+        self.column_sum_addresses = np.array([data_address(p.column_sums) for p in self.packed], np.int64)
+        self.qgemm_run = ctypes.cast(qgemm.library().qgemm_run, ctypes.c_void_p).value
 
     @classmethod
     def prepare(cls, weight: np.ndarray, bias: np.ndarray, multiplier: np.ndarray, group: int,
@@ -255,6 +267,12 @@ class ConvPlan:
         while rows > _ROW_ALIGN and not transpose_only and self.band_bytes(min(rows, self.pixels)) > BLOCK_BYTES:
             rows = max(_ROW_ALIGN, rows // 2 // _ROW_ALIGN * _ROW_ALIGN)  # strides skipping input rows: bound the band
         self.rows = min(rows, self.pixels)
+        if not conv.depthwise:
+            self._packed_pointer = native.pointer(conv.packed_addresses)
+            self._column_sums_pointer = native.pointer(conv.column_sum_addresses)
+            self._bias_pointer, self._multiplier_pointer = native.pointer(conv.bias), native.pointer(conv.multiplier)
+        #: (threads, images) -> tiling(threads, images); filled by runs (a race only computes an entry twice)
+        self._tilings: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def band_bytes(self, pixels: int) -> int:
         size = self._band_bytes.get(pixels)
@@ -264,40 +282,50 @@ class ConvPlan:
         return size
 
     def gemm(self, x: np.ndarray, mask: int, zp: int, y_zp: int, y: np.ndarray) -> None:
-        """Per image, group and block of output pixels: im2col (or transpose) rows into A, qgemm with the
-        requantizing epilogue into a [pixels, Cout/group] block, that block transposed into y's planes. With
-        several threads qgemm splits its own work, and each block's im2col and transpose are split by pixels."""
-        conv, lib = self.conv, self.conv.lib
+        """The convolution through the GEMM in one native call: per tile of output pixels (and of output channels,
+        on small maps), im2col (or transpose) rows into A, qgemm with the requantizing epilogue, the block
+        transposed into y's planes, the tiles split over the threads (one parallel region)."""
+        conv = self.conv
+        threads = native.threads()
+        tiling = self._tilings.get((threads, x.shape[0]))
+        if tiling is None:
+            tiling = self._tilings[(threads, x.shape[0])] = self.tiling(threads, x.shape[0])
+        rows, column_width, chunks, threads = tiling
+        mode = qgemm.REQUANT_S8 if y.dtype == np.int8 else qgemm.REQUANT_U8
+        if conv.lib.qconv_gemm_threads(data_address(x), self.geometry_pointer, x.shape[0], conv.group,
+                                       conv.cout // conv.group, self._packed_pointer, self._column_sums_pointer,
+                                       self._bias_pointer, self._multiplier_pointer, zp, mask, y_zp, mode,
+                                       int(self.transpose_only), self.lda, self.ldc, rows, column_width,
+                                       data_address(y), conv.qgemm_run, chunks, threads):
+            raise MemoryError(f"quantized convolution: no memory for {threads} threads' tiles of {rows} pixels")
+
+    def tiling(self, threads: int, images: int) -> tuple[int, int, int, int]:
+        """(pixels per tile, output channels per tile, pieces, threads) of a run at `threads` threads. One thread
+        takes the largest tiles (self.rows). With several, big maps get about 4 tiles per thread (a delayed thread
+        leaves some to the others); maps too small to give each thread 64 pixels split the output channels too,
+        by whole weight panels (every piece then builds the same A: cheap beside its share of the product)."""
+        conv = self.conv
         m = conv.cout // conv.group
-        parts = max(1, min(native.threads(), self.rows // _ROW_ALIGN))
-        a = np.empty((self.rows, self.lda), np.uint8)
-        c = np.empty((self.rows, self.ldc), y.dtype)
-        a_at, c_at = data_address(a), data_address(c)
-        # im2col's scratch: a band per thread, for the longest piece a thread gets (see _pieces)
-        band_stride = 0 if self.transpose_only else self.band_bytes(-(-self.rows // parts))
-        bands = np.empty((parts, band_stride), np.uint8)
-        band_at = data_address(bands)
-        x_image, y_image = x[0].size, y[0].size
-        x_at, y_at = data_address(x), data_address(y)
-        for n in range(x.shape[0]):
-            for g in range(conv.group):
-                x_group = x_at + n * x_image + g * conv.per_group * self.plane_in
-                y_group = y_at + n * y_image + g * m * self.pixels
-                bias, multiplier = conv.bias[g * m:(g + 1) * m], conv.multiplier[g * m:(g + 1) * m]
-                for p0 in range(0, self.pixels, self.rows):
-                    p1 = min(p0 + self.rows, self.pixels)
-                    pieces = _pieces(p0, p1, parts)
-                    if self.transpose_only:
-                        lib.qconv_transpose_threads(x_group + p0, conv.per_group, p1 - p0, self.pixels, a_at,
-                                                    self.lda, mask, 1, pieces, pieces)
-                    else:
-                        lib.qconv_im2col_threads(x_group, self.geometry_pointer, p0, p1, zp, mask, band_at,
-                                                 band_stride, a_at, self.lda, pieces, pieces)
-                    block = c[:p1 - p0, :m]
-                    qgemm.qgemm(a[:p1 - p0], conv.packed[g], a_zero_point=zp, bias_i32=bias, out=block,
-                                multiplier=multiplier, y_zero_point=y_zp)
-                    lib.qconv_transpose_threads(c_at, p1 - p0, m, self.ldc, y_group + p0, self.pixels, 0, 0, pieces,
-                                                pieces)
+        units = images * conv.group
+        macs = units * self.pixels * m * int(self.geometry[0] * self.geometry[3] * self.geometry[4])
+        threads = max(1, min(threads, macs // max(1, qgemm._PARALLEL_MIN_MACS)))
+        panel = int(qgemm.library().qgemm_panel_columns())
+        if threads == 1:
+            return self.rows, m, 1, 1
+        if units * self.pixels < threads * _MIN_SPLIT_ROWS:  # a small map: split the columns
+            panels = -(-m // panel)
+            tiles = min(panels, -(-threads // units))
+            rows = self.pixels if self.pixels <= self.rows else self.rows
+            pixel_tiles = -(-self.pixels // rows)
+            column_width = -(-panels // tiles) * panel
+            items = units * pixel_tiles * -(-m // column_width)
+            return rows, column_width, min(items, threads), threads
+        tiles = min(-(-threads * _TILES_PER_THREAD // units), self.pixels // _MIN_SPLIT_ROWS)
+        while tiles > 1 and units * tiles % threads:  # few tiles: as many for each thread
+            tiles -= 1
+        tiles = max(tiles, -(-self.pixels // self.rows))
+        rows = -(-self.pixels // tiles)
+        return rows, m, units * -(-self.pixels // rows), threads
 
 
 def _row_stride(width: int) -> int:
@@ -306,7 +334,3 @@ def _row_stride(width: int) -> int:
     stride = -(-width // 4) * 4
     return stride + 64 if stride % 256 == 0 else stride
 
-
-def _pieces(p0: int, p1: int, parts: int) -> int:
-    """How many pieces (one per thread) [p0, p1) is cut into: up to `parts`, each of at least _ROW_ALIGN pixels."""
-    return min(parts, max(1, (p1 - p0) // _ROW_ALIGN))
