@@ -10,6 +10,7 @@
  *                     requantization.
  *   qconv_qlinear_add QLinearAdd's float32 formula, elementwise.
  *   qconv_quantize    QuantizeLinear of float32 values with one scale and zero point, to 8 bits.
+ *   qconv_dequantize  DequantizeLinear of 8-bit values with one scale and zero point, to float32.
  *   qconv_maxpool     MaxPool over 8-bit planes.
  *
  * `mask` 0x80 turns int8 values into uint8 ones (x ^ 0x80 == x + 128): the caller adds 128 to the zero point.
@@ -437,6 +438,19 @@ int64_t qconv_quantize(const float *x, int64_t n, float scale, float zero_point,
     return 0;
 }
 
+/* -- DequantizeLinear, 8 bits per tensor to float32 ------------------------------------------------------------------ */
+/* y = ((float)x - zero_point) * scale over n 8-bit values (signed or not): the numpy path's float32 operations in
+ * its order (the difference is exact, the product rounds once). */
+void qconv_dequantize(const uint8_t *x, int64_t n, float zero_point, float scale, int32_t in_signed, float *y) {
+    int64_t i = 0;
+#if defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero_point);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_sub_ps(widen16(x + i, in_signed), vz), vs));
+#endif
+    for (; i < n; i++) y[i] = ((float)(in_signed ? (int32_t)(int8_t)x[i] : (int32_t)x[i]) - zero_point) * scale;
+}
+
 /* -- MaxPool on 8-bit values ----------------------------------------------------------------------------------------- */
 /* Planes [p0, p1) of x [planes][H][W]: y[p][oh][ow] = max over the window's taps inside the image (padding never
  * wins; a window with none gives the type's lowest value). Values are compared as (x ^ mask): 0x80 for int8, so
@@ -694,4 +708,41 @@ int64_t qconv_gemm_threads(const uint8_t *x, const int64_t *g, int64_t images, i
     parallel_for(conv_piece, &c, 0, items, chunks < items ? chunks : items, threads);
     free(scratch);
     return 0;
+}
+
+/* qconv_quantize and qconv_dequantize by ranges of elements (pieces of whole 64-byte lines of the 8-bit side) */
+typedef struct {
+    const void *x;
+    void *y;
+    float scale, zero_point;
+    int32_t is_signed;
+    int nan; /* set by any piece that met a NaN */
+} convert_call_t;
+
+static void quantize_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    convert_call_t *c = p;
+    (void)slot;
+    if (qconv_quantize((const float *)c->x + begin, end - begin, c->scale, c->zero_point, c->is_signed,
+                       (uint8_t *)c->y + begin))
+        __atomic_store_n(&c->nan, 1, __ATOMIC_RELAXED);
+}
+
+static void dequantize_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const convert_call_t *c = p;
+    (void)slot;
+    qconv_dequantize((const uint8_t *)c->x + begin, end - begin, c->zero_point, c->scale, c->is_signed,
+                     (float *)c->y + begin);
+}
+
+int64_t qconv_quantize_threads(const float *x, int64_t n, float scale, float zero_point, int32_t out_signed,
+                               uint8_t *y, int64_t chunks, int64_t threads) {
+    convert_call_t c = {.x = x, .y = y, .scale = scale, .zero_point = zero_point, .is_signed = out_signed};
+    parallel_for(quantize_piece, &c, 0, n, chunks, threads);
+    return c.nan;
+}
+
+void qconv_dequantize_threads(const uint8_t *x, int64_t n, float zero_point, float scale, int32_t in_signed,
+                              float *y, int64_t chunks, int64_t threads) {
+    convert_call_t c = {.x = x, .y = y, .scale = scale, .zero_point = zero_point, .is_signed = in_signed};
+    parallel_for(dequantize_piece, &c, 0, n, chunks, threads);
 }

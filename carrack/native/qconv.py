@@ -11,6 +11,7 @@
   clamp(rint(float32(acc) * multiplier) + zp).
 * qlinear_add: QLinearAdd's float32 formula for same-shape operands, in one pass.
 * quantize_8bit: QuantizeLinear's float32 per-tensor formula to uint8/int8, in one pass.
+* dequantize_8bit: DequantizeLinear's float32 per-tensor formula from uint8/int8, in one pass.
 * maxpool_8bit: MaxPool on uint8/int8 values.
 """
 
@@ -52,12 +53,16 @@ _SIGNATURES = {
     "qconv_qlinear_add_threads": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p, _i64,
                                    _i64], None),
     "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
+    "qconv_quantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], _i64),
+    "qconv_dequantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], None),
     "qconv_gemm_threads": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _i64, _i64, _i64,
                             _i64, _p, _p, _i64, _i64], _i64),
 }
 _declare = native.signature_declarer(_SIGNATURES)
 #: elements per thread below which QLinearAdd stays on one thread
-_ADD_SPLIT = 1 << 16
+_ADD_SPLIT = 1 << 15
+#: elements per thread below which QuantizeLinear / DequantizeLinear stay on one thread (~8 us of work)
+_CONVERT_SPLIT = 1 << 15
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 
 
@@ -92,17 +97,47 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
     return y
 
 
-def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype) -> np.ndarray | None:
-    """clamp(rint(x / scale) + zero_point) in float32 for a C-contiguous float32 x, as out_dtype (uint8/int8); None
-    when the library is unavailable or some quotient is a NaN (the caller's general path decides those)."""
+def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype,
+                  out: np.ndarray | None = None) -> np.ndarray | None:
+    """clamp(rint(x / scale) + zero_point) in float32 for a C-contiguous float32 x, as out_dtype (uint8/int8),
+    written into `out` when it is a C-contiguous array of x's shape and that type; None when the library is
+    unavailable or some quotient is a NaN (the caller's general path decides those)."""
     lib = library()
     out_dtype = np.dtype(out_dtype)
     if lib is None or x.dtype != np.float32 or not x.flags.c_contiguous or out_dtype not in _EIGHT_BIT:
         return None
-    y = np.empty(x.shape, out_dtype)
-    status = lib.qconv_quantize(data_address(x), x.size, scale, zero_point, int(out_dtype == np.int8),
-                                data_address(y))
+    y = _output(out, x.shape, out_dtype)
+    parts = _convert_parts(x.size)
+    status = lib.qconv_quantize_threads(data_address(x), x.size, scale, zero_point, int(out_dtype == np.int8),
+                                        data_address(y), parts, parts)
     return None if status else y
+
+
+def dequantize_8bit(x: np.ndarray, zero_point: np.float32, scale: np.float32,
+                    out: np.ndarray | None = None) -> np.ndarray | None:
+    """(float32(x) - zero_point) * scale in float32 for a C-contiguous 8-bit x (the numpy per-tensor path's
+    operations), written into `out` when it is a C-contiguous float32 array of x's shape; None when the library is
+    unavailable or x does not qualify."""
+    lib = library()
+    if lib is None or x.dtype not in _EIGHT_BIT or not x.flags.c_contiguous:
+        return None
+    y = _output(out, x.shape, np.dtype(np.float32))
+    parts = _convert_parts(x.size)
+    lib.qconv_dequantize_threads(data_address(x), x.size, zero_point, scale, int(x.dtype == np.int8),
+                                 data_address(y), parts, parts)
+    return y
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """`out` when it is a writable C-contiguous array of this shape and type, else a new one."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous \
+            and out.flags.writeable:
+        return out
+    return np.empty(shape, dtype)
+
+
+def _convert_parts(size: int) -> int:
+    return max(1, min(native.threads(), size // _CONVERT_SPLIT))
 
 
 def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
