@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -246,6 +246,19 @@ class QuantizedConv:
         out_spatial = (oh, ow) if len(spatial) == 2 else (ow,)
         return ConvPlan(self, geometry, out_spatial, transpose_only)
 
+    def bound_call(self, x: np.ndarray, y_zero_point: np.ndarray, plan: ConvPlan, out: np.ndarray
+                   ) -> Callable[[], bool] | None:
+        """`run(x, y_zero_point, plan, out)` on these very arrays as a call without arguments (False: out of
+        memory), for a step bound to its arena; None when it does not apply (depthwise, a non-contiguous x or out,
+        or out not of the result's shape and type)."""
+        shape = (x.shape[0], self.cout) + plan.out_spatial
+        if self.depthwise or out.shape != shape or out.dtype != y_zero_point.dtype or not out.flags.c_contiguous \
+                or not x.flags.c_contiguous or out.size == 0 or y_zero_point.size != 1:
+            return None
+        mask = 0x80 if x.dtype == np.int8 else 0
+        zp = self.x_zero_point + (128 if mask else 0)
+        return plan.gemm_call(x.view(np.uint8), mask, zp, int(y_zero_point.reshape(())), out)
+
     def run(self, x: np.ndarray, y_zero_point: np.ndarray, plan: ConvPlan, out: np.ndarray | None = None
             ) -> np.ndarray:
         """The requantized convolution of x (uint8/int8 [N, C, (H,) W], the shape `plan` was made for) as
@@ -320,19 +333,28 @@ class ConvPlan:
         """The convolution through the GEMM in one native call: per tile of output pixels (and of output channels,
         on small maps), im2col (or transpose) rows into A, qgemm with the requantizing epilogue, the block
         transposed into y's planes, the tiles split over the threads (one parallel region)."""
+        if not self.gemm_call(x, mask, zp, y_zp, y)():
+            raise MemoryError(f"quantized convolution: no memory for the threads' tiles of {self.rows} pixels")
+
+    def gemm_call(self, x: np.ndarray, mask: int, zp: int, y_zp: int, y: np.ndarray) -> Callable[[], bool]:
+        """`gemm` on these very arrays as a call without arguments (a bound step's), False when it could not
+        allocate its scratch. Each call takes the thread count of the run that makes it."""
         conv = self.conv
-        threads = native.threads()
-        tiling = self._tilings.get((threads, x.shape[0]))
-        if tiling is None:
-            tiling = self._tilings[(threads, x.shape[0])] = self.tiling(threads, x.shape[0])
-        rows, column_width, chunks, threads = tiling
+        images, function, qgemm_run = x.shape[0], conv.lib.qconv_gemm_threads, conv.qgemm_run
         mode = qgemm.REQUANT_S8 if y.dtype == np.int8 else qgemm.REQUANT_U8
-        if conv.lib.qconv_gemm_threads(data_address(x), self.geometry_pointer, x.shape[0], conv.group,
-                                       conv.cout // conv.group, self._packed_pointer, self._column_sums_pointer,
-                                       self._bias_pointer, self._multiplier_pointer, zp, mask, y_zp, mode,
-                                       int(self.transpose_only), self.lda, self.ldc, rows, column_width,
-                                       data_address(y), conv.qgemm_run, chunks, threads):
-            raise MemoryError(f"quantized convolution: no memory for {threads} threads' tiles of {rows} pixels")
+        head = (data_address(x), self.geometry_pointer, images, conv.group, conv.cout // conv.group,
+                self._packed_pointer, self._column_sums_pointer, self._bias_pointer, self._multiplier_pointer, zp,
+                mask, y_zp, mode, int(self.transpose_only), self.lda, self.ldc)
+        y_at, tilings = data_address(y), self._tilings
+
+        def call(arrays=(x, y)) -> bool:  # the arrays stay alive while the call may run
+            threads = native.threads()
+            tiling = tilings.get((threads, images))
+            if tiling is None:
+                tiling = tilings[(threads, images)] = self.tiling(threads, images)
+            rows, column_width, chunks, used = tiling
+            return not function(*head, rows, column_width, y_at, qgemm_run, chunks, used)
+        return call
 
     def tiling(self, threads: int, images: int) -> tuple[int, int, int, int]:
         """(pixels per tile, output channels per tile, pieces, threads) of a run at `threads` threads. One thread

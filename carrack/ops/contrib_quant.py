@@ -16,7 +16,7 @@ from carrack import native
 from carrack.native import convolution as native_conv
 from carrack.ops import quant, registry
 from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
-from carrack.ops.registry import Kernel, register
+from carrack.ops.registry import Kernel, bound_or_run_into, register
 
 MS = "com.microsoft"
 
@@ -533,6 +533,15 @@ class QLinearConvExact(Kernel):
                 return self.native.run(x, y_zero_point, plan, out)
         return self._run_numpy(x, weight, bias, multiplier, y_zero_point,
                                self.geometry(x.shape[2:], list(weight.shape[2:])))
+
+    def bind_into(self, out, x, weight, bias, multiplier, y_zero_point):
+        if self.native is None or x.dtype not in (np.uint8, np.int8) or x.ndim != weight.ndim:
+            return None
+        plan = self.prepared.get(x.shape, False)
+        call = None if plan is None or plan is False else self.native.bound_call(x, y_zero_point, plan, out)
+        if call is None:
+            return None
+        return bound_or_run_into(call, self.run_into, out, x, weight, bias, multiplier, y_zero_point)
 
     def _native_plan(self, shape: tuple[int, ...], kernel: list[int]):
         geometry = self.geometry(shape[2:], kernel)

@@ -384,13 +384,9 @@ def _wide_cnn() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-@needs_native
-def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch, amx_restored):
-    """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
-    on and off (VNNI), within one quantization step of onnxruntime."""
-    ort = pytest.importorskip("onnxruntime")
+def _wide_qdq(tmp_path) -> str:
+    """_wide_cnn quantized by onnxruntime's quantize_static (QDQ format); its path."""
     quantization = pytest.importorskip("onnxruntime.quantization")
-    from carrack.native import qgemm
 
     class Calibration(quantization.CalibrationDataReader):
         def __init__(self):
@@ -403,6 +399,17 @@ def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_pa
     source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
     onnx.save(_wide_cnn(), str(source))
     quantization.quantize_static(str(source), str(target), Calibration(), quant_format=quantization.QuantFormat.QDQ)
+    return str(target)
+
+
+@needs_native
+def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch, amx_restored):
+    """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
+    on and off (VNNI), within one quantization step of onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    from carrack.native import qgemm
+
+    target = _wide_qdq(tmp_path)
     x = np.random.default_rng(9).normal(size=(1, 64, 12, 12)).astype(np.float32)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -643,3 +650,24 @@ def test_dequantize_linear_native_into_a_buffer_matches_numpy(zero_point, monkey
     np.testing.assert_array_equal(got, want)
     zero = np.float32(0) if zero_point is None else np.float32(zero_point)
     np.testing.assert_array_equal(got, (x.astype(np.float32) - zero) * scale)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bound_convolution_steps_follow_their_inputs(tmp_path, monkeypatch, threads):
+    """Runs that reuse an arena call the convolutions bound to its views (QuantizedConv.bound_call): every run's
+    result is a fresh session's for its input, in any order of inputs."""
+    target = _wide_qdq(tmp_path)
+    bound = []
+    original = qconv.QuantizedConv.bound_call
+    monkeypatch.setattr(qconv.QuantizedConv, "bound_call",
+                        lambda *args: (lambda call: bound.append(call) or call)(original(*args)))
+    options = carrack.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = carrack.InferenceSession(target, options)
+    inputs = [np.random.default_rng(i).normal(size=(1, 64, 12, 12)).astype(np.float32) for i in range(3)]
+    want = [carrack.InferenceSession(target, options).run(None, {"x": x})[0] for x in inputs]
+    for k in (0, 1, 2, 0, 2, 1, 1, 0):
+        np.testing.assert_array_equal(session.run(None, {"x": inputs[k]})[0], want[k], err_msg=f"input {k}")
+    assert any(call is not None for call in bound)
+    assert not np.array_equal(want[0], want[1])
