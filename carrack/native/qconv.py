@@ -90,11 +90,23 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     y = out if out is not None and out.shape == a.shape and out.dtype == out_dtype and out.flags.c_contiguous \
         else np.empty(a.shape, out_dtype)
-    n = a.size
-    parts = max(1, min(native.threads(), n // _ADD_SPLIT))
-    lib.qconv_qlinear_add_threads(data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8),
-                                  int(out_dtype == np.int8), data_address(y), parts, parts)
+    qlinear_add_call(a, b, ka, kb, offset, y)()
     return y
+
+
+def qlinear_add_call(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, offset: np.float32,
+                     y: np.ndarray) -> Callable[[], bool]:
+    """`qlinear_add` on these very C-contiguous arrays (y: the result's 8-bit type) as a call without arguments
+    (a bound step's; always True), split over the thread count of the run that makes it."""
+    function, n = library().qconv_qlinear_add_threads, a.size
+    head = (data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8))
+    tail = (int(y.dtype == np.int8), data_address(y))
+
+    def call(arrays=(a, b, y)) -> bool:  # the arrays stay alive while the call may run
+        parts = max(1, min(native.threads(), n // _ADD_SPLIT))
+        function(*head, *tail, parts, parts)
+        return True
+    return call
 
 
 def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype,

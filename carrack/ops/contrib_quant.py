@@ -72,9 +72,7 @@ class QLinearAdd(Kernel):
         return self.run_into(None, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
 
     def run_into(self, out, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
-        c = _scalar32(c_scale)
-        ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
-        offset = _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
+        ka, kb, offset = _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
         dtype = _out_dtype(a, c_zero_point)
         if a.shape == b.shape and a.size >= _NATIVE_ADD_MIN and self.implementation == "native":
             from carrack.native import qconv
@@ -89,6 +87,30 @@ class QLinearAdd(Kernel):
         np.rint(value, out=value)
         lo, hi = quant.integer_range(dtype)
         return np.clip(value, lo, hi, out=value).astype(dtype)
+
+    def setup(self):
+        graph = self.ctx.graph if self.ctx is not None else None
+        parameters = [name for k, name in enumerate(self.node.inputs) if k not in (0, 3) and name]
+        #: whether every scale and zero point is a constant (a bound call computes its factors once)
+        self.constant_parameters = graph is not None and all(name in graph.initializers for name in parameters)
+
+    def bind_into(self, out, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
+        if not self.constant_parameters or self.implementation != "native" or a.shape != b.shape \
+                or a.dtype != b.dtype or a.size < _NATIVE_ADD_MIN or a.dtype not in (np.uint8, np.int8) \
+                or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous) \
+                or out.shape != a.shape or out.dtype != _out_dtype(a, c_zero_point):
+            return None  # the factors are computed once: only constant scales and zero points qualify
+        from carrack.native import qconv
+
+        factors = _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
+        return qconv.qlinear_add_call(a, b, *factors, out)
+
+
+def _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point) -> tuple[np.float32, ...]:
+    """QLinearAdd's (ka, kb, offset): C = A * ka + B * kb + offset, in float32."""
+    c = _scalar32(c_scale)
+    ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
+    return ka, kb, _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
 
 
 #: below this many elements the numpy QLinearAdd is as quick as a native call

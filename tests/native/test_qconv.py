@@ -655,13 +655,16 @@ def test_dequantize_linear_native_into_a_buffer_matches_numpy(zero_point, monkey
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bound_convolution_steps_follow_their_inputs(tmp_path, monkeypatch, threads):
-    """Runs that reuse an arena call the convolutions bound to its views (QuantizedConv.bound_call): every run's
-    result is a fresh session's for its input, in any order of inputs."""
+    """Runs that reuse an arena call the convolutions and the residual QLinearAdd bound to its views
+    (QuantizedConv.bound_call, QLinearAdd.bind_into): every run's result is a fresh session's for its input, in any
+    order of inputs."""
     target = _wide_qdq(tmp_path)
-    bound = []
-    original = qconv.QuantizedConv.bound_call
+    bound, adds = [], []
+    original, original_add = qconv.QuantizedConv.bound_call, contrib_quant.QLinearAdd.bind_into
     monkeypatch.setattr(qconv.QuantizedConv, "bound_call",
                         lambda *args: (lambda call: bound.append(call) or call)(original(*args)))
+    monkeypatch.setattr(contrib_quant.QLinearAdd, "bind_into",
+                        lambda *args: (lambda call: adds.append(call) or call)(original_add(*args)))
     options = carrack.SessionOptions()
     options.intra_op_num_threads = threads
     session = carrack.InferenceSession(target, options)
@@ -669,5 +672,5 @@ def test_bound_convolution_steps_follow_their_inputs(tmp_path, monkeypatch, thre
     want = [carrack.InferenceSession(target, options).run(None, {"x": x})[0] for x in inputs]
     for k in (0, 1, 2, 0, 2, 1, 1, 0):
         np.testing.assert_array_equal(session.run(None, {"x": inputs[k]})[0], want[k], err_msg=f"input {k}")
-    assert any(call is not None for call in bound)
+    assert any(call is not None for call in bound) and any(call is not None for call in adds)
     assert not np.array_equal(want[0], want[1])
