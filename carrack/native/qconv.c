@@ -682,12 +682,14 @@ static void conv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
 }
 
 /* The convolution of `images` images with `groups` groups of m output channels each (geometry g of one group),
- * requantized to 8 bits (mode: qgemm.c's QGEMM_REQUANT_U8 or _S8). Output pixels go in tiles of `rows`, output
- * columns in tiles of `column_width` (a multiple of 64); items are cut into `chunks` pieces over `threads`. lda,
- * ldc: row strides of A and of the GEMM's result block. Returns 1 when the scratch cannot be allocated (nothing
+ * requantized to 8 bits (mode: qgemm.c's QGEMM_REQUANT_U8 or _S8). depth: the packed weight's rows, kh * kw * C
+ * or more (the rows past kh * kw * C zero: A's columns there are never written, and add nothing). Output pixels go
+ * in tiles of `rows`, output columns in tiles of `column_width` (a multiple of 64); items are cut into `chunks`
+ * pieces over `threads`. lda, ldc: row strides of A and of the GEMM's result block. Returns 1 when the scratch cannot be allocated (nothing
  * written), else 0. */
 int64_t qconv_gemm_threads(const uint8_t *x, const int64_t *g, int64_t images, int64_t groups, int64_t m,
-                           const int64_t *packed, const int64_t *colsums, const int32_t *bias, const float *multiplier,
+                           int64_t depth, const int64_t *packed, const int64_t *colsums, const int32_t *bias,
+                           const float *multiplier,
                            int32_t zp, int32_t mask, int32_t y_zp, int32_t mode, int32_t transpose_only, int64_t lda,
                            int64_t ldc, int64_t rows, int64_t column_width, uint8_t *y, void *gemm, int64_t chunks,
                            int64_t threads) {
@@ -701,7 +703,7 @@ int64_t qconv_gemm_threads(const uint8_t *x, const int64_t *g, int64_t images, i
     if (scratch == NULL) return 1;
     conv_call_t c = {.x = x, .g = g, .packed = packed, .colsums = colsums, .bias = bias, .multiplier = multiplier,
                      .gemm = (qgemm_run_fn)gemm, .y = y, .scratch = scratch, .groups = groups, .m = m,
-                     .k = g[G_KH] * g[G_KW] * g[G_C], .lda = lda, .ldc = ldc, .rows = rows,
+                     .k = depth, .lda = lda, .ldc = ldc, .rows = rows,
                      .pixel_tiles = pixel_tiles, .column_tiles = column_tiles, .column_width = column_width,
                      .slot_bytes = slot_bytes, .c_offset = c_offset, .band_offset = band_offset, .zp = zp,
                      .mask = mask, .y_zp = y_zp, .mode = mode, .transpose_only = transpose_only};

@@ -33,6 +33,7 @@ _ROW_ALIGN = 16  # block rows: whole 16-row tiles of the byte transposes
 #: tiles per thread on big maps
 _MIN_SPLIT_ROWS = 64
 _TILES_PER_THREAD = 4
+_AMX_STEP = 64  # bytes of depth per AMX tile product (qgemm.c)
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -55,8 +56,8 @@ _SIGNATURES = {
     "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
     "qconv_quantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], _i64),
     "qconv_dequantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], None),
-    "qconv_gemm_threads": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _i64, _i64, _i64,
-                            _i64, _p, _p, _i64, _i64], _i64),
+    "qconv_gemm_threads": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _i64,
+                            _i64, _i64, _i64, _p, _p, _i64, _i64], _i64),
 }
 _declare = native.signature_declarer(_SIGNATURES)
 #: elements per thread below which QLinearAdd stays on one thread
@@ -201,10 +202,13 @@ class QuantizedConv:
             self.packed = []
             return
         m = cout // group
+        depth = kh * kw * per_group
+        self.gemm_depth = _gemm_depth(depth)
         self.packed = []
         for g in range(group):  # K ordered (i, j, c): a kernel row of a pixel is one contiguous copy in im2col
-            w = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(kh * kw * per_group, m)
-            self.packed.append(qgemm.PackedInt8Weight.pack(np.ascontiguousarray(w, np.int8)))
+            w = np.zeros((self.gemm_depth, m), np.int8)  # rows past the depth: zero (the padding of A adds 0)
+            w[:depth] = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(depth, m)
+            self.packed.append(qgemm.PackedInt8Weight.pack(w))
         # what qconv_gemm_threads reads per group, and qgemm.c's entry point (a library of its own)
         self.packed_addresses = np.array([data_address(p.data) for p in self.packed], np.int64)
         self.column_sum_addresses = np.array([data_address(p.column_sums) for p in self.packed], np.int64)
@@ -318,7 +322,7 @@ class ConvPlan:
         kh, kw = conv.kernel
         self.pixels = int(geometry[5] * geometry[6])
         self.plane_in = int(geometry[1] * geometry[2])
-        self.lda = _row_stride(kh * kw * conv.per_group)
+        self.lda = _row_stride(conv.gemm_depth if not conv.depthwise else kh * kw * conv.per_group)
         self.ldc = _row_stride(conv.cout // conv.group)
         self.transpose_only = transpose_only  # a 1x1 stride-1 unpadded convolution: A is x's transpose
         width = max(self.lda, conv.cout // conv.group)  # A's rows and the GEMM's result rows both stay bounded
@@ -355,8 +359,8 @@ class ConvPlan:
         images, function, qgemm_run = x.shape[0], conv.lib.qconv_gemm_threads, conv.qgemm_run
         mode = qgemm.REQUANT_S8 if y.dtype == np.int8 else qgemm.REQUANT_U8
         head = (data_address(x), self.geometry_pointer, images, conv.group, conv.cout // conv.group,
-                self._packed_pointer, self._column_sums_pointer, self._bias_pointer, self._multiplier_pointer, zp,
-                mask, y_zp, mode, int(self.transpose_only), self.lda, self.ldc)
+                conv.gemm_depth, self._packed_pointer, self._column_sums_pointer, self._bias_pointer,
+                self._multiplier_pointer, zp, mask, y_zp, mode, int(self.transpose_only), self.lda, self.ldc)
         y_at, tilings = data_address(y), self._tilings
 
         def call(arrays=(x, y)) -> bool:  # the arrays stay alive while the call may run
@@ -395,6 +399,14 @@ class ConvPlan:
         tiles = max(tiles, -(-self.pixels // self.rows))
         rows = -(-self.pixels // tiles)
         return rows, m, units * -(-self.pixels // rows), threads
+
+
+def _gemm_depth(depth: int) -> int:
+    """The GEMM's depth for a convolution of this im2col depth: rounded up to a multiple of 64 where that lets the
+    AMX tiles take it (they need whole 64-byte steps) for at most half as much again (the 7x7 stem on 3 channels:
+    147 -> 192), else the depth itself. The extra weight rows are zero, so A's unwritten padding adds nothing."""
+    padded = -(-depth // _AMX_STEP) * _AMX_STEP
+    return padded if depth > _AMX_STEP and padded != depth and 2 * padded <= 3 * depth and qgemm.amx() else depth
 
 
 def _row_stride(width: int) -> int:

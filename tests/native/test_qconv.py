@@ -674,3 +674,33 @@ def test_bound_convolution_steps_follow_their_inputs(tmp_path, monkeypatch, thre
         np.testing.assert_array_equal(session.run(None, {"x": inputs[k]})[0], want[k], err_msg=f"input {k}")
     assert any(call is not None for call in bound) and any(call is not None for call in adds)
     assert not np.array_equal(want[0], want[1])
+
+
+@needs_native
+@pytest.mark.parametrize("channels, kernel, padded", [(3, 7, 192), (5, 5, 128), (3, 3, 27), (64, 1, 64)])
+def test_depth_padded_for_amx_gives_the_same_bytes(channels, kernel, padded, amx_restored):
+    """Where AMX tiles run, a depth that is not a multiple of 64 (the 7x7 stem on 3 channels: 147) is padded with
+    zero weight rows to one when that costs at most half as much again; A's padding columns are never written. The
+    bytes equal the unpadded product's (VNNI) and the int64 reference at 1 and 2 threads."""
+    from carrack.native import intra_op, qgemm
+
+    rng = np.random.default_rng(channels * kernel)
+    w = rng.integers(-128, 128, (80, channels, kernel, kernel)).astype(np.int8)
+    bias = rng.integers(-3000, 3000, 80).astype(np.int32)
+    x = rng.integers(0, 256, (1, channels, 45, 41)).astype(np.uint8)
+    y_scale = 0.05 * 0.01 * 60 * np.sqrt(w[0].size)
+    multiplier = np.full(80, np.float32(0.05) * np.float32(0.01) / np.float32(y_scale), np.float32)
+    pads, strides = [kernel // 2] * 4, [2, 2]
+    want = _reference(x, 3, w, 0, bias, 0.05, np.float32(0.01), y_scale, 5, np.dtype(np.uint8), strides, pads,
+                      [1, 1], 1)
+    qgemm.amx(False)
+    plain = qconv.QuantizedConv.prepare(w.astype(np.float64), bias, multiplier, 1, 3)
+    amx = qgemm.amx(True)
+    tiled = qconv.QuantizedConv.prepare(w.astype(np.float64), bias, multiplier, 1, 3)
+    assert plain.gemm_depth == channels * kernel * kernel
+    assert tiled.gemm_depth == (padded if amx else channels * kernel * kernel)
+    for threads in (1, 2):
+        with intra_op.intra_op_threads(threads):
+            for conv in (plain, tiled):
+                got = conv.run(x, np.array(5, np.uint8), conv.plan(x.shape, strides, pads, [1, 1]))
+                np.testing.assert_array_equal(got, want, err_msg=f"depth {conv.gemm_depth}, {threads} threads")
