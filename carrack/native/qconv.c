@@ -10,6 +10,7 @@
  *                     requantization.
  *   qconv_qlinear_add QLinearAdd's float32 formula, elementwise.
  *   qconv_quantize    QuantizeLinear of float32 values with one scale and zero point, to 8 bits.
+ *   qconv_dequantize  DequantizeLinear of 8-bit values with one scale and zero point, to float32.
  *   qconv_maxpool     MaxPool over 8-bit planes.
  *
  * `mask` 0x80 turns int8 values into uint8 ones (x ^ 0x80 == x + 128): the caller adds 128 to the zero point.
@@ -19,6 +20,7 @@
 // carrack-cflags: -ffp-contract=off
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "threadpool.h"
 
@@ -436,6 +438,19 @@ int64_t qconv_quantize(const float *x, int64_t n, float scale, float zero_point,
     return 0;
 }
 
+/* -- DequantizeLinear, 8 bits per tensor to float32 ------------------------------------------------------------------ */
+/* y = ((float)x - zero_point) * scale over n 8-bit values (signed or not): the numpy path's float32 operations in
+ * its order (the difference is exact, the product rounds once). */
+void qconv_dequantize(const uint8_t *x, int64_t n, float zero_point, float scale, int32_t in_signed, float *y) {
+    int64_t i = 0;
+#if defined(__AVX512BW__)
+    const __m512 vs = _mm512_set1_ps(scale), vz = _mm512_set1_ps(zero_point);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_sub_ps(widen16(x + i, in_signed), vz), vs));
+#endif
+    for (; i < n; i++) y[i] = ((float)(in_signed ? (int32_t)(int8_t)x[i] : (int32_t)x[i]) - zero_point) * scale;
+}
+
 /* -- MaxPool on 8-bit values ----------------------------------------------------------------------------------------- */
 /* Planes [p0, p1) of x [planes][H][W]: y[p][oh][ow] = max over the window's taps inside the image (padding never
  * wins; a window with none gives the type's lowest value). Values are compared as (x ^ mask): 0x80 for int8, so
@@ -550,40 +565,6 @@ void qconv_depthwise_threads(const uint8_t *x, const int64_t *g, int64_t mult, i
     parallel_for(depthwise_piece, &c, c0, c1, chunks, threads);
 }
 
-static void im2col_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
-    const qconv_call_t *c = p;
-    qconv_im2col(c->x, c->g, begin, end, c->x_zp, c->mask, c->scratch + slot * c->stride,
-                 c->y + (begin - c->begin) * c->lda, c->lda);
-}
-
-/* qconv_im2col of pixels [p0, p1) with a band of scratch per thread, big enough for the longest piece. */
-void qconv_im2col_threads(const uint8_t *x, const int64_t *g, int64_t p0, int64_t p1, int32_t fill, int32_t mask,
-                          uint8_t *bands, int64_t stride, uint8_t *a, int64_t lda, int64_t chunks, int64_t threads) {
-    qconv_call_t c = {.x = x, .g = g, .scratch = bands, .y = a, .stride = stride, .lda = lda, .begin = p0,
-                      .x_zp = fill, .mask = mask};
-    parallel_for(im2col_piece, &c, p0, p1, chunks, threads);
-}
-
-static void transpose_rows_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
-    const qconv_call_t *c = p;
-    (void)slot;
-    qconv_transpose(c->x + begin * c->sld, end - begin, c->cols, c->sld, c->y + begin, c->dld, c->mask);
-}
-
-static void transpose_cols_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
-    const qconv_call_t *c = p;
-    (void)slot;
-    qconv_transpose(c->x + begin, c->rows, end - begin, c->sld, c->y + begin * c->dld, c->dld, c->mask);
-}
-
-/* qconv_transpose with the source's rows (by_cols 0) or columns (1) cut into pieces. */
-void qconv_transpose_threads(const uint8_t *src, int64_t rows, int64_t cols, int64_t sld, uint8_t *dst, int64_t dld,
-                             int32_t mask, int32_t by_cols, int64_t chunks, int64_t threads) {
-    qconv_call_t c = {.x = src, .y = dst, .rows = rows, .cols = cols, .sld = sld, .dld = dld, .mask = mask};
-    parallel_for(by_cols ? transpose_cols_piece : transpose_rows_piece, &c, 0, by_cols ? cols : rows, chunks,
-                 threads);
-}
-
 static void add_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const qconv_call_t *c = p;
     (void)slot;
@@ -607,4 +588,129 @@ void qconv_maxpool_threads(const uint8_t *x, const int64_t *g, int64_t p0, int64
                            uint8_t *scratch, int64_t stride, uint8_t *y, int64_t chunks, int64_t threads) {
     qconv_call_t c = {.x = x, .g = g, .scratch = scratch, .y = y, .stride = stride, .mask = mask};
     parallel_for(maxpool_piece, &c, p0, p1, chunks, threads);
+}
+
+/* -- a whole GEMM convolution as one parallel region ------------------------------------------------------------- *
+ * Items are (image, group, pixel tile, column tile), column tiles innermost. A piece builds its pixel tile's rows A
+ * (im2col, or the transpose of a 1x1 stride-1 convolution) into its participant's scratch, multiplies them by the
+ * group's packed weight with qgemm_run (requantizing into a [pixels, columns] block) and transposes the block into
+ * the NCHW output: no hand-off between the steps, and each output element is written by exactly one item (the same
+ * bytes for any split). A piece reuses its A while consecutive items share the pixel tile; a column split (small
+ * maps) builds the same A once per piece. qgemm.c is a library of its own: the caller passes qgemm_run. */
+typedef void (*qgemm_run_fn)(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t k, int64_t n, const uint8_t *a,
+                             int64_t lda, const int8_t *packed, const int32_t *colsum, int32_t a_zero_point,
+                             const int32_t *bias_i32, int32_t mode, void *out, int64_t ldc_m, int64_t ldc_n,
+                             const float *scale, const float *bias_f32, int32_t y_zero_point);
+
+#define CONV_PANEL 64 /* qgemm.c's QGEMM_NR: column tiles start on its panels */
+#define CONV_ALIGN 64
+
+typedef struct {
+    const uint8_t *x;
+    const int64_t *g;
+    const int64_t *packed, *colsums; /* per group: addresses of the packed weight and of its column sums */
+    const int32_t *bias;
+    const float *multiplier;
+    qgemm_run_fn gemm;
+    uint8_t *y, *scratch;
+    int64_t groups, m, k, lda, ldc, rows, pixel_tiles, column_tiles, column_width, slot_bytes, c_offset, band_offset;
+    int32_t zp, mask, y_zp, mode, transpose_only;
+} conv_call_t;
+
+static inline int64_t align_up(int64_t bytes) { return (bytes + CONV_ALIGN - 1) / CONV_ALIGN * CONV_ALIGN; }
+
+static void conv_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const conv_call_t *c = p;
+    const int64_t *g = c->g;
+    const int64_t pixels = g[G_OH] * g[G_OW], plane_in = g[G_H] * g[G_W], channels = g[G_C];
+    uint8_t *a = c->scratch + slot * c->slot_bytes, *block = a + c->c_offset, *band = a + c->band_offset;
+    int64_t built = -1;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t tile_id = item / c->column_tiles, unit = tile_id / c->pixel_tiles;
+        const int64_t group = unit % c->groups;
+        const int64_t p0 = tile_id % c->pixel_tiles * c->rows, p1 = p0 + c->rows < pixels ? p0 + c->rows : pixels;
+        const int64_t n0 = item % c->column_tiles * c->column_width;
+        const int64_t n1 = n0 + c->column_width < c->m ? n0 + c->column_width : c->m;
+        if (n0 >= n1 || p0 >= p1) continue;
+        if (tile_id != built) {
+            const uint8_t *x = c->x + unit * channels * plane_in; /* images hold groups x channels planes */
+            if (c->transpose_only)
+                qconv_transpose(x + p0, channels, p1 - p0, plane_in, a, c->lda, c->mask);
+            else
+                qconv_im2col(x, g, p0, p1, c->zp, c->mask, band, a, c->lda);
+            built = tile_id;
+        }
+        c->gemm(0, p1 - p0, n0, n1, c->k, c->m, a, c->lda, (const int8_t *)(intptr_t)c->packed[group],
+                (const int32_t *)(intptr_t)c->colsums[group], c->zp, c->bias + group * c->m, c->mode, block, c->ldc,
+                1, c->multiplier + group * c->m, NULL, c->y_zp);
+        qconv_transpose(block + n0, p1 - p0, n1 - n0, c->ldc, c->y + (unit * c->m + n0) * pixels + p0, pixels, 0);
+    }
+}
+
+/* The convolution of `images` images with `groups` groups of m output channels each (geometry g of one group),
+ * requantized to 8 bits (mode: qgemm.c's QGEMM_REQUANT_U8 or _S8). depth: the packed weight's rows, kh * kw * C
+ * or more (the rows past kh * kw * C zero: A's columns there are never written, and add nothing). Output pixels go
+ * in tiles of `rows`, output columns in tiles of `column_width` (a multiple of 64); items are cut into `chunks`
+ * pieces over `threads`. lda, ldc: row strides of A and of the GEMM's result block. Returns 1 when the scratch cannot be allocated (nothing
+ * written), else 0. */
+int64_t qconv_gemm_threads(const uint8_t *x, const int64_t *g, int64_t images, int64_t groups, int64_t m,
+                           int64_t depth, const int64_t *packed, const int64_t *colsums, const int32_t *bias,
+                           const float *multiplier,
+                           int32_t zp, int32_t mask, int32_t y_zp, int32_t mode, int32_t transpose_only, int64_t lda,
+                           int64_t ldc, int64_t rows, int64_t column_width, uint8_t *y, void *gemm, int64_t chunks,
+                           int64_t threads) {
+    const int64_t pixels = g[G_OH] * g[G_OW];
+    const int64_t pixel_tiles = (pixels + rows - 1) / rows, column_tiles = (m + column_width - 1) / column_width;
+    const int64_t items = images * groups * pixel_tiles * column_tiles;
+    const int64_t c_offset = align_up(rows * lda), band_offset = c_offset + align_up(rows * ldc);
+    const int64_t slot_bytes = band_offset + (transpose_only ? 0 : align_up(qconv_band_bytes(g, rows)));
+    if (threads < 1) threads = 1;
+    uint8_t *scratch = malloc((size_t)(slot_bytes * threads));
+    if (scratch == NULL) return 1;
+    conv_call_t c = {.x = x, .g = g, .packed = packed, .colsums = colsums, .bias = bias, .multiplier = multiplier,
+                     .gemm = (qgemm_run_fn)gemm, .y = y, .scratch = scratch, .groups = groups, .m = m,
+                     .k = depth, .lda = lda, .ldc = ldc, .rows = rows,
+                     .pixel_tiles = pixel_tiles, .column_tiles = column_tiles, .column_width = column_width,
+                     .slot_bytes = slot_bytes, .c_offset = c_offset, .band_offset = band_offset, .zp = zp,
+                     .mask = mask, .y_zp = y_zp, .mode = mode, .transpose_only = transpose_only};
+    parallel_for(conv_piece, &c, 0, items, chunks < items ? chunks : items, threads);
+    free(scratch);
+    return 0;
+}
+
+/* qconv_quantize and qconv_dequantize by ranges of elements (pieces of whole 64-byte lines of the 8-bit side) */
+typedef struct {
+    const void *x;
+    void *y;
+    float scale, zero_point;
+    int32_t is_signed;
+    int nan; /* set by any piece that met a NaN */
+} convert_call_t;
+
+static void quantize_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    convert_call_t *c = p;
+    (void)slot;
+    if (qconv_quantize((const float *)c->x + begin, end - begin, c->scale, c->zero_point, c->is_signed,
+                       (uint8_t *)c->y + begin))
+        __atomic_store_n(&c->nan, 1, __ATOMIC_RELAXED);
+}
+
+static void dequantize_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
+    const convert_call_t *c = p;
+    (void)slot;
+    qconv_dequantize((const uint8_t *)c->x + begin, end - begin, c->zero_point, c->scale, c->is_signed,
+                     (float *)c->y + begin);
+}
+
+int64_t qconv_quantize_threads(const float *x, int64_t n, float scale, float zero_point, int32_t out_signed,
+                               uint8_t *y, int64_t chunks, int64_t threads) {
+    convert_call_t c = {.x = x, .y = y, .scale = scale, .zero_point = zero_point, .is_signed = out_signed};
+    parallel_for(quantize_piece, &c, 0, n, chunks, threads);
+    return c.nan;
+}
+
+void qconv_dequantize_threads(const uint8_t *x, int64_t n, float zero_point, float scale, int32_t in_signed,
+                              float *y, int64_t chunks, int64_t threads) {
+    convert_call_t c = {.x = x, .y = y, .scale = scale, .zero_point = zero_point, .is_signed = in_signed};
+    parallel_for(dequantize_piece, &c, 0, n, chunks, threads);
 }

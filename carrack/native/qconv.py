@@ -1,21 +1,24 @@
 """Native kernels of quantized models (over qconv.c, and qgemm's int8 GEMM for the convolutions):
 
 * QuantizedConv: 1-D/2-D convolution of 8-bit NCHW activations with a constant int8 weight, int32 accumulation and
-  the requantized 8-bit output. Per image and group, output pixels go in blocks (A stays near the L2 cache and
-  memory stays bounded): qconv.c writes the block's rows A[p, (i, j, c)] (a plain transpose for 1x1 stride-1
+  the requantized 8-bit output. Per image and group, output pixels go in tiles (A stays near the L2 cache and
+  memory stays bounded): qconv.c writes the tile's rows A[p, (i, j, c)] (a plain transpose for 1x1 stride-1
   convolutions), qgemm multiplies them by the packed weight [K, Cout] and requantizes in its epilogue into a
-  [pixels, Cout] block, and qconv.c transposes that into the NCHW output. Depthwise convolutions run qconv.c's
-  direct kernel instead. Bit for bit the numpy path's result: the accumulator is the exact integer (wrapping like
-  int32), requantized as clamp(rint(float32(acc) * multiplier) + zp).
+  [pixels, Cout] block, and qconv.c transposes that into the NCHW output. The whole convolution is one native
+  call and one parallel region (qconv_gemm_threads): each piece does all three steps for its tiles, so the threads
+  meet once per convolution. Depthwise convolutions run qconv.c's direct kernel instead. Bit for bit the numpy
+  path's result: the accumulator is the exact integer (wrapping like int32), requantized as
+  clamp(rint(float32(acc) * multiplier) + zp).
 * qlinear_add: QLinearAdd's float32 formula for same-shape operands, in one pass.
 * quantize_8bit: QuantizeLinear's float32 per-tensor formula to uint8/int8, in one pass.
+* dequantize_8bit: DequantizeLinear's float32 per-tensor formula from uint8/int8, in one pass.
 * maxpool_8bit: MaxPool on uint8/int8 values.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,6 +29,11 @@ from carrack.native import data_address, qgemm
 #: spend less on Python per call
 BLOCK_BYTES = 1 << 20
 _ROW_ALIGN = 16  # block rows: whole 16-row tiles of the byte transposes
+#: with several threads: pixels per tile, at least (fewer pixels per thread split the output channels instead), and
+#: tiles per thread on big maps
+_MIN_SPLIT_ROWS = 64
+_TILES_PER_THREAD = 4
+_AMX_STEP = 64  # bytes of depth per AMX tile product (qgemm.c)
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
@@ -41,15 +49,19 @@ _SIGNATURES = {
     # the `_threads` entry points: [begin, end) cut into `chunks` pieces run by up to `threads` threads
     "qconv_depthwise_threads": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _i64, _p, _i64,
                                  _i64], None),
-    "qconv_im2col_threads": ([_p, _p, _i64, _i64, _i32, _i32, _p, _i64, _p, _i64, _i64, _i64], None),
-    "qconv_transpose_threads": ([_p, _i64, _i64, _i64, _p, _i64, _i32, _i32, _i64, _i64], None),
     "qconv_qlinear_add_threads": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p, _i64,
                                    _i64], None),
     "qconv_maxpool_threads": ([_p, _p, _i64, _i64, _i32, _p, _i64, _p, _i64, _i64], None),
+    "qconv_quantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], _i64),
+    "qconv_dequantize_threads": ([_p, _i64, ctypes.c_float, ctypes.c_float, _i32, _p, _i64, _i64], None),
+    "qconv_gemm_threads": ([_p, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i32, _i64,
+                            _i64, _i64, _i64, _p, _p, _i64, _i64], _i64),
 }
 _declare = native.signature_declarer(_SIGNATURES)
 #: elements per thread below which QLinearAdd stays on one thread
-_ADD_SPLIT = 1 << 16
+_ADD_SPLIT = 1 << 15
+#: elements per thread below which QuantizeLinear / DequantizeLinear stay on one thread (~8 us of work)
+_CONVERT_SPLIT = 1 << 15
 _EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 
 
@@ -77,24 +89,66 @@ def qlinear_add(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, of
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     y = out if out is not None and out.shape == a.shape and out.dtype == out_dtype and out.flags.c_contiguous \
         else np.empty(a.shape, out_dtype)
-    n = a.size
-    parts = max(1, min(native.threads(), n // _ADD_SPLIT))
-    lib.qconv_qlinear_add_threads(data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8),
-                                  int(out_dtype == np.int8), data_address(y), parts, parts)
+    qlinear_add_call(a, b, ka, kb, offset, y)()
     return y
 
 
-def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype) -> np.ndarray | None:
-    """clamp(rint(x / scale) + zero_point) in float32 for a C-contiguous float32 x, as out_dtype (uint8/int8); None
-    when the library is unavailable or some quotient is a NaN (the caller's general path decides those)."""
+def qlinear_add_call(a: np.ndarray, b: np.ndarray, ka: np.float32, kb: np.float32, offset: np.float32,
+                     y: np.ndarray) -> Callable[[], bool]:
+    """`qlinear_add` on these very C-contiguous arrays (y: the result's 8-bit type) as a call without arguments
+    (a bound step's; always True), split over the thread count of the run that makes it."""
+    function, n = library().qconv_qlinear_add_threads, a.size
+    head = (data_address(a), data_address(b), n, ka, kb, offset, int(a.dtype == np.int8))
+    tail = (int(y.dtype == np.int8), data_address(y))
+
+    def call(arrays=(a, b, y)) -> bool:  # the arrays stay alive while the call may run
+        parts = max(1, min(native.threads(), n // _ADD_SPLIT))
+        function(*head, *tail, parts, parts)
+        return True
+    return call
+
+
+def quantize_8bit(x: np.ndarray, scale: np.float32, zero_point: np.float32, out_dtype: np.dtype,
+                  out: np.ndarray | None = None) -> np.ndarray | None:
+    """clamp(rint(x / scale) + zero_point) in float32 for a C-contiguous float32 x, as out_dtype (uint8/int8),
+    written into `out` when it is a C-contiguous array of x's shape and that type; None when the library is
+    unavailable or some quotient is a NaN (the caller's general path decides those)."""
     lib = library()
     out_dtype = np.dtype(out_dtype)
     if lib is None or x.dtype != np.float32 or not x.flags.c_contiguous or out_dtype not in _EIGHT_BIT:
         return None
-    y = np.empty(x.shape, out_dtype)
-    status = lib.qconv_quantize(data_address(x), x.size, scale, zero_point, int(out_dtype == np.int8),
-                                data_address(y))
+    y = _output(out, x.shape, out_dtype)
+    parts = _convert_parts(x.size)
+    status = lib.qconv_quantize_threads(data_address(x), x.size, scale, zero_point, int(out_dtype == np.int8),
+                                        data_address(y), parts, parts)
     return None if status else y
+
+
+def dequantize_8bit(x: np.ndarray, zero_point: np.float32, scale: np.float32,
+                    out: np.ndarray | None = None) -> np.ndarray | None:
+    """(float32(x) - zero_point) * scale in float32 for a C-contiguous 8-bit x (the numpy per-tensor path's
+    operations), written into `out` when it is a C-contiguous float32 array of x's shape; None when the library is
+    unavailable or x does not qualify."""
+    lib = library()
+    if lib is None or x.dtype not in _EIGHT_BIT or not x.flags.c_contiguous:
+        return None
+    y = _output(out, x.shape, np.dtype(np.float32))
+    parts = _convert_parts(x.size)
+    lib.qconv_dequantize_threads(data_address(x), x.size, zero_point, scale, int(x.dtype == np.int8),
+                                 data_address(y), parts, parts)
+    return y
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """`out` when it is a writable C-contiguous array of this shape and type, else a new one."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous \
+            and out.flags.writeable:
+        return out
+    return np.empty(shape, dtype)
+
+
+def _convert_parts(size: int) -> int:
+    return max(1, min(native.threads(), size // _CONVERT_SPLIT))
 
 
 def maxpool_8bit(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
@@ -146,10 +200,17 @@ class QuantizedConv:
             self.packed = []
             return
         m = cout // group
+        depth = kh * kw * per_group
+        self.gemm_depth = _gemm_depth(depth)
         self.packed = []
         for g in range(group):  # K ordered (i, j, c): a kernel row of a pixel is one contiguous copy in im2col
-            w = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(kh * kw * per_group, m)
-            self.packed.append(qgemm.PackedInt8Weight.pack(np.ascontiguousarray(w, np.int8)))
+            w = np.zeros((self.gemm_depth, m), np.int8)  # rows past the depth: zero (the padding of A adds 0)
+            w[:depth] = weight[g * m:(g + 1) * m].transpose(2, 3, 1, 0).reshape(depth, m)
+            self.packed.append(qgemm.PackedInt8Weight.pack(w))
+        # what qconv_gemm_threads reads per group, and qgemm.c's entry point (a library of its own)
+        self.packed_addresses = np.array([data_address(p.data) for p in self.packed], np.int64)
+        self.column_sum_addresses = np.array([data_address(p.column_sums) for p in self.packed], np.int64)
+        self.qgemm_run = ctypes.cast(qgemm.library().qgemm_run, ctypes.c_void_p).value
 
     @classmethod
     def prepare(cls, weight: np.ndarray, bias: np.ndarray, multiplier: np.ndarray, group: int,
@@ -199,6 +260,19 @@ class QuantizedConv:
         out_spatial = (oh, ow) if len(spatial) == 2 else (ow,)
         return ConvPlan(self, geometry, out_spatial, transpose_only)
 
+    def bound_call(self, x: np.ndarray, y_zero_point: np.ndarray, plan: ConvPlan, out: np.ndarray
+                   ) -> Callable[[], bool] | None:
+        """`run(x, y_zero_point, plan, out)` on these very arrays as a call without arguments (False: out of
+        memory), for a step bound to its arena; None when it does not apply (depthwise, a non-contiguous x or out,
+        or out not of the result's shape and type)."""
+        shape = (x.shape[0], self.cout) + plan.out_spatial
+        if self.depthwise or out.shape != shape or out.dtype != y_zero_point.dtype or not out.flags.c_contiguous \
+                or not x.flags.c_contiguous or out.size == 0 or y_zero_point.size != 1:
+            return None
+        mask = 0x80 if x.dtype == np.int8 else 0
+        zp = self.x_zero_point + (128 if mask else 0)
+        return plan.gemm_call(x.view(np.uint8), mask, zp, int(y_zero_point.reshape(())), out)
+
     def run(self, x: np.ndarray, y_zero_point: np.ndarray, plan: ConvPlan, out: np.ndarray | None = None
             ) -> np.ndarray:
         """The requantized convolution of x (uint8/int8 [N, C, (H,) W], the shape `plan` was made for) as
@@ -246,7 +320,7 @@ class ConvPlan:
         kh, kw = conv.kernel
         self.pixels = int(geometry[5] * geometry[6])
         self.plane_in = int(geometry[1] * geometry[2])
-        self.lda = _row_stride(kh * kw * conv.per_group)
+        self.lda = _row_stride(conv.gemm_depth if not conv.depthwise else kh * kw * conv.per_group)
         self.ldc = _row_stride(conv.cout // conv.group)
         self.transpose_only = transpose_only  # a 1x1 stride-1 unpadded convolution: A is x's transpose
         width = max(self.lda, conv.cout // conv.group)  # A's rows and the GEMM's result rows both stay bounded
@@ -255,6 +329,12 @@ class ConvPlan:
         while rows > _ROW_ALIGN and not transpose_only and self.band_bytes(min(rows, self.pixels)) > BLOCK_BYTES:
             rows = max(_ROW_ALIGN, rows // 2 // _ROW_ALIGN * _ROW_ALIGN)  # strides skipping input rows: bound the band
         self.rows = min(rows, self.pixels)
+        if not conv.depthwise:
+            self._packed_pointer = native.pointer(conv.packed_addresses)
+            self._column_sums_pointer = native.pointer(conv.column_sum_addresses)
+            self._bias_pointer, self._multiplier_pointer = native.pointer(conv.bias), native.pointer(conv.multiplier)
+        #: (threads, images) -> tiling(threads, images); filled by runs (a race only computes an entry twice)
+        self._tilings: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def band_bytes(self, pixels: int) -> int:
         size = self._band_bytes.get(pixels)
@@ -264,40 +344,67 @@ class ConvPlan:
         return size
 
     def gemm(self, x: np.ndarray, mask: int, zp: int, y_zp: int, y: np.ndarray) -> None:
-        """Per image, group and block of output pixels: im2col (or transpose) rows into A, qgemm with the
-        requantizing epilogue into a [pixels, Cout/group] block, that block transposed into y's planes. With
-        several threads qgemm splits its own work, and each block's im2col and transpose are split by pixels."""
-        conv, lib = self.conv, self.conv.lib
+        """The convolution through the GEMM in one native call: per tile of output pixels (and of output channels,
+        on small maps), im2col (or transpose) rows into A, qgemm with the requantizing epilogue, the block
+        transposed into y's planes, the tiles split over the threads (one parallel region)."""
+        if not self.gemm_call(x, mask, zp, y_zp, y)():
+            raise MemoryError(f"quantized convolution: no memory for the threads' tiles of {self.rows} pixels")
+
+    def gemm_call(self, x: np.ndarray, mask: int, zp: int, y_zp: int, y: np.ndarray) -> Callable[[], bool]:
+        """`gemm` on these very arrays as a call without arguments (a bound step's), False when it could not
+        allocate its scratch. Each call takes the thread count of the run that makes it."""
+        conv = self.conv
+        images, function, qgemm_run = x.shape[0], conv.lib.qconv_gemm_threads, conv.qgemm_run
+        mode = qgemm.REQUANT_S8 if y.dtype == np.int8 else qgemm.REQUANT_U8
+        head = (data_address(x), self.geometry_pointer, images, conv.group, conv.cout // conv.group,
+                conv.gemm_depth, self._packed_pointer, self._column_sums_pointer, self._bias_pointer,
+                self._multiplier_pointer, zp, mask, y_zp, mode, int(self.transpose_only), self.lda, self.ldc)
+        y_at, tilings = data_address(y), self._tilings
+
+        def call(arrays=(x, y)) -> bool:  # the arrays stay alive while the call may run
+            threads = native.threads()
+            tiling = tilings.get((threads, images))
+            if tiling is None:
+                tiling = tilings[(threads, images)] = self.tiling(threads, images)
+            rows, column_width, chunks, used = tiling
+            return not function(*head, rows, column_width, y_at, qgemm_run, chunks, used)
+        return call
+
+    def tiling(self, threads: int, images: int) -> tuple[int, int, int, int]:
+        """(pixels per tile, output channels per tile, pieces, threads) of a run at `threads` threads. One thread
+        takes the largest tiles (self.rows). With several, big maps get about 4 tiles per thread (a delayed thread
+        leaves some to the others); maps too small to give each thread 64 pixels split the output channels too,
+        by whole weight panels (every piece then builds the same A: cheap beside its share of the product)."""
+        conv = self.conv
         m = conv.cout // conv.group
-        parts = max(1, min(native.threads(), self.rows // _ROW_ALIGN))
-        a = np.empty((self.rows, self.lda), np.uint8)
-        c = np.empty((self.rows, self.ldc), y.dtype)
-        a_at, c_at = data_address(a), data_address(c)
-        # im2col's scratch: a band per thread, for the longest piece a thread gets (see _pieces)
-        band_stride = 0 if self.transpose_only else self.band_bytes(-(-self.rows // parts))
-        bands = np.empty((parts, band_stride), np.uint8)
-        band_at = data_address(bands)
-        x_image, y_image = x[0].size, y[0].size
-        x_at, y_at = data_address(x), data_address(y)
-        for n in range(x.shape[0]):
-            for g in range(conv.group):
-                x_group = x_at + n * x_image + g * conv.per_group * self.plane_in
-                y_group = y_at + n * y_image + g * m * self.pixels
-                bias, multiplier = conv.bias[g * m:(g + 1) * m], conv.multiplier[g * m:(g + 1) * m]
-                for p0 in range(0, self.pixels, self.rows):
-                    p1 = min(p0 + self.rows, self.pixels)
-                    pieces = _pieces(p0, p1, parts)
-                    if self.transpose_only:
-                        lib.qconv_transpose_threads(x_group + p0, conv.per_group, p1 - p0, self.pixels, a_at,
-                                                    self.lda, mask, 1, pieces, pieces)
-                    else:
-                        lib.qconv_im2col_threads(x_group, self.geometry_pointer, p0, p1, zp, mask, band_at,
-                                                 band_stride, a_at, self.lda, pieces, pieces)
-                    block = c[:p1 - p0, :m]
-                    qgemm.qgemm(a[:p1 - p0], conv.packed[g], a_zero_point=zp, bias_i32=bias, out=block,
-                                multiplier=multiplier, y_zero_point=y_zp)
-                    lib.qconv_transpose_threads(c_at, p1 - p0, m, self.ldc, y_group + p0, self.pixels, 0, 0, pieces,
-                                                pieces)
+        units = images * conv.group
+        macs = units * self.pixels * m * int(self.geometry[0] * self.geometry[3] * self.geometry[4])
+        threads = max(1, min(threads, macs // max(1, qgemm._PARALLEL_MIN_MACS)))
+        panel = int(qgemm.library().qgemm_panel_columns())
+        if threads == 1:
+            return self.rows, m, 1, 1
+        if units * self.pixels < threads * _MIN_SPLIT_ROWS:  # a small map: split the columns
+            panels = -(-m // panel)
+            tiles = min(panels, -(-threads // units))
+            rows = self.pixels if self.pixels <= self.rows else self.rows
+            pixel_tiles = -(-self.pixels // rows)
+            column_width = -(-panels // tiles) * panel
+            items = units * pixel_tiles * -(-m // column_width)
+            return rows, column_width, min(items, threads), threads
+        tiles = min(-(-threads * _TILES_PER_THREAD // units), self.pixels // _MIN_SPLIT_ROWS)
+        while tiles > 1 and units * tiles % threads:  # few tiles: as many for each thread
+            tiles -= 1
+        tiles = max(tiles, -(-self.pixels // self.rows))
+        rows = -(-self.pixels // tiles)
+        return rows, m, units * -(-self.pixels // rows), threads
+
+
+def _gemm_depth(depth: int) -> int:
+    """The GEMM's depth for a convolution of this im2col depth: rounded up to a multiple of 64 where that lets the
+    AMX tiles take it (they need whole 64-byte steps) for at most half as much again (the 7x7 stem on 3 channels:
+    147 -> 192), else the depth itself. The extra weight rows are zero, so A's unwritten padding adds nothing."""
+    padded = -(-depth // _AMX_STEP) * _AMX_STEP
+    return padded if depth > _AMX_STEP and padded != depth and 2 * padded <= 3 * depth and qgemm.amx() else depth
 
 
 def _row_stride(width: int) -> int:
@@ -306,7 +413,3 @@ def _row_stride(width: int) -> int:
     stride = -(-width // 4) * 4
     return stride + 64 if stride % 256 == 0 else stride
 
-
-def _pieces(p0: int, p1: int, parts: int) -> int:
-    """How many pieces (one per thread) [p0, p1) is cut into: up to `parts`, each of at least _ROW_ALIGN pixels."""
-    return min(parts, max(1, (p1 - p0) // _ROW_ALIGN))

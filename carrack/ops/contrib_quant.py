@@ -16,7 +16,7 @@ from carrack import native
 from carrack.native import convolution as native_conv
 from carrack.ops import quant, registry
 from carrack.ops.conv import PreparedShapes, convolution_scratch_bytes
-from carrack.ops.registry import Kernel, register
+from carrack.ops.registry import Kernel, bound_or_run_into, register
 
 MS = "com.microsoft"
 
@@ -72,9 +72,7 @@ class QLinearAdd(Kernel):
         return self.run_into(None, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point)
 
     def run_into(self, out, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
-        c = _scalar32(c_scale)
-        ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
-        offset = _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
+        ka, kb, offset = _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
         dtype = _out_dtype(a, c_zero_point)
         if a.shape == b.shape and a.size >= _NATIVE_ADD_MIN and self.implementation == "native":
             from carrack.native import qconv
@@ -89,6 +87,30 @@ class QLinearAdd(Kernel):
         np.rint(value, out=value)
         lo, hi = quant.integer_range(dtype)
         return np.clip(value, lo, hi, out=value).astype(dtype)
+
+    def setup(self):
+        graph = self.ctx.graph if self.ctx is not None else None
+        parameters = [name for k, name in enumerate(self.node.inputs) if k not in (0, 3) and name]
+        #: whether every scale and zero point is a constant (a bound call computes its factors once)
+        self.constant_parameters = graph is not None and all(name in graph.initializers for name in parameters)
+
+    def bind_into(self, out, a, a_scale, a_zero_point, b, b_scale, b_zero_point, c_scale, c_zero_point=None):
+        if not self.constant_parameters or self.implementation != "native" or a.shape != b.shape \
+                or a.dtype != b.dtype or a.size < _NATIVE_ADD_MIN or a.dtype not in (np.uint8, np.int8) \
+                or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous) \
+                or out.shape != a.shape or out.dtype != _out_dtype(a, c_zero_point):
+            return None  # the factors are computed once: only constant scales and zero points qualify
+        from carrack.native import qconv
+
+        factors = _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point)
+        return qconv.qlinear_add_call(a, b, *factors, out)
+
+
+def _add_factors(a_scale, a_zero_point, b_scale, b_zero_point, c_scale, c_zero_point) -> tuple[np.float32, ...]:
+    """QLinearAdd's (ka, kb, offset): C = A * ka + B * kb + offset, in float32."""
+    c = _scalar32(c_scale)
+    ka, kb = _scalar32(a_scale) / c, _scalar32(b_scale) / c
+    return ka, kb, _scalar32(c_zero_point) - _scalar32(a_zero_point) * ka - _scalar32(b_zero_point) * kb
 
 
 #: below this many elements the numpy QLinearAdd is as quick as a native call
@@ -533,6 +555,15 @@ class QLinearConvExact(Kernel):
                 return self.native.run(x, y_zero_point, plan, out)
         return self._run_numpy(x, weight, bias, multiplier, y_zero_point,
                                self.geometry(x.shape[2:], list(weight.shape[2:])))
+
+    def bind_into(self, out, x, weight, bias, multiplier, y_zero_point):
+        if self.native is None or x.dtype not in (np.uint8, np.int8) or x.ndim != weight.ndim:
+            return None
+        plan = self.prepared.get(x.shape, False)
+        call = None if plan is None or plan is False else self.native.bound_call(x, y_zero_point, plan, out)
+        if call is None:
+            return None
+        return bound_or_run_into(call, self.run_into, out, x, weight, bias, multiplier, y_zero_point)
 
     def _native_plan(self, shape: tuple[int, ...], kernel: list[int]):
         geometry = self.geometry(shape[2:], kernel)

@@ -121,9 +121,12 @@ class QuantizeLinear(Kernel):
             self.fail(f"{name}: {e}")
 
     def run(self, x, y_scale, y_zero_point=None):
+        return self.run_into(None, x, y_scale, y_zero_point)
+
+    def run_into(self, out, x, y_scale, y_zero_point=None):
         out_dtype = self._output_dtype(y_zero_point)
         if self.precision in (None, np.float32):
-            fast = _quantize_per_tensor_8bit(x, y_scale, y_zero_point, out_dtype)
+            fast = _quantize_per_tensor_8bit(x, y_scale, y_zero_point, out_dtype, out)
             if fast is not None:
                 return fast
         where = self.node.label()
@@ -146,14 +149,17 @@ class QuantizeLinear(Kernel):
         return zero_point.dtype
 
 
-#: from this many elements QuantizeLinear's fast path runs natively (carrack/native/qconv.c: one pass, not five)
+#: from this many elements QuantizeLinear's and DequantizeLinear's per-tensor fast paths run natively
+#: (carrack/native/qconv.c: one pass, not three to five)
 _NATIVE_QUANTIZE_MIN = 1024
 
 
-def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_dtype: np.dtype) -> np.ndarray | None:
+def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_dtype: np.dtype,
+                              out: np.ndarray | None = None) -> np.ndarray | None:
     """The common case (float32 x, one float32 scale, 8-bit result) in float32 passes, equal to the general path:
     rint(x / scale) + zero_point is exact in float32 below 2**24 and saturates alike above. None when it does not
-    apply, or for NaN inputs (their integer conversion is left to the general path)."""
+    apply, or for NaN inputs (their integer conversion is left to the general path). The native pass writes into
+    `out` when it fits."""
     if x.dtype != np.float32 or x.ndim == 0 or scale.dtype != np.float32 or scale.size != 1 \
             or out_dtype not in (np.uint8, np.int8) or (zero_point is not None and np.size(zero_point) != 1):
         return None
@@ -161,7 +167,7 @@ def _quantize_per_tensor_8bit(x: np.ndarray, scale: np.ndarray, zero_point, out_
         from carrack.native import qconv
 
         zero = np.float32(0 if zero_point is None else np.asarray(zero_point).reshape(()))
-        y = qconv.quantize_8bit(x, np.float32(scale.reshape(())), zero, out_dtype)
+        y = qconv.quantize_8bit(x, np.float32(scale.reshape(())), zero, out_dtype, out)
         if y is not None:
             return y
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -213,17 +219,28 @@ class DequantizeLinear(Kernel):
             self.fail(f"output_dtype: {e}")
 
     def run(self, x, x_scale, x_zero_point=None):
+        return self.run_into(None, x, x_scale, x_zero_point)
+
+    def run_into(self, out, x, x_scale, x_zero_point=None):
         where = self.node.label()
         out_dtype = self.output_dtype or (x_scale.dtype if x_scale.dtype != _E8M0 else np.dtype(np.float32))
         # (x - zero_point) of 8/16-bit integers is exact in float32, so for a float32 output one float32 multiply
         # rounds correctly; otherwise the product is formed in float64 and rounded once to the output type.
         compute = np.float32 if out_dtype == np.float32 and _narrow_integer(x.dtype) else np.float64
         if compute == np.float32 and x_scale.size == 1 and (x_zero_point is None or x_zero_point.size == 1) \
-                and x.ndim and self.block_size == 0:  # per tensor: the same float32 operations, in place
+                and x.ndim and self.block_size == 0:  # per tensor: the same float32 operations
+            zero = np.float32(0) if x_zero_point is None else as_float64(x_zero_point.reshape(())).astype(np.float32)
+            scale = as_float64(x_scale.reshape(())).astype(np.float32)
+            if x.size >= _NATIVE_QUANTIZE_MIN and x.flags.c_contiguous and x.dtype in (np.uint8, np.int8):
+                from carrack.native import qconv
+
+                y = qconv.dequantize_8bit(x, zero, scale, out)
+                if y is not None:
+                    return y
             y = x.astype(np.float32)
             if x_zero_point is not None:
-                y -= as_float64(x_zero_point.reshape(())).astype(np.float32)
-            y *= as_float64(x_scale.reshape(())).astype(np.float32)
+                y -= zero
+            y *= scale
             return y
         scale = expand_qparam(x_scale, x.shape, self.axis, self.block_size, where)
         shifted = x.astype(compute) if compute == np.float32 else as_float64(x)

@@ -359,15 +359,21 @@ def _wide_cnn() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def _wide_qdq(tmp_path) -> str:
+    """_wide_cnn quantized by onnxruntime's quantize_static (QDQ format); its path."""
+    source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
+    onnx.save(_wide_cnn(), str(source))
+    quantize_static(source, target, (1, 64, 12, 12), 3, quant_format="QDQ")
+    return str(target)
+
+
 @needs_native
 def test_wide_quantized_model_same_bits_at_any_thread_count_and_tile_kind(tmp_path, monkeypatch, amx_restored):
     """quantize_static's QDQ model of 64-channel convolutions: the same bits at 1, 2 and 4 threads with the AMX tiles
     on and off (VNNI), within one quantization step of onnxruntime."""
     from carrack.native import qgemm
 
-    source, target = tmp_path / "wide.onnx", tmp_path / "wide_qdq.onnx"
-    onnx.save(_wide_cnn(), str(source))
-    quantize_static(source, target, (1, 64, 12, 12), 3, quant_format="QDQ")
+    target = _wide_qdq(tmp_path)
     x = np.random.default_rng(9).normal(size=(1, 64, 12, 12)).astype(np.float32)
     want = ort_reference(target, {"x": x}, optimized=False)
     monkeypatch.setenv("CARRACK_NATIVE", "1")
@@ -495,3 +501,165 @@ def test_quantize_8bit_native(out_dtype, nan_at):
             assert got is None
         else:
             np.testing.assert_array_equal(got, want[:n].astype(out_dtype))
+
+
+# -- a GEMM convolution as one parallel region -----------------------------------------------------------------------
+REGION_CASES = {
+    # name: (x shape, cout, kernel, attrs, group): big maps cut into pixel tiles, small ones into column tiles
+    "56x56_1x1": ((1, 64, 56, 56), 96, (1, 1), {}, 1),
+    "28x28_3x3": ((1, 32, 28, 28), 64, (3, 3), {"pads": [1, 1, 1, 1]}, 1),
+    "7x7_3x3_column_tiles": ((1, 64, 7, 7), 320, (3, 3), {"pads": [1, 1, 1, 1]}, 1),
+    "1x1_stride2_two_images": ((2, 128, 13, 13), 200, (1, 1), {"strides": [2, 2]}, 1),
+    "grouped_14x14": ((1, 64, 14, 14), 128, (3, 3), {"pads": [1, 1, 1, 1], "group": 2}, 2),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", list(REGION_CASES))
+@pytest.mark.parametrize("x_dtype", [np.uint8, np.int8])
+def test_gemm_convolution_is_one_region_with_the_same_bits(case, x_dtype):
+    """At 2 and 4 threads a GEMM convolution splits its work once (im2col or transpose, product, requantization
+    and the transpose back in the same pieces) and gives the int64 reference's bytes, as at 1 thread."""
+    from carrack.native import intra_op
+
+    shape, cout, kernel, attrs, group = REGION_CASES[case]
+    rng = np.random.default_rng(len(case))
+    info = np.iinfo(x_dtype)
+    x = rng.integers(info.min, int(info.max) + 1, shape).astype(x_dtype)
+    w = rng.integers(-128, 128, (cout, shape[1] // group, *kernel)).astype(np.int8)
+    bias = rng.integers(-5000, 5000, cout).astype(np.int32)
+    y_scale = 0.05 * 0.01 * 60 * np.sqrt(w[0].size)
+    model = _qdq_conv(x.shape, x_dtype, w, np.float32(0.01), np.int8(0), bias, attrs, np.uint8, y_scale=y_scale)
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    want = _reference(x, 3, w, 0, bias, 0.05, np.float32(0.01), y_scale, 5, np.dtype(np.uint8),
+                      attrs.get("strides", [1, 1]), pads, [1, 1], group)
+    for threads in (1, 2, 4):
+        options = carrack.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = carrack.InferenceSession(model, options)
+        assert session.optimizer_stats.get("qdq_to_integer_kernel", 0) == 1
+        session.run(None, {"x": x})
+        intra_op.trace_regions(True)
+        got = session.run(None, {"x": x})[0]
+        intra_op.trace_regions(False)
+        np.testing.assert_array_equal(got, want, err_msg=f"{threads} threads")
+        split = [part for part in intra_op.region_trace() if part.slot == -1]
+        if threads == 1:
+            assert split == []
+        elif native.library("threadpool") is not None:  # without it every kernel runs on one thread
+            assert len(split) == 1 and split[0].pieces > 1, f"{threads} threads: {split}"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+def test_quantize_and_dequantize_split_with_the_same_bits(dtype):
+    """QuantizeLinear's and DequantizeLinear's native passes cut a large tensor over the threads: the same bytes at
+    1, 2 and 4 threads as the float32 formulas, and a NaN in the last piece alone still declines."""
+    from carrack.native import intra_op
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(3 * 2**16 + 13) * 80).astype(np.float32)
+    x[:6] = [0.5, 1.5, -2.5, 254.5, np.inf, -np.inf]
+    info = np.iinfo(dtype)
+    scale, zero = np.float32(0.5), np.float32(3 if dtype == np.uint8 else -2)
+    want_q = np.clip(np.rint(x / scale) + zero, info.min, info.max).astype(dtype)
+    want_d = (want_q.astype(np.float32) - zero) * scale
+    with_nan = x.copy()
+    with_nan[-20] = np.nan
+    for threads in (1, 2, 4):
+        with intra_op.intra_op_threads(threads):
+            intra_op.trace_regions(True)
+            q = qconv.quantize_8bit(x, scale, zero, dtype)
+            out = np.empty(x.shape, np.float32)
+            d = qconv.dequantize_8bit(q, zero, scale, out)
+            intra_op.trace_regions(False)
+            assert qconv.quantize_8bit(with_nan, scale, zero, dtype) is None
+        np.testing.assert_array_equal(q, want_q, err_msg=f"{threads} threads")
+        assert d is out
+        np.testing.assert_array_equal(d, want_d, err_msg=f"{threads} threads")
+        split = [part for part in intra_op.region_trace() if part.slot == -1]
+        if threads > 1 and native.library("threadpool") is not None:
+            assert len(split) == 2 and all(part.pieces > 1 for part in split)
+
+
+@needs_native
+@pytest.mark.parametrize("zero_point", [np.array(128, np.uint8), np.array(-7, np.int8), None])
+def test_dequantize_linear_native_into_a_buffer_matches_numpy(zero_point, monkeypatch):
+    """DequantizeLinear per tensor from 8 bits: the native pass (written into the buffer it is given) equals the
+    numpy operations, tails and extremes included."""
+    from carrack.ir.graph import Node
+    from carrack.ops import quant
+
+    dtype = np.uint8 if zero_point is None else zero_point.dtype
+    info = np.iinfo(dtype)
+    x = np.concatenate([np.arange(info.min, int(info.max) + 1),
+                        np.random.default_rng(2).integers(info.min, int(info.max) + 1, 4000)]).astype(dtype)
+    x = x[:4141].reshape(41, 101)
+    scale = np.float32(0.0371)
+    inputs = [x, scale] if zero_point is None else [x, scale, zero_point]
+    kernel = quant.DequantizeLinear(Node("DequantizeLinear", ["x", "s", "z"][:len(inputs)], ["y"], {}), 21, None)
+    calls = []
+    original = qconv.dequantize_8bit
+    monkeypatch.setattr(qconv, "dequantize_8bit", lambda *a: calls.append(1) or original(*a))
+    out = np.empty(x.shape, np.float32)
+    got = kernel.run_into(out, *inputs)
+    monkeypatch.setenv("CARRACK_NATIVE", "0")
+    want = kernel.run(*inputs)
+    assert calls and got is out
+    np.testing.assert_array_equal(got, want)
+    zero = np.float32(0) if zero_point is None else np.float32(zero_point)
+    np.testing.assert_array_equal(got, (x.astype(np.float32) - zero) * scale)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bound_convolution_steps_follow_their_inputs(tmp_path, monkeypatch, threads):
+    """Runs that reuse an arena call the convolutions and the residual QLinearAdd bound to its views
+    (QuantizedConv.bound_call, QLinearAdd.bind_into): every run's result is a fresh session's for its input, in any
+    order of inputs."""
+    target = _wide_qdq(tmp_path)
+    bound, adds = [], []
+    original, original_add = qconv.QuantizedConv.bound_call, contrib_quant.QLinearAdd.bind_into
+    monkeypatch.setattr(qconv.QuantizedConv, "bound_call",
+                        lambda *args: (lambda call: bound.append(call) or call)(original(*args)))
+    monkeypatch.setattr(contrib_quant.QLinearAdd, "bind_into",
+                        lambda *args: (lambda call: adds.append(call) or call)(original_add(*args)))
+    options = carrack.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = carrack.InferenceSession(target, options)
+    inputs = [np.random.default_rng(i).normal(size=(1, 64, 12, 12)).astype(np.float32) for i in range(3)]
+    want = [carrack.InferenceSession(target, options).run(None, {"x": x})[0] for x in inputs]
+    for k in (0, 1, 2, 0, 2, 1, 1, 0):
+        np.testing.assert_array_equal(session.run(None, {"x": inputs[k]})[0], want[k], err_msg=f"input {k}")
+    assert any(call is not None for call in bound) and any(call is not None for call in adds)
+    assert not np.array_equal(want[0], want[1])
+
+
+@needs_native
+@pytest.mark.parametrize("channels, kernel, padded", [(3, 7, 192), (5, 5, 128), (3, 3, 27), (64, 1, 64)])
+def test_depth_padded_for_amx_gives_the_same_bytes(channels, kernel, padded, amx_restored):
+    """Where AMX tiles run, a depth that is not a multiple of 64 (the 7x7 stem on 3 channels: 147) is padded with
+    zero weight rows to one when that costs at most half as much again; A's padding columns are never written. The
+    bytes equal the unpadded product's (VNNI) and the int64 reference at 1 and 2 threads."""
+    from carrack.native import intra_op, qgemm
+
+    rng = np.random.default_rng(channels * kernel)
+    w = rng.integers(-128, 128, (80, channels, kernel, kernel)).astype(np.int8)
+    bias = rng.integers(-3000, 3000, 80).astype(np.int32)
+    x = rng.integers(0, 256, (1, channels, 45, 41)).astype(np.uint8)
+    y_scale = 0.05 * 0.01 * 60 * np.sqrt(w[0].size)
+    multiplier = np.full(80, np.float32(0.05) * np.float32(0.01) / np.float32(y_scale), np.float32)
+    pads, strides = [kernel // 2] * 4, [2, 2]
+    want = _reference(x, 3, w, 0, bias, 0.05, np.float32(0.01), y_scale, 5, np.dtype(np.uint8), strides, pads,
+                      [1, 1], 1)
+    qgemm.amx(False)
+    plain = qconv.QuantizedConv.prepare(w.astype(np.float64), bias, multiplier, 1, 3)
+    amx = qgemm.amx(True)
+    tiled = qconv.QuantizedConv.prepare(w.astype(np.float64), bias, multiplier, 1, 3)
+    assert plain.gemm_depth == channels * kernel * kernel
+    assert tiled.gemm_depth == (padded if amx else channels * kernel * kernel)
+    for threads in (1, 2):
+        with intra_op.intra_op_threads(threads):
+            for conv in (plain, tiled):
+                got = conv.run(x, np.array(5, np.uint8), conv.plan(x.shape, strides, pads, [1, 1]))
+                np.testing.assert_array_equal(got, want, err_msg=f"depth {conv.gemm_depth}, {threads} threads")
