@@ -82,3 +82,30 @@ def count_calls(monkeypatch, owner, name: str) -> dict[str, int]:
 
     monkeypatch.setattr(owner, name, counting)
     return counter
+
+
+def randomize_batch_norms(net) -> None:
+    """Give a torch network's BatchNorm2d layers statistics and affine terms that are not the identity."""
+    for m in net.modules():
+        if type(m).__name__ == "BatchNorm2d":
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+
+
+def apply_activation(y: np.ndarray, activation: tuple[int, float, float]) -> np.ndarray:
+    """The native convolutions' fused activation by code (1 Relu, 2 Clip, 3 LeakyRelu, 4 HardSigmoid, 6 Sigmoid)
+    applied to a reference result."""
+    code, alpha, beta = activation
+    if code == 1:
+        return np.maximum(y, 0)
+    if code == 2:
+        return np.clip(y, alpha, beta)
+    if code == 3:
+        return np.where(y < 0, y * alpha, y)
+    if code == 4:
+        return np.clip(y * alpha + beta, 0, 1)
+    if code == 6:
+        return 1 / (1 + np.exp(-y))
+    return y

@@ -22,6 +22,7 @@ from carrack.native import invres
 from carrack.onnx.importer import load_model
 from tests.compile.models import session_outputs
 from tests.compile.test_native_kernels import needs_avx512
+from tests.helpers import randomize_batch_norms
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("cc", "gcc", "clang")),
@@ -56,12 +57,7 @@ def network(tmp_path_factory) -> str:
     torch.manual_seed(3)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU6(),
                               *(Block(*b) for b in BLOCKS), torch.nn.Conv2d(20, 32, 1), torch.nn.ReLU6())
-    for m in net.modules():  # BatchNorm statistics that are not the identity
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
+    randomize_batch_norms(net)
     path = tmp_path_factory.mktemp("blocks") / "blocks.onnx"
     torch.onnx.export(net.eval(), (torch.randn(*INPUT),), str(path), input_names=["x"], output_names=["y"],
                       dynamic_axes={"x": {0: "batch"}}, dynamo=False)

@@ -15,6 +15,7 @@ import pytest
 from carrack.native import blockconv
 from carrack.native import convolution as native_conv
 from carrack.native.intra_op import intra_op_threads
+from tests.helpers import apply_activation
 from tests.native.portable import portable_build
 
 needs_library = pytest.mark.skipif(blockconv.library() is None, reason="native kernels are not available here")
@@ -50,16 +51,7 @@ def reference(x, w, b, z, strides, pads, dilations, activation):
         y += b[None, :, None, None]
     if z is not None:
         y += z
-    code, alpha, beta = activation
-    if code == 1:
-        y = np.maximum(y, 0)
-    elif code == 2:
-        y = np.clip(y, alpha, beta)
-    elif code == 3:
-        y = np.where(y < 0, y * alpha, y)
-    elif code == 4:
-        y = np.clip(y * alpha + beta, 0, 1)
-    return y
+    return apply_activation(y, activation)
 
 
 def _operands(geometry, seed=0):

@@ -19,7 +19,7 @@ from carrack.native import invres
 from carrack.ops.fused import InvertedResidual
 from carrack.passes.fusions import without_block_fusion
 from carrack.runtime.session import InferenceSession, SessionOptions
-from tests.helpers import session_at
+from tests.helpers import randomize_batch_norms, session_at
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -46,12 +46,7 @@ class Block(torch.nn.Module):
 
 def _export(net: torch.nn.Module, shape: tuple[int, ...], path, outputs: tuple[str, ...] = ("y",)) -> str:
     torch.manual_seed(1)
-    for m in net.modules():  # BatchNorm statistics that are not the identity
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
+    randomize_batch_norms(net)
     net.eval()
     torch.onnx.export(net, (torch.randn(*shape),), str(path), input_names=["x"], output_names=list(outputs),
                       dynamo=False)

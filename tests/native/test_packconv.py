@@ -11,6 +11,7 @@ import pytest
 from carrack.native import convolution as native_conv
 from carrack.native import intra_op
 from carrack.ops import conv as conv_ops
+from tests.helpers import apply_activation
 
 KERNELS = native_conv.load()
 pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.packs,
@@ -44,18 +45,7 @@ def _reference(x, w, b, z, strides, pads, dilations, group, activation):
                           dilations=dilations, group=group, bias=b.astype(np.float64), kernels=None)
     if z is not None:
         y = y + z
-    code, alpha, beta = activation
-    if code == 1:
-        y = np.maximum(y, 0)
-    elif code == 2:
-        y = np.clip(y, alpha, beta)
-    elif code == 3:
-        y = np.where(y < 0, y * alpha, y)
-    elif code == 4:
-        y = np.clip(y * alpha + beta, 0, 1)
-    elif code == 6:
-        y = 1 / (1 + np.exp(-y))
-    return y
+    return apply_activation(y, activation)
 
 
 def _operands(geometry, seed: int):

@@ -16,6 +16,7 @@ from carrack.native import blockconv
 from carrack.native import convolution as native_conv
 from carrack.ops.blocked import BlockedConv
 from carrack.passes.blocked_layout import CONFIG_KEY
+from tests.helpers import randomize_batch_norms
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
@@ -56,12 +57,7 @@ def _export(net: torch.nn.Module, shape: tuple[int, ...]) -> bytes:
     import io
 
     torch.manual_seed(0)
-    for m in net.modules():  # BatchNorm statistics that are not the identity
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
+    randomize_batch_norms(net)
     net.eval()
     buffer = io.BytesIO()
     torch.onnx.export(net, (torch.randn(*shape),), buffer, input_names=["x"], output_names=["y"], dynamo=False,
