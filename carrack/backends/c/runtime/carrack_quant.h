@@ -284,6 +284,14 @@ static void cr_qgemm(const void *w, int wide, int64_t pairs, const int16_t *pane
     }
 }
 
+/* The pixels [begin, end) of a run of `run` output pixels whose tap reads columns first, first + sw, ... that fall
+ * inside a row of wd columns (the others read the padding); returns end. */
+static inline int64_t cr_tap_span(int64_t first, int64_t wd, int64_t sw, int64_t run, int64_t *begin) {
+    *begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
+    const int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
+    return end < run ? end : run;
+}
+
 /* -- AVX-512 VNNI: four byte products per lane (vpdpbusd) -------------------------------------------------------
  * With int8 weights, AVX-512 VNNI builds multiply 8-bit activations by the weights four k at a time: vpdpbusd adds
  * u[k..k+3] (uint8) times w[k..k+3] (int8) to each int32 lane. The activations stay unshifted bytes u (x, or x ^ 0x80
@@ -414,9 +422,8 @@ static void cr_qpack_conv_quads(const void *x, int x_signed, uint8_t u_zero_poin
                 for (int64_t j = 0; j < kw; j++, k++) {
                     uint8_t *dst = panel + (k / 4) * CR_QNB * 4 + (k & 3) + p * 4;
                     const int64_t first = out_col * sw - pl + j * dw;
-                    int64_t begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
-                    int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
-                    end = end < run ? end : run;
+                    int64_t begin;
+                    const int64_t end = cr_tap_span(first, wd, sw, run, &begin);
                     for (int64_t t = begin; t < end; t++) dst[t * 4] = cr_quad_byte(x, x_signed, line + first + t * sw);
                 }
             }
@@ -477,9 +484,8 @@ static void cr_qpack_conv(const void *x, int x_signed, int32_t x_zero_point, int
                 for (int64_t j = 0; j < kw; j++, k++) {
                     int16_t *dst = panel + (k / 2) * CR_QNB * 2 + (k & 1) + p * 2;
                     const int64_t first = out_col * sw - pl + j * dw; /* the run's first column */
-                    int64_t begin = first >= 0 ? 0 : (-first + sw - 1) / sw;
-                    int64_t end = wd - first <= 0 ? 0 : (wd - first + sw - 1) / sw;
-                    end = end < run ? end : run;
+                    int64_t begin;
+                    const int64_t end = cr_tap_span(first, wd, sw, run, &begin);
                     if (x_signed) {
                         const int8_t *src = (const int8_t *)x + line + first;
                         for (int64_t t = begin; t < end; t++) dst[t * 2] = (int16_t)(src[t * sw] - x_zero_point);
