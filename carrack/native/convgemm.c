@@ -753,6 +753,14 @@ static float *deep_scratch(int64_t count) {
     return buffer;
 }
 
+/* Items [begin, end) of (group, tile) pairs, group-major with `tiles` tiles a group: the group of the first item
+ * and its tiles [*first, returned) that the items cover (a piece's run within one group). */
+static inline int64_t group_tiles(int64_t begin, int64_t end, int64_t tiles, int64_t *group, int64_t *first) {
+    *group = begin / tiles, *first = begin % tiles;
+    const int64_t left = end - *group * tiles;
+    return left < tiles ? left : tiles;
+}
+
 typedef struct {
     matmul_call_t m;
     float *second;        /* the second half's sums, [t, n] */
@@ -765,8 +773,8 @@ static void deep_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const matmul_call_t *m = &c->m;
     (void)slot;
     while (begin < end) {
-        const int64_t half = begin / c->tiles, first = begin % c->tiles;
-        const int64_t last = end - half * c->tiles < c->tiles ? end - half * c->tiles : c->tiles;
+        int64_t half, first;
+        const int64_t last = group_tiles(begin, end, c->tiles, &half, &first);
         const int64_t k0 = half ? c->split : 0, depth = half ? m->k - c->split : c->split;
         matmul_f32(m->a + k0, m->b + k0 * m->ldb, half ? c->second : m->y, m->t, depth, m->n, m->lda, m->ldb,
                    half ? m->n : m->ldy, m->kblock, first, last);
@@ -821,8 +829,8 @@ static void batched_piece(void *p, int64_t begin, int64_t end, int64_t slot) {
     const matmul_call_t *m = &c->m;
     (void)slot;
     while (begin < end) {
-        const int64_t product = begin / c->tiles, first = begin % c->tiles;
-        const int64_t last = end - product * c->tiles < c->tiles ? end - product * c->tiles : c->tiles;
+        int64_t product, first;
+        const int64_t last = group_tiles(begin, end, c->tiles, &product, &first);
         const int64_t outer = product / c->inner, inner = product % c->inner;
         matmul_f32(m->a + outer * c->sa0 + inner * c->sa1, m->b + outer * c->sb0 + inner * c->sb1,
                    m->y + outer * c->sy0 + inner * c->sy1, m->t, m->k, m->n, m->lda, m->ldb, m->ldy, m->kblock, first,
