@@ -120,6 +120,7 @@ class _Emitter:
     elided: set[str] = field(default_factory=set)  # Concat outputs whose parts were written in place
     replaced: dict[int, Node] = field(default_factory=dict)  # steps emitted as another node (emit_native)
     skipped: set[int] = field(default_factory=set)  # steps another step's kernel does (emit_native)
+    producers: dict[str, Node] = field(default_factory=dict)  # value -> the node making it (filled on first use)
 
     # dims ------------------------------------------------------------------------------------------------------
     def c_dim(self, d: DimLike) -> str:
@@ -353,7 +354,9 @@ def _known_or_folded(em: _Emitter, name: str) -> np.ndarray | None:
     array = _const(em, name)
     if array is not None:
         return array
-    node = next((n for n in em.plan.graph.nodes if name in n.outputs), None)
+    if not em.producers:
+        em.producers.update((o, n) for n in em.plan.graph.nodes for o in n.outputs if o)
+    node = em.producers.get(name)
     if node is None or node.domain or node.op_type not in ("Constant", "ConstantOfShape"):
         return None
     from carrack.ops.registry import resolve

@@ -255,7 +255,7 @@ def fuse_epilogues(em) -> None:
         weights = _plain_conv_weights(em, conv)
         if weights is None:
             continue
-        chain, z, activation, scale, shift = _epilogue_chain(em, view, conv, produced_at, step)
+        chain, z, activation, scale, shift = _epilogue_chain(em, view, conv, weights[0].shape[0], produced_at, step)
         steps = {step_of[id(node)] for node in chain}
         if not chain or steps & (em.skipped | set(em.replaced)) or step in em.skipped:
             continue
@@ -291,12 +291,11 @@ def _plain_conv_weights(em, conv) -> tuple[np.ndarray, np.ndarray | None] | None
     return w, bias
 
 
-def _epilogue_chain(em, view, conv, produced_at: dict, step: int):
-    """(nodes after `conv` its store applies, residual input, activation (name, params), scale, shift)."""
-    from carrack.backends.c.emit import _known_or_folded
-
+def _epilogue_chain(em, view, conv, channels: int, produced_at: dict, step: int):
+    """(nodes after `conv` (of `channels` outputs) its store applies, residual input, activation (name, params),
+    scale, shift)."""
     chain, z, activation, scale, shift = [], "", None, None, None
-    value, channels = conv.outputs[0], _known_or_folded(em, conv.inputs[1]).shape[0]
+    value = conv.outputs[0]
     node = view.single_consumer(value)
     if node is not None and (node.domain, node.op_type) in _NORMALIZATIONS and node.inputs[0] == value:
         folded = _normalization(em, node, channels)
