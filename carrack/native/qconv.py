@@ -39,7 +39,6 @@ _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 _SIGNATURES = {
     "qconv_transpose": ([_p, _i64, _i64, _i64, _p, _i64, _i32], None),
     "qconv_band_bytes": ([_p, _i64], _i64),
-    "qconv_im2col": ([_p, _p, _i64, _i64, _i32, _i32, _p, _p, _i64], None),
     "qconv_depthwise_scratch": ([_p], _i64),
     "qconv_depthwise": ([_p, _p, _i64, _i64, _i64, _p, _p, _p, _i32, _i32, _i32, _i32, _p, _p], None),
     "qconv_qlinear_add": ([_p, _p, _i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _i32, _i32, _p], None),
